@@ -1,0 +1,111 @@
+"""The LumenError family (SPEC section 2).
+
+Every failure a caller can see is one of these, so the HTTP and gRPC layers translate errors
+with one table lookup and never guess.  ``field`` names the ``lumen.*`` meta key (or request
+attribute) at fault, so a client can tell *which* part of its request to fix.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class LumenError(Exception):
+    """Base of every error the runtime returns to a caller."""
+
+    code = "internal"
+    http_status = 500
+    grpc_status = "INTERNAL"
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "field": self.field}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, field={self.field!r}, message={self.message!r})"
+
+
+class InvalidArgument(LumenError):
+    code = "invalid_argument"
+    http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class TaskNotFound(LumenError):
+    code = "not_found"
+    http_status = 404
+    grpc_status = "NOT_FOUND"
+
+
+class UnsupportedMediaType(LumenError):
+    code = "unsupported_media_type"
+    http_status = 415
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class PayloadTooLarge(LumenError):
+    code = "payload_too_large"
+    http_status = 413
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class Overloaded(LumenError):
+    """Queue full.  ``retry_after_s`` feeds the HTTP ``Retry-After`` header."""
+
+    code = "resource_exhausted"
+    http_status = 429
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, field: Optional[str] = None, retry_after_s: int = 1):
+        super().__init__(message, field)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(LumenError):
+    code = "deadline_exceeded"
+    http_status = 504
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
+class Unavailable(LumenError):
+    code = "unavailable"
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
+
+
+class Cancelled(LumenError):
+    code = "cancelled"
+    http_status = 499
+    grpc_status = "CANCELLED"
+
+
+class InternalError(LumenError):
+    code = "internal"
+    http_status = 500
+    grpc_status = "INTERNAL"
+
+
+ERROR_CLASSES = (
+    InvalidArgument,
+    TaskNotFound,
+    UnsupportedMediaType,
+    PayloadTooLarge,
+    Overloaded,
+    DeadlineExceeded,
+    Unavailable,
+    Cancelled,
+    InternalError,
+)
+
+#: code -> class, HTTP status, gRPC status name (``grpc.StatusCode[name]``)
+BY_CODE = {cls.code: cls for cls in ERROR_CLASSES}
+HTTP_STATUS = {cls.code: cls.http_status for cls in ERROR_CLASSES}
+GRPC_STATUS = {cls.code: cls.grpc_status for cls in ERROR_CLASSES}
+
+
+def from_code(code: str, message: str, field: Optional[str] = None) -> LumenError:
+    """Rebuild an error from its wire form (used by clients of the HTTP/gRPC API)."""
+    return BY_CODE.get(code, InternalError)(message, field)

@@ -1,0 +1,55 @@
+"""Choose the compiled hot path or its pure-Python twin (aiohttp's NO_EXTENSIONS pattern).
+
+Every compiled module ``lumen_core._<name>`` (built from ``csrc/<name>.pyx``) has a pure-Python
+twin exporting the same functions.  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the
+compiled module is used when it imports.  Callers import the chosen module from here::
+
+    from lumen_core import native
+    native.descriptor.parse_meta(meta, nbytes, contract)
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
+
+#: name -> (compiled module, pure-Python twin)
+TWINS = {
+    "descriptor": ("lumen_core._descriptor", "lumen_core.contract"),
+    "assemble": ("lumen_core._assemble", "lumen_core.engine.assemble"),
+    "image": ("lumen_core._image", "lumen_core.tasks.image_preprocess"),
+}
+
+
+def pure(name: str) -> ModuleType:
+    return importlib.import_module(TWINS[name][1])
+
+
+def compiled(name: str) -> ModuleType:
+    """The compiled module; raises ImportError when it was not built."""
+    return importlib.import_module(TWINS[name][0])
+
+
+def load(name: str) -> ModuleType:
+    if NO_EXTENSIONS:
+        return pure(name)
+    try:
+        return compiled(name)
+    except ImportError:
+        return pure(name)
+
+
+def using_extensions() -> dict:
+    """name -> True when the compiled module is in use (reported by ``lumen`` and /healthz)."""
+    return {name: load(name).__name__ == TWINS[name][0] for name in TWINS}
+
+
+def __getattr__(name: str) -> ModuleType:
+    # lazy: ``native.descriptor`` imports on first use and is then cached in globals()
+    if name in TWINS:
+        mod = load(name)
+        globals()[name] = mod
+        return mod
+    raise AttributeError(name)
