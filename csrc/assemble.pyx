@@ -1,0 +1,282 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Batch assembly, compiled (twin of lumen_core/engine/assemble.py; same behaviour, same errors).
+
+Why compiled: a batch is N payload buffers that must end up in one contiguous tensor.  The pure
+twin pays a numpy slice assignment (and a memoryview) per item with the GIL held; here all
+buffers are acquired with the GIL, every size is checked, and then ONE ``with nogil:`` loop
+does the copies (and, for ragged batches, the padding and the mask in the same pass), so other
+Python threads -- the event loop, the next batch's preprocessing -- keep running.
+
+Shape of the code follows uvloop's ``_StreamWriteContext``: a ``bytes`` fast path
+(``PyBytes_AS_STRING``, no buffer acquisition), ``PyObject_GetBuffer`` for everything else, a
+small inline array of ``Py_buffer`` with a heap fallback, every buffer released in one place.
+"""
+from cpython.buffer cimport (PyBUF_FULL_RO, PyBuffer_IsContiguous, PyBuffer_Release,
+                             PyObject_GetBuffer)
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memmove, memset
+
+cimport numpy as cnp
+import operator
+
+import numpy as np
+
+cnp.import_array()
+
+__all__ = ["gather", "gather_ragged", "scatter"]
+
+cdef enum:
+    # items whose Py_buffer lives inline (no malloc); larger batches use one heap block
+    INLINE_ITEMS = 32
+
+#: integer kinds accepted for the mask of gather_ragged (same table as the pure twin)
+MASK_KINDS = "iub"
+
+
+cdef struct _Src:
+    const char* ptr
+    Py_ssize_t nbytes
+    bint held               # views[i] was acquired and must be released
+
+
+cdef class _Sources:
+    """The acquired item buffers of one call; ``release()`` is the one place they are let go."""
+
+    cdef Py_buffer inline_views[INLINE_ITEMS]
+    cdef _Src inline_src[INLINE_ITEMS]
+    cdef Py_buffer* views
+    cdef _Src* src
+    cdef Py_ssize_t n
+    cdef Py_ssize_t acquired
+    cdef tuple items        # keeps the bytes items (not acquired, only borrowed) alive
+
+    def __cinit__(self):
+        self.views = self.inline_views
+        self.src = self.inline_src
+        self.n = 0
+        self.acquired = 0
+
+    cdef int acquire(self, tuple items) except -1:
+        cdef Py_ssize_t i, n = len(items)
+        cdef object item
+        self.items = items
+        if n > INLINE_ITEMS:
+            self.views = <Py_buffer*>PyMem_Malloc(n * sizeof(Py_buffer))
+            self.src = <_Src*>PyMem_Malloc(n * sizeof(_Src))
+            if self.views == NULL or self.src == NULL:
+                raise MemoryError()
+        self.n = n
+        for i in range(n):
+            self.src[i].held = False
+        for i in range(n):
+            item = items[i]
+            if type(item) is bytes:
+                self.src[i].ptr = PyBytes_AS_STRING(item)
+                self.src[i].nbytes = PyBytes_GET_SIZE(item)
+                continue
+            try:
+                PyObject_GetBuffer(item, &self.views[i], PyBUF_FULL_RO)
+            except TypeError:
+                raise TypeError(f"item {i}: {type(item).__name__} does not support the "
+                                f"buffer protocol") from None
+            self.src[i].held = True
+            self.acquired += 1
+            if not PyBuffer_IsContiguous(&self.views[i], b'C'):
+                raise ValueError(f"item {i} is not C-contiguous")
+            self.src[i].ptr = <const char*>self.views[i].buf
+            self.src[i].nbytes = self.views[i].len
+        return 0
+
+    cdef void release(self) noexcept:
+        cdef Py_ssize_t i
+        if self.acquired:
+            for i in range(self.n):
+                if self.src[i].held:
+                    self.src[i].held = False
+                    PyBuffer_Release(&self.views[i])
+            self.acquired = 0
+        if self.views != self.inline_views:
+            PyMem_Free(self.views)
+            self.views = self.inline_views
+        if self.src != self.inline_src:
+            PyMem_Free(self.src)
+            self.src = self.inline_src
+        self.n = 0
+        self.items = None
+
+    def __dealloc__(self):
+        self.release()
+
+
+cdef cnp.ndarray _check_dest(object dest, str what):
+    if not isinstance(dest, cnp.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, not {type(dest).__name__}")
+    cdef cnp.ndarray d = <cnp.ndarray>dest
+    if cnp.PyArray_NDIM(d) < 1:
+        raise ValueError(f"{what} must have at least one dimension")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(d):
+        raise ValueError(f"{what} must be C-contiguous")
+    if not cnp.PyArray_ISWRITEABLE(d):
+        raise ValueError(f"{what} is read-only")
+    if d.dtype.hasobject:
+        raise ValueError(f"{what} must not hold Python objects (dtype {d.dtype})")
+    return d
+
+
+cdef inline int _check_count(Py_ssize_t n, Py_ssize_t rows) except -1:
+    if n > rows:
+        raise ValueError(f"{n} items do not fit in dest with {rows} rows")
+    return 0
+
+
+def gather(items, dest) -> None:
+    """Copy item ``i`` (any C-contiguous buffer of exactly ``dest[0].nbytes`` bytes) into ``dest[i]``.
+
+    Rows of ``dest`` past ``len(items)`` are left untouched.  All sizes are checked before the
+    first byte is written, so a bad item leaves ``dest`` unchanged.
+    """
+    cdef tuple seq = tuple(items)
+    cdef cnp.ndarray d = _check_dest(dest, "dest")
+    cdef Py_ssize_t rows = cnp.PyArray_DIM(d, 0)
+    cdef Py_ssize_t slot = cnp.PyArray_NBYTES(d) // rows if rows else 0
+    cdef Py_ssize_t i, n = len(seq)
+    cdef char* out = <char*>cnp.PyArray_DATA(d)
+    cdef _Sources s = _Sources()
+    _check_count(n, rows)
+    try:
+        s.acquire(seq)
+        for i in range(n):
+            if s.src[i].nbytes != slot:
+                raise ValueError(f"item {i} has {s.src[i].nbytes} bytes, the batch slot has {slot}")
+        with nogil:
+            for i in range(n):
+                memmove(out + i * slot, s.src[i].ptr, <size_t>slot)
+    finally:
+        s.release()
+
+
+cdef void _fill(char* dst, const char* elem, Py_ssize_t isz, Py_ssize_t count,
+                bint uniform) noexcept nogil:
+    """Write ``count`` copies of the ``isz``-byte element ``elem`` at ``dst``."""
+    cdef Py_ssize_t k
+    cdef uint16_t v16
+    cdef uint32_t v32
+    cdef uint64_t v64
+    if count <= 0:
+        return
+    if uniform:                   # every byte of the element equal (0, -1, ...): one memset
+        memset(dst, elem[0], <size_t>(count * isz))
+    elif isz == 8:
+        memcpy(&v64, elem, 8)
+        for k in range(count):
+            memcpy(dst + 8 * k, &v64, 8)
+    elif isz == 4:
+        memcpy(&v32, elem, 4)
+        for k in range(count):
+            memcpy(dst + 4 * k, &v32, 4)
+    elif isz == 2:
+        memcpy(&v16, elem, 2)
+        for k in range(count):
+            memcpy(dst + 2 * k, &v16, 2)
+    else:
+        for k in range(count):
+            memcpy(dst + isz * k, elem, <size_t>isz)
+
+
+cdef bint _is_uniform(const char* elem, Py_ssize_t isz) noexcept:
+    cdef Py_ssize_t k
+    for k in range(1, isz):
+        if elem[k] != elem[0]:
+            return False
+    return True
+
+
+cdef cnp.ndarray _check_mask(object mask, cnp.ndarray d):
+    cdef cnp.ndarray m = _check_dest(mask, "mask")
+    if mask.shape != (<object>d).shape:
+        raise ValueError(f"mask shape {mask.shape} differs from dest shape {(<object>d).shape}")
+    dt = m.dtype
+    if dt.kind not in MASK_KINDS or not dt.isnative:
+        raise ValueError(f"mask must have a native integer or bool dtype, not {dt}")
+    return m
+
+
+def gather_ragged(items, dest, mask, pad_value) -> int:
+    """Copy item ``i`` (``L_i`` elements of ``dest.dtype``) into row ``i`` and pad the row.
+
+    ``dest`` is ``[N, Lmax]``; positions ``>= L_i`` get ``pad_value``; ``mask`` (same shape, an
+    integer dtype, or None) gets 1 on the first ``L_i`` positions and 0 after.  Rows past
+    ``len(items)`` are all padding.  Copy, padding and mask are one pass without the GIL.
+    Returns ``sum(L_i)`` so the caller can report the padding ratio without a second pass.
+    """
+    cdef tuple seq = tuple(items)
+    cdef cnp.ndarray d = _check_dest(dest, "dest")
+    if cnp.PyArray_NDIM(d) != 2:
+        raise ValueError(f"dest must be 2-D [N, Lmax], got shape {dest.shape}")
+    if cnp.PyArray_ITEMSIZE(d) == 0:
+        raise ValueError("dest has zero-size elements")
+    cdef cnp.ndarray m = None if mask is None else _check_mask(mask, d)
+    cdef bytes pad = np.array(pad_value, dtype=d.dtype).tobytes()
+    cdef Py_ssize_t rows = cnp.PyArray_DIM(d, 0)
+    cdef Py_ssize_t lmax = cnp.PyArray_DIM(d, 1)
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(d)
+    cdef Py_ssize_t msz = 0 if m is None else cnp.PyArray_ITEMSIZE(m)
+    cdef char* out = <char*>cnp.PyArray_DATA(d)
+    cdef char* mout = NULL if m is None else <char*>cnp.PyArray_DATA(m)
+    cdef const char* pad_elem = PyBytes_AS_STRING(pad)
+    cdef bint pad_uniform = _is_uniform(pad_elem, isz)
+    cdef Py_ssize_t i, length, total = 0, n = len(seq)
+    cdef char* row
+    cdef char* mrow
+    cdef uint64_t one = 1
+    cdef const char* one_elem = <const char*>&one      # 1 in the low bytes (little endian)
+    cdef _Sources s = _Sources()
+    if (<const char*>&one)[0] != 1:                      # big-endian host: 1 sits in the last bytes
+        one_elem = (<const char*>&one) + 8 - msz
+    _check_count(n, rows)
+    try:
+        s.acquire(seq)
+        for i in range(n):
+            if s.src[i].nbytes % isz:
+                raise ValueError(f"item {i} has {s.src[i].nbytes} bytes, not a multiple of the "
+                                 f"element size {isz}")
+            length = s.src[i].nbytes // isz
+            if length > lmax:
+                raise ValueError(f"item {i} has {length} elements, the batch row has {lmax}")
+            total += length
+        with nogil:
+            for i in range(rows):
+                row = out + i * lmax * isz
+                length = s.src[i].nbytes // isz if i < n else 0
+                if length:
+                    memmove(row, s.src[i].ptr, <size_t>(length * isz))
+                _fill(row + length * isz, pad_elem, isz, lmax - length, pad_uniform)
+                if mout != NULL:
+                    mrow = mout + i * lmax * msz
+                    _fill(mrow, one_elem, msz, length, msz == 1)
+                    if lmax > length:
+                        memset(mrow + length * msz, 0, <size_t>((lmax - length) * msz))
+        return total
+    finally:
+        s.release()
+
+
+def scatter(batch_out, n) -> list:
+    """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
+    if not isinstance(batch_out, cnp.ndarray):
+        raise TypeError(f"batch_out must be a numpy.ndarray, not {type(batch_out).__name__}")
+    cdef cnp.ndarray b = <cnp.ndarray>batch_out
+    if cnp.PyArray_NDIM(b) < 1:
+        raise ValueError("batch_out must have at least one dimension")
+    count = operator.index(n)
+    cdef Py_ssize_t rows = cnp.PyArray_DIM(b, 0)
+    if count < 0 or count > rows:
+        raise ValueError(f"n={count} is outside 0..{rows}")
+    cdef Py_ssize_t k = count
+    cdef list out = []
+    cdef Py_ssize_t i
+    for i in range(k):
+        out.append(b[i, ...])
+    return out

@@ -1,0 +1,171 @@
+"""Batch assembly: copy request payloads into one batch buffer (pure-Python twin of csrc/assemble.pyx).
+
+Why this exists: a dynamic batch is N request payloads (each a ``bytes`` body, a tokenizer
+output, a decoded image ...) that the model wants as ONE contiguous ``[N, ...]`` tensor.
+``np.stack`` would allocate a fresh batch every time and go through the ufunc machinery per
+item; here every payload is copied once, straight into a caller-owned (arena) buffer, and the
+compiled twin does all the copying in one loop with the GIL released.
+
+Both implementations (this module and ``lumen_core._assemble``, chosen by
+``lumen_core.native``) accept the same inputs and raise the same exception types:
+
+- ``TypeError``: an item does not support the buffer protocol, or ``dest``/``mask`` is not a
+  ``numpy.ndarray``;
+- ``ValueError``: everything else (sizes, shapes, non-contiguous or read-only buffers).
+
+Items are read as raw bytes: the caller is responsible for the payload's dtype matching the
+batch dtype (``lumen_core.contract.parse_meta`` has checked that before a payload gets here).
+An item that aliases ``dest`` is copied as if by ``memmove``, in item order.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["gather", "gather_ragged", "scatter"]
+
+#: integer kinds accepted for the attention-style ``mask`` of ``gather_ragged``
+MASK_KINDS = "iub"
+
+
+def _check_dest(dest: Any, what: str) -> None:
+    if not isinstance(dest, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, not {type(dest).__name__}")
+    if dest.ndim < 1:
+        raise ValueError(f"{what} must have at least one dimension")
+    if not dest.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if not dest.flags.writeable:
+        raise ValueError(f"{what} is read-only")
+    if dest.dtype.hasobject:
+        raise ValueError(f"{what} must not hold Python objects (dtype {dest.dtype})")
+
+
+def _view(item: Any, index: int) -> memoryview:
+    """A memoryview of item ``index``, C-contiguous, else a ValueError naming the index."""
+    try:
+        mv = memoryview(item)
+    except TypeError:
+        raise TypeError(f"item {index}: {type(item).__name__} does not support the buffer protocol") from None
+    if not mv.c_contiguous:
+        mv.release()
+        raise ValueError(f"item {index} is not C-contiguous")
+    return mv
+
+
+def _acquire(items: Sequence[Any], capacity: int, what: str) -> list:
+    if len(items) > capacity:
+        raise ValueError(f"{len(items)} items do not fit in {what} with {capacity} rows")
+    views: list = []
+    try:
+        for i, item in enumerate(items):
+            views.append(_view(item, i))
+    except BaseException:
+        _release(views)
+        raise
+    return views
+
+
+def _release(views: list) -> None:
+    for mv in views:
+        mv.release()
+
+
+def _bytes_of(mv: memoryview) -> np.ndarray:
+    # a flat uint8 view of a C-contiguous buffer of any format (memoryview.cast cannot do 'Zd' etc.)
+    return np.frombuffer(mv, dtype=np.uint8)
+
+
+def gather(items: Sequence[Any], dest: np.ndarray) -> None:
+    """Copy item ``i`` (any C-contiguous buffer of exactly ``dest[0].nbytes`` bytes) into ``dest[i]``.
+
+    Rows of ``dest`` past ``len(items)`` are left untouched.  All sizes are checked before the
+    first byte is written, so a bad item leaves ``dest`` unchanged.
+    """
+    items = list(items)
+    _check_dest(dest, "dest")
+    slot = dest[0].nbytes if dest.shape[0] else 0
+    views = _acquire(items, dest.shape[0], "dest")
+    try:
+        for i, mv in enumerate(views):
+            if mv.nbytes != slot:
+                raise ValueError(f"item {i} has {mv.nbytes} bytes, the batch slot has {slot}")
+        if slot:
+            flat = dest.reshape(-1).view(np.uint8)
+            for i, mv in enumerate(views):
+                flat[i * slot:(i + 1) * slot] = _bytes_of(mv)
+    finally:
+        _release(views)
+
+
+def _check_mask(mask: Any, dest: np.ndarray) -> None:
+    _check_dest(mask, "mask")
+    if mask.shape != dest.shape:
+        raise ValueError(f"mask shape {mask.shape} differs from dest shape {dest.shape}")
+    if mask.dtype.kind not in MASK_KINDS or not mask.dtype.isnative:
+        raise ValueError(f"mask must have a native integer or bool dtype, not {mask.dtype}")
+
+
+def pad_element(pad_value: Any, dtype: np.dtype) -> np.ndarray:
+    """``pad_value`` as one element of ``dtype`` (numpy's casting rules; both twins use this)."""
+    return np.array(pad_value, dtype=dtype)
+
+
+def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | None,
+                  pad_value: Any) -> int:
+    """Copy item ``i`` (``L_i`` elements of ``dest.dtype``) into row ``i`` and pad the row.
+
+    ``dest`` is ``[N, Lmax]``; positions ``>= L_i`` get ``pad_value``; ``mask`` (same shape, an
+    integer dtype, or None) gets 1 on the first ``L_i`` positions and 0 after.  Rows past
+    ``len(items)`` are all padding.  Returns ``sum(L_i)`` so the caller can report the padding
+    ratio without a second pass.
+    """
+    items = list(items)
+    _check_dest(dest, "dest")
+    if dest.ndim != 2:
+        raise ValueError(f"dest must be 2-D [N, Lmax], got shape {dest.shape}")
+    if dest.itemsize == 0:
+        raise ValueError("dest has zero-size elements")
+    if mask is not None:
+        _check_mask(mask, dest)
+    pad = pad_element(pad_value, dest.dtype)
+    n_rows, lmax = dest.shape
+    isz = dest.itemsize
+    views = _acquire(items, n_rows, "dest")
+    try:
+        lengths = []
+        for i, mv in enumerate(views):
+            if mv.nbytes % isz:
+                raise ValueError(f"item {i} has {mv.nbytes} bytes, not a multiple of the "
+                                 f"element size {isz}")
+            length = mv.nbytes // isz
+            if length > lmax:
+                raise ValueError(f"item {i} has {length} elements, the batch row has {lmax}")
+            lengths.append(length)
+        rows = dest.view(np.uint8).reshape(n_rows, lmax * isz) if lmax else None
+        for i in range(n_rows):
+            length = lengths[i] if i < len(lengths) else 0
+            if length:
+                rows[i, :length * isz] = _bytes_of(views[i])
+            dest[i, length:] = pad
+            if mask is not None:
+                mask[i, :length] = 1
+                mask[i, length:] = 0
+        return sum(lengths)
+    finally:
+        _release(views)
+
+
+def scatter(batch_out: np.ndarray, n: int) -> list:
+    """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
+    if not isinstance(batch_out, np.ndarray):
+        raise TypeError(f"batch_out must be a numpy.ndarray, not {type(batch_out).__name__}")
+    if batch_out.ndim < 1:
+        raise ValueError("batch_out must have at least one dimension")
+    n = operator.index(n)
+    if n < 0 or n > batch_out.shape[0]:
+        raise ValueError(f"n={n} is outside 0..{batch_out.shape[0]}")
+    return [batch_out[i, ...] for i in range(n)]
