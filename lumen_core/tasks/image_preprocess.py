@@ -23,7 +23,7 @@ CHANNELS = 3
 #: distinct values of a uint8 sample, i.e. the length of each lookup table row
 LUT_SIZE = 256
 
-__all__ = ["normalize_hwc_to_chw", "channel_lut", "check_arrays"]
+__all__ = ["channel_lut", "check_arrays", "normalize_hwc_to_chw"]
 
 
 def _three_floats(values: Sequence[float], name: str) -> tuple[float, float, float]:
@@ -63,11 +63,12 @@ def channel_lut(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
 def check_arrays(src: object, dest: object) -> tuple[int, int]:
     """Validate ``src`` (uint8 [H,W,3] C-contiguous) and ``dest`` (fp32 [3,H,W] C-contiguous,
     writable); return (H, W).  Raises ValueError so a wiring bug fails loudly, never by writing
-    into the wrong memory."""
+    into the wrong memory.  Wrong types are ValueError too: one exception class for every
+    "these are not the arrays I need" case keeps both twins' contracts trivially equal."""
     if not isinstance(src, np.ndarray):
-        raise ValueError(f"src must be a numpy.ndarray, got {type(src).__name__}")
+        raise ValueError(f"src must be a numpy.ndarray, got {type(src).__name__}")  # noqa: TRY004
     if not isinstance(dest, np.ndarray):
-        raise ValueError(f"dest must be a numpy.ndarray, got {type(dest).__name__}")
+        raise ValueError(f"dest must be a numpy.ndarray, got {type(dest).__name__}")  # noqa: TRY004
     if src.dtype != np.uint8 or src.ndim != 3 or src.shape[2] != CHANNELS:
         raise ValueError(f"src must be uint8 [H,W,{CHANNELS}], got {src.dtype} {src.shape}")
     if not src.flags.c_contiguous:
