@@ -1,0 +1,314 @@
+"""Dynamic batcher with Triton-class queue policy.
+
+Design (after Triton's ``dynamic_batch_scheduler.cc``): one batcher per task, one queue per
+execution signature, each queue holding one FIFO per priority level.  Queue *policy*
+(admission, priorities, deadlines, cancellation) is kept apart from batch *formation*, which
+happens only when an engine worker is free: under load batches grow by themselves, under light
+load a lone request runs at once (``max_queue_delay_us = 0``) or after at most the delay.
+
+Everything runs on the event loop thread except ``Worker.execute``, which runs in the worker's
+own thread (ONNX Runtime releases the GIL).  There is no scheduler task: dispatch is a plain
+function called when a request arrives, when a worker frees up and when a delay timer fires, so
+a request costs one future and a deque append, not a task switch.
+
+Cancelled and expired requests are removed lazily (marked dead, skipped at batch formation) but
+leave the admission count at once, so ``max_queue_size`` counts only live requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from ..config import BatchingConfig
+from ..errors import Cancelled, DeadlineExceeded, InternalError, LumenError, Overloaded, Unavailable
+
+QUEUED, RUNNING, DONE = 0, 1, 2
+#: Retry-After hint (seconds) sent with ``Overloaded``
+OVERLOAD_RETRY_AFTER_S = 1
+
+
+class Worker(Protocol):
+    """One engine instance as the batcher sees it."""
+
+    executor: Any  # a concurrent.futures.Executor with one thread
+
+    def execute(self, items: Sequence[Any]) -> list:
+        """Run one batch; return one result (or LumenError) per item, in order."""
+
+
+class Entry:
+    """A queued request: the item, its caller's future, and its timing."""
+
+    __slots__ = ("item", "future", "priority", "arrival_ns", "dispatch_ns", "timer", "state")
+
+    def __init__(self, item: Any, future: asyncio.Future, priority: int, arrival_ns: int):
+        self.item = item
+        self.future = future
+        self.priority = priority
+        self.arrival_ns = arrival_ns
+        self.dispatch_ns = 0
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.state = QUEUED
+
+
+class BatchResult:
+    """What a caller's future resolves to."""
+
+    __slots__ = ("value", "batch_size", "queue_us", "compute_us")
+
+    def __init__(self, value: Any, batch_size: int, queue_us: int, compute_us: int):
+        self.value = value
+        self.batch_size = batch_size
+        self.queue_us = queue_us
+        self.compute_us = compute_us
+
+
+class SignatureQueue:
+    """Requests of one execution signature: one FIFO per priority level (index 0 = highest)."""
+
+    __slots__ = ("signature", "levels", "live")
+
+    def __init__(self, signature: Any, levels: int):
+        self.signature = signature
+        self.levels = [deque() for _ in range(levels)]
+        self.live = 0
+
+    def head(self) -> Optional[Entry]:
+        for level in self.levels:
+            while level and level[0].state != QUEUED:
+                level.popleft()
+            if level:
+                return level[0]
+        return None
+
+    def take(self, n: int) -> list:
+        """Pop up to ``n`` live entries, highest priority first, FIFO within a level."""
+        out: list = []
+        for level in self.levels:
+            while level and len(out) < n:
+                e = level.popleft()
+                if e.state == QUEUED:
+                    out.append(e)
+            if len(out) == n:
+                break
+        self.live -= len(out)
+        return out
+
+
+def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) -> list:
+    """Run a batch; if the whole run fails, split it in halves and retry, so the error lands
+    only on the item(s) that cause it and every other item still gets its result."""
+    try:
+        results = execute(items)
+        if len(results) != len(items):
+            raise InternalError(f"worker returned {len(results)} results for {len(items)} items")
+        return results
+    except Exception as exc:  # noqa: BLE001 - any model failure is isolated, never propagated
+        if len(items) == 1:
+            if isinstance(exc, LumenError):
+                return [exc]
+            return [InternalError(f"model execution failed for this input: {exc}")]
+        mid = len(items) // 2
+        return run_split(execute, items[:mid]) + run_split(execute, items[mid:])
+
+
+class DynamicBatcher:
+    """Per-task dynamic batcher over a pool of workers."""
+
+    def __init__(self, name: str, config: BatchingConfig, workers: Sequence[Worker],
+                 on_batch: Optional[Callable[[int, int], None]] = None):
+        self.name = name
+        self.config = config
+        self.workers = list(workers)
+        self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
+        self._free = list(reversed(self.workers))
+        self._queues: dict = {}
+        self._pending = 0  # live queued requests (admission control)
+        self._running = 0  # batches in flight
+        self._closed = False
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer_at = 0.0
+        self._idle: Optional[asyncio.Event] = None
+        self._delay_ns = config.max_queue_delay_us * 1000
+        self._preferred = tuple(config.preferred_batch_sizes)
+        self._levels = config.priority_levels
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def in_flight(self) -> int:
+        return self._running
+
+    def submit(self, item: Any, priority: int = 1, timeout_ms: int = 0) -> Entry:
+        """Admit ``item`` (must have ``.signature``); raise at once when closed or full."""
+        if self._closed:
+            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
+        if self._pending >= self.config.max_queue_size:
+            raise Overloaded(f"task {self.name!r} queue is full ({self.config.max_queue_size} "
+                             f"pending); retry later", None, OVERLOAD_RETRY_AFTER_S)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        entry = Entry(item, loop.create_future(), priority, time.monotonic_ns())
+        sig = item.signature
+        q = self._queues.get(sig)
+        if q is None:
+            q = self._queues[sig] = SignatureQueue(sig, self._levels)
+        q.levels[priority - 1].append(entry)
+        q.live += 1
+        self._pending += 1
+        if timeout_ms > 0:
+            entry.timer = loop.call_later(timeout_ms / 1000.0, self._expire, entry, q, timeout_ms)
+        self._dispatch()
+        return entry
+
+    async def infer(self, item: Any, priority: int = 1, timeout_ms: int = 0) -> BatchResult:
+        entry = self.submit(item, priority, timeout_ms)
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            self.cancel(entry)
+            raise
+
+    def cancel(self, entry: Entry) -> None:
+        """The caller went away: drop a queued entry (a running one finishes unseen)."""
+        if entry.state == QUEUED:
+            self._kill(entry, self._queues.get(entry.item.signature))
+        if not entry.future.done():
+            entry.future.set_exception(Cancelled("the request was cancelled by its caller"))
+        if entry.timer is not None:
+            entry.timer.cancel()
+
+    async def drain(self) -> None:
+        """Stop admitting, then wait until every queued and running request has finished."""
+        self._closed = True
+        while self._pending or self._running:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    # -- policy ---------------------------------------------------------------------------
+    def _kill(self, entry: Entry, q: Optional[SignatureQueue]) -> None:
+        entry.state = DONE
+        self._pending -= 1
+        if q is not None:
+            q.live -= 1
+        self._maybe_idle()
+
+    def _expire(self, entry: Entry, q: SignatureQueue, timeout_ms: int) -> None:
+        entry.timer = None
+        if entry.state == DONE or entry.future.done():
+            return
+        where = "in the queue" if entry.state == QUEUED else "while its batch was running"
+        if entry.state == QUEUED:
+            self._kill(entry, q)
+        entry.future.set_exception(DeadlineExceeded(
+            f"deadline of {timeout_ms} ms expired {where}", "lumen.timeout_ms"))
+
+    # -- batch formation ------------------------------------------------------------------
+    def _batch_size(self, live: int) -> int:
+        cap = min(live, self.config.max_batch_size)
+        if self._preferred:
+            fits = [p for p in self._preferred if p <= cap]
+            if fits and cap < self.config.max_batch_size:
+                return fits[-1]
+        return cap
+
+    def _ready_at(self, q: SignatureQueue, head: Entry) -> int:
+        """Monotonic ns at which ``q`` may form a batch (0: now)."""
+        if self._delay_ns == 0 or q.live >= self.config.max_batch_size:
+            return 0
+        if self._preferred and q.live >= self._preferred[-1]:
+            return 0
+        return head.arrival_ns + self._delay_ns
+
+    def _dispatch(self) -> None:
+        while self._free and self._pending:
+            now = time.monotonic_ns()
+            best = None
+            best_key = None
+            wake_at = 0
+            for q in self._queues.values():
+                if not q.live:
+                    continue
+                head = q.head()
+                if head is None:
+                    continue
+                ready = self._ready_at(q, head)
+                if ready > now:
+                    wake_at = ready if not wake_at else min(wake_at, ready)
+                    continue
+                key = (head.priority, head.arrival_ns)
+                if best_key is None or key < best_key:
+                    best, best_key = q, key
+            if best is None:
+                if wake_at:
+                    self._arm_timer(wake_at)
+                return
+            self._start(best, best.take(self._batch_size(best.live)), now)
+
+    def _arm_timer(self, at_ns: int) -> None:
+        loop = self._loop
+        when = loop.time() + max(0, at_ns - time.monotonic_ns()) / 1e9
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._dispatch()
+
+    def _start(self, q: SignatureQueue, entries: list, now: int) -> None:
+        self._pending -= len(entries)
+        for e in entries:
+            e.state = RUNNING
+            e.dispatch_ns = now
+        worker = self._free.pop()
+        self._running += 1
+        items = [e.item for e in entries]
+        fut = self._loop.run_in_executor(worker.executor, _timed_run, worker.execute, items)
+        fut.add_done_callback(lambda f: self._finish(worker, entries, f))
+
+    def _finish(self, worker: Worker, entries: list, fut: asyncio.Future) -> None:
+        self._running -= 1
+        self._free.append(worker)
+        try:
+            results, compute_us = fut.result()
+        except BaseException as exc:  # noqa: BLE001 - a broken worker must not lose callers
+            err = exc if isinstance(exc, LumenError) else InternalError(f"worker failed: {exc}")
+            results, compute_us = [err] * len(entries), 0
+        n = len(entries)
+        if self.on_batch is not None:
+            self.on_batch(n, compute_us)
+        for e, res in zip(entries, results):
+            e.state = DONE
+            if e.timer is not None:
+                e.timer.cancel()
+                e.timer = None
+            if e.future.done():
+                continue
+            if isinstance(res, LumenError):
+                e.future.set_exception(res)
+            else:
+                e.future.set_result(BatchResult(res, n, (e.dispatch_ns - e.arrival_ns) // 1000,
+                                                compute_us))
+        self._dispatch()
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if self._idle is not None and not self._pending and not self._running:
+            self._idle.set()
+
+
+def _timed_run(execute: Callable, items: list) -> tuple:
+    t0 = time.perf_counter_ns()
+    results = run_split(execute, items)
+    return results, (time.perf_counter_ns() - t0) // 1000

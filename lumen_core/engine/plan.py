@@ -1,0 +1,118 @@
+"""How a batch of prepared requests becomes model inputs: a small declarative plan.
+
+A task backend declares, once at load, one plan entry per model input; the engine executes the
+plan for every batch.  This keeps the engine ignorant of tasks (it never sees text or images)
+and the backends ignorant of buffers and ONNX Runtime.  New kinds of input (sequence state,
+control inputs) are new plan classes with an ``assemble`` method, not engine changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .. import native
+
+
+class PreparedModelRequest:
+    """One request ready for batching.
+
+    ``signature`` is the execution signature (hashable): only requests with equal signatures
+    share a batch.  ``tensors`` holds per-input payload buffers (indexed by the plan's ``slot``),
+    ``item_shape`` the per-item shape of dense inputs (no batch axis), ``length`` the token count
+    of ragged inputs (used for length-aware batching), ``context`` is private to the backend.
+    """
+
+    __slots__ = ("signature", "tensors", "item_shape", "length", "context")
+
+    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0,
+                 context: Any = None):
+        self.signature = signature
+        self.tensors = tensors
+        self.item_shape = item_shape
+        self.length = length
+        self.context = context
+
+
+class InputPlan:
+    """Base of plan entries: ``assemble`` returns ``{input_name: ndarray}`` for one batch.
+
+    ``stats`` is a per-batch dict the entry may add counters to (e.g. real / padded tokens).
+    """
+
+    name: str
+
+    def assemble(self, items: Sequence[PreparedModelRequest], arena, stats: dict) -> dict:
+        raise NotImplementedError  # abstract: every plan class overrides it
+
+
+@dataclass(frozen=True)
+class DenseInput(InputPlan):
+    """Fixed-size items gathered into ``[N, *item_shape]`` with one memcpy each."""
+
+    name: str
+    dtype: Any
+    slot: int = 0
+
+    def assemble(self, items, arena, stats) -> dict:
+        shape = (len(items),) + tuple(items[0].item_shape)
+        dest = arena.get(self.name, shape, self.dtype)
+        native.assemble.gather([it.tensors[self.slot] for it in items], dest)
+        return {self.name: dest}
+
+
+@dataclass(frozen=True)
+class RaggedInput(InputPlan):
+    """Variable-length items ``[1, L_i]`` padded to ``[N, max L]``, mask filled in the same pass."""
+
+    name: str
+    dtype: Any
+    pad_value: int = 0
+    mask_name: Optional[str] = None
+    mask_dtype: Any = np.int64
+    slot: int = 0
+
+    def assemble(self, items, arena, stats) -> dict:
+        lmax = max(1, max(it.length for it in items))
+        shape = (len(items), lmax)
+        ids = arena.get(self.name, shape, self.dtype)
+        mask = arena.get(self.mask_name, shape, self.mask_dtype) if self.mask_name else None
+        real = native.assemble.gather_ragged([it.tensors[self.slot] for it in items], ids, mask,
+                                             self.pad_value)
+        out = {self.name: ids}
+        if mask is not None:
+            out[self.mask_name] = mask
+        stats["real_tokens"] = stats.get("real_tokens", 0) + real
+        stats["padded_tokens"] = stats.get("padded_tokens", 0) + ids.size
+        return out
+
+
+@dataclass(frozen=True)
+class ConstantInput(InputPlan):
+    """An input that is the same for every batch (e.g. Silero's sample rate ``sr``)."""
+
+    name: str
+    value: np.ndarray
+
+    def assemble(self, items, arena, stats) -> dict:
+        return {self.name: self.value}
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """A model output to fetch.  With ``item_shape`` known, the engine binds a preallocated
+    ``[N, *item_shape]`` buffer so ORT writes straight into it."""
+
+    name: str
+    dtype: Any = np.float32
+    item_shape: Optional[tuple] = None
+
+
+@dataclass
+class ModelSpec:
+    path: str
+    inputs: list
+    outputs: list
+    #: extra ORT session config entries (key -> value)
+    session_config: dict = field(default_factory=dict)

@@ -1,0 +1,111 @@
+"""The task backend interface.
+
+A backend turns requests of one task into :class:`PreparedModelRequest` objects (raw route:
+decode + preprocess; tensor route: the validated descriptor) and turns its slice of a batch
+output into the task's outputs.  It declares a :class:`TensorContract` and a :class:`ModelSpec`;
+it never sees queues, threads or ORT sessions.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .. import native
+from ..config import TaskConfig
+from ..contract import Descriptor, TensorContract
+from ..engine.plan import ModelSpec, PreparedModelRequest
+from ..errors import InternalError, InvalidArgument, UnsupportedMediaType
+from ..request import InferRequest
+
+
+def mime_type(mime: str) -> tuple:
+    """Split ``type/subtype; k=v; ...`` into (lower-cased type, {param: value})."""
+    base, _, rest = (mime or "").partition(";")
+    params = {}
+    for part in rest.split(";"):
+        k, sep, v = part.partition("=")
+        if sep:
+            params[k.strip().lower()] = v.strip().strip('"')
+    return base.strip().lower(), params
+
+
+class TaskBackend:
+    """Base class of task backends.  Subclasses set ``raw_mimes`` and implement the hooks."""
+
+    #: accepted raw mime types (base types, lower case); empty: no raw route
+    raw_mimes: tuple = ()
+    #: True: ``prepare`` is CPU-heavy (image decode) and runs in a worker thread
+    prepare_off_loop: bool = False
+    #: True for stateful tasks served by the sequence batcher
+    stateful: bool = False
+
+    def __init__(self, config: TaskConfig):
+        self.config = config
+        self.name = config.name
+        self.contract: TensorContract = TensorContract()
+        self.model: Optional[ModelSpec] = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def load(self) -> ModelSpec:
+        """Resolve model files, read model metadata, set ``self.contract``; return the plan."""
+        raise NotImplementedError  # abstract
+
+    def warmup_requests(self) -> list:
+        """Requests the runtime pushes through the whole path at start-up."""
+        return []
+
+    # -- request path -----------------------------------------------------------------------
+    def prepare(self, req: InferRequest, desc: Descriptor, payload: memoryview) -> PreparedModelRequest:
+        if desc.kind == "tensor":
+            return self.prepare_tensor(req, desc, payload)
+        if not self.raw_mimes:
+            raise InvalidArgument(
+                f"task {self.name!r} has no raw route; send a tensor with lumen.input.kind=tensor",
+                "lumen.input.kind")
+        base, params = mime_type(req.payload_mime)
+        if base not in self.raw_mimes:
+            raise UnsupportedMediaType(
+                f"task {self.name!r} accepts {', '.join(self.raw_mimes)} (or a tensor), "
+                f"not {req.payload_mime!r}", "payload_mime")
+        return self.prepare_raw(req, desc, payload, base, params)
+
+    def prepare_raw(self, req: InferRequest, desc: Descriptor, payload: memoryview, mime: str,
+                    params: dict) -> PreparedModelRequest:
+        raise NotImplementedError  # only backends with raw_mimes override it
+
+    def prepare_tensor(self, req: InferRequest, desc: Descriptor,
+                       payload: memoryview) -> PreparedModelRequest:
+        raise NotImplementedError  # abstract
+
+    def postprocess(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:
+        """Per item: ``{name: ndarray}`` or a LumenError.  Runs in the engine's worker thread.
+
+        Default: views of every fetched output, refused when not finite.
+        """
+        return split_outputs(outputs, len(items))
+
+    def describe(self) -> dict:
+        return {"name": self.name, "backend": self.config.backend,
+                "raw_mimes": list(self.raw_mimes), "stateful": self.stateful,
+                **self.contract.describe()}
+
+
+def split_outputs(outputs: dict, n: int, rename: Optional[dict] = None) -> list:
+    """Scatter batch outputs into per-item views; a non-finite item becomes an InternalError."""
+    bad = np.zeros(n, dtype=bool)
+    for arr in outputs.values():
+        if arr.dtype.kind == "f":
+            flat = arr.reshape(arr.shape[0], -1)[:n]
+            bad |= ~np.isfinite(flat).all(axis=1)
+    names = list(outputs)
+    views = {k: native.assemble.scatter(outputs[k], n) for k in names}
+    res: list[Any] = []
+    for i in range(n):
+        if bad[i]:
+            res.append(InternalError("the model produced a non-finite value (NaN or inf) for "
+                                     "this input; the result was withheld"))
+        else:
+            res.append({(rename or {}).get(k, k): views[k][i] for k in names})
+    return res
+

@@ -1,0 +1,106 @@
+"""Generic ``onnx`` backend: any single-input ONNX model through the tensor route.
+
+Its contract is derived from the model itself: the input's element type gives the dtype, its
+non-batch dimensions the per-dimension constraints (a fixed size stays fixed, a symbolic one is
+``1 <= d``), and ``options`` name the layout and the accepted preprocess ids.  Outputs whose
+non-batch dims are all fixed are bound to preallocated buffers by the engine.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..config import ConfigError
+from ..contract import (
+    DEFAULT_LAYOUT_FOR_RANK, DTYPES, LAYOUTS, ONNX_ELEM_TYPES, UNBOUNDED, TensorContract,
+    TensorSpec,
+)
+from ..engine.plan import DenseInput, ModelSpec, OutputSpec, PreparedModelRequest
+from ..request import new_infer_request
+from .base import TaskBackend
+
+DEFAULT_PREPROCESS_ID = "none"
+
+
+def read_io(path: str) -> tuple:
+    """(inputs, outputs) of an ONNX file as ``[(name, dtype_name, dims)]``; dims hold ints for
+    fixed sizes and None for symbolic ones.  Initializers are not inputs."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+
+    def conv(values):
+        out = []
+        for v in values:
+            if v.name in inits:
+                continue
+            tt = v.type.tensor_type
+            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+            out.append((v.name, ONNX_ELEM_TYPES.get(tt.elem_type, f"onnx-type-{tt.elem_type}"), dims))
+        return out
+
+    return conv(model.graph.input), conv(model.graph.output)
+
+
+class OnnxBackend(TaskBackend):
+    raw_mimes = ()
+
+    def load(self) -> ModelSpec:
+        cfg = self.config
+        src, key = cfg.source, cfg.key
+        if not cfg.model:
+            raise ConfigError(src, f"{key}.model", "is required for backend 'onnx'")
+        if not os.path.isfile(cfg.model):
+            raise ConfigError(src, f"{key}.model", f"no such file: {cfg.model}")
+        inputs, outputs = read_io(cfg.model)
+        if len(inputs) != 1:
+            raise ConfigError(src, f"{key}.model", f"backend 'onnx' serves single-input models; "
+                                                   f"{cfg.model} has inputs {[i[0] for i in inputs]}")
+        in_name, dtype, dims = inputs[0]
+        if dtype not in DTYPES:
+            raise ConfigError(src, f"{key}.model", f"input {in_name!r} has unsupported type {dtype}")
+        if not dims:
+            raise ConfigError(src, f"{key}.model", f"input {in_name!r} has no batch dimension")
+        opts = dict(cfg.options)
+        layout = opts.pop("layout", DEFAULT_LAYOUT_FOR_RANK.get(len(dims), ""))
+        if layout not in LAYOUTS or LAYOUTS[layout].rank != len(dims):
+            raise ConfigError(src, f"{key}.options.layout",
+                              f"must be a layout of rank {len(dims)} (known: {', '.join(LAYOUTS)}), "
+                              f"got {layout!r}")
+        pps = opts.pop("preprocess_ids", [DEFAULT_PREPROCESS_ID])
+        if isinstance(pps, str):
+            pps = [pps]
+        if not pps or not all(isinstance(p, str) and p for p in pps):
+            raise ConfigError(src, f"{key}.options.preprocess_ids", "must be a list of non-empty strings")
+        max_dim = opts.pop("max_dim", UNBOUNDED)
+        if opts:
+            raise ConfigError(src, f"{key}.options.{sorted(opts)[0]}",
+                              "unknown option for backend 'onnx' (known: layout, preprocess_ids, max_dim)")
+        spec_dims = ((1, 1),) + tuple((d, d) if d else (1, max_dim) for d in dims[1:])
+        self.input_name = in_name
+        self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
+        self.contract = TensorContract(
+            specs=(TensorSpec(dtype, layout, frozenset(pps), spec_dims),),
+            model_id=self.model_id, model_version=cfg.model_version)
+        outs = []
+        for name, odt, odims in outputs:
+            item = tuple(odims[1:]) if odims and all(d for d in odims[1:]) else None
+            outs.append(OutputSpec(name, DTYPES.get(odt, np.float32), item))
+        self.model = ModelSpec(cfg.model, [DenseInput(in_name, DTYPES[dtype])], outs)
+        return self.model
+
+    def prepare_tensor(self, req, desc, payload) -> PreparedModelRequest:
+        item_shape = desc.shape[1:]
+        sig = (self.name, self.model_id, self.config.model_version, desc.dtype, item_shape,
+               desc.layout, desc.preprocess_id)
+        return PreparedModelRequest(sig, (payload,), item_shape)
+
+    def warmup_requests(self) -> list:
+        """One zero tensor of the smallest accepted shape, through the public tensor route."""
+        spec = self.contract.specs[0]
+        shape = tuple(max(1, lo) for lo, _ in spec.dims)
+        arr = np.zeros(shape, dtype=DTYPES[spec.dtype])
+        return [new_infer_request(self.name)
+                .for_tensor_array(arr, spec.layout, sorted(spec.preprocess_ids)[0]).build()]

@@ -1,0 +1,98 @@
+"""Small ONNX models generated with the ``onnx`` helper API for the tests and benchmarks."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+#: an input row whose first value equals this makes ``failing_mlp`` fail for its whole batch
+FAIL_MARKER = 13.0
+
+
+def _save(graph, path) -> str:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def mlp(path, d_in: int = 16, d_hidden: int = 64, d_out: int = 8, seed: int = 0,
+        fail_marker: bool = False) -> str:
+    """``y = relu(x @ W1 + b1) @ W2 + b2`` with input ``x`` [N, d_in] and output ``y`` [N, d_out].
+
+    With ``fail_marker`` the model raises at run time when any row's first value is
+    ``FAIL_MARKER``: a Reshape to ``size(x) + any_marked`` elements cannot succeed then.
+    """
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((d_in, d_hidden)) / np.sqrt(d_in)).astype(np.float32)
+    b1 = (rng.standard_normal(d_hidden) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((d_hidden, d_out)) / np.sqrt(d_hidden)).astype(np.float32)
+    b2 = (rng.standard_normal(d_out) * 0.1).astype(np.float32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w1, "W1"), (b1, "B1"), (w2, "W2"), (b2, "B2"))]
+    nodes = []
+    x = "x"
+    if fail_marker:
+        inits += [
+            numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+            numpy_helper.from_array(np.array([1], np.int64), "one1"),
+            numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+            numpy_helper.from_array(np.array(FAIL_MARKER, np.float32), "marker"),
+        ]
+        nodes += [
+            helper.make_node("Slice", ["x", "zero1", "one1", "axis1"], ["first"]),
+            helper.make_node("Equal", ["first", "marker"], ["is_marked"]),
+            helper.make_node("Cast", ["is_marked"], ["marked_i"], to=TensorProto.INT64),
+            helper.make_node("ReduceMax", ["marked_i"], ["any_marked"], keepdims=0),
+            helper.make_node("Size", ["x"], ["size_x"]),
+            helper.make_node("Add", ["size_x", "any_marked"], ["flat_len"]),
+            helper.make_node("Unsqueeze", ["flat_len", "zero1"], ["flat_shape"]),
+            helper.make_node("Reshape", ["x", "flat_shape"], ["x_flat"]),
+            helper.make_node("Shape", ["x"], ["x_shape"]),
+            helper.make_node("Reshape", ["x_flat", "x_shape"], ["x_checked"]),
+        ]
+        x = "x_checked"
+    nodes += [
+        helper.make_node("MatMul", [x, "W1"], ["h0"]),
+        helper.make_node("Add", ["h0", "B1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["y0"]),
+        helper.make_node("Add", ["y0", "B2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d_in])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d_out])],
+        inits)
+    return _save(graph, path)
+
+
+def mlp_reference(x: np.ndarray, d_in: int = 16, d_hidden: int = 64, d_out: int = 8,
+                  seed: int = 0) -> np.ndarray:
+    """numpy twin of :func:`mlp` for checking results."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((d_in, d_hidden)) / np.sqrt(d_in)).astype(np.float32)
+    b1 = (rng.standard_normal(d_hidden) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((d_hidden, d_out)) / np.sqrt(d_hidden)).astype(np.float32)
+    b2 = (rng.standard_normal(d_out) * 0.1).astype(np.float32)
+    return np.maximum(x @ w1 + b1, 0) @ w2 + b2
+
+
+def scale(path, dims=("N", "L"), dtype=TensorProto.FLOAT) -> str:
+    """``y = x * 2`` over an input of the given (possibly symbolic) dims."""
+    two = numpy_helper.from_array(np.array(2, dtype=helper.tensor_dtype_to_np_dtype(dtype)), "two")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"])], "scale",
+        [helper.make_tensor_value_info("x", dtype, list(dims))],
+        [helper.make_tensor_value_info("y", dtype, list(dims))], [two])
+    return _save(graph, path)
+
+
+def nan_for_negative(path, d: int = 4) -> str:
+    """``y = sqrt(x)``: a negative input yields NaN (for result validation tests)."""
+    graph = helper.make_graph(
+        [helper.make_node("Sqrt", ["x"], ["y"])], "sqrt",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d])])
+    return _save(graph, path)
