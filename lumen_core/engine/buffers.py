@@ -41,7 +41,8 @@ def _raw_aligned(nbytes: int, align: int) -> np.ndarray:
         raise ValueError(f"align must be a positive power of two, got {align}")
     raw = np.empty(nbytes + align, dtype=np.uint8)
     offset = -raw.ctypes.data % align
-    return raw[offset:offset + nbytes]
+    # numpy points an empty slice like raw[k:k] at raw's start; slice one byte, then trim
+    return raw[offset:offset + max(nbytes, 1)][:nbytes]
 
 
 def aligned_empty(shape: Shape, dtype: Any, align: int = DEFAULT_ALIGN) -> np.ndarray:
