@@ -23,8 +23,13 @@ Pillow silently uses nearest-neighbour, and for RGBA premultiplied-alpha filteri
 inputs both orders give identical pixels.
 
 Safety: the declared pixel count is checked against ``max_pixels`` from the header alone (Pillow
-opens lazily) before any pixel is decoded, and decoding is forced with ``load()`` so truncated or
-corrupt data fails here, as InvalidArgument, rather than deep inside a batch.  Pillow's own
+opens lazily) before any pixel is decoded.  So is the size of the *resized* image when the caller
+says it will resize (``short_side``): a 1x50000 strip is only 50k pixels, but resizing its short
+side to 224 would materialise 224x11.2M pixels (~7.5 GB) -- torchvision would happily try.  One
+limit bounds both, since both are "pixels we agree to hold".  Decoding is then forced with
+``load()`` so truncated or corrupt data fails here, as InvalidArgument, rather than deep inside
+a batch.  (We never set ``ImageFile.LOAD_TRUNCATED_IMAGES``; a process that sets it globally
+makes Pillow grey-fill truncated images instead of raising.)  Pillow's own
 decompression-bomb limit (the process-global ``Image.MAX_IMAGE_PIXELS``) is neither read nor
 changed: the format's plugin class is instantiated directly, so ``max_pixels`` (config key
 ``options.max_image_pixels``) is the single, per-task authority and no warning filter is touched.
@@ -122,7 +127,29 @@ def _sniff(head: bytes) -> str | None:
     return None
 
 
-def _open_checked(payload: object, view: memoryview, fmt: str, max_pixels: int) -> Image.Image:
+def _check_pixels(width: int, height: int, max_pixels: int, short_side: int | None) -> None:
+    if width < 1 or height < 1:
+        raise InvalidArgument(f"payload declares an empty image ({width}x{height})", "payload")
+    if width * height > max_pixels:
+        raise InvalidArgument(
+            f"image is {width}x{height} = {width * height} pixels, above the limit of "
+            f"{max_pixels} pixels ({MAX_PIXELS_CONFIG_KEY})",
+            "payload",
+        )
+    if short_side is not None:
+        new_w, new_h = resize_output_size(width, height, short_side)
+        if new_w * new_h > max_pixels:
+            raise InvalidArgument(
+                f"image is {width}x{height}: resizing its short side to {short_side} gives "
+                f"{new_w}x{new_h} = {new_w * new_h} pixels, above the limit of {max_pixels} "
+                f"pixels ({MAX_PIXELS_CONFIG_KEY}); the aspect ratio is too extreme",
+                "payload",
+            )
+
+
+def _open_checked(
+    payload: object, view: memoryview, fmt: str, max_pixels: int, short_side: int | None
+) -> Image.Image:
     """Parse the header only, and refuse the image if it declares too many pixels."""
     sniffed = _sniff(bytes(view[:_SNIFF_BYTES]))
     if sniffed is None:
@@ -139,15 +166,7 @@ def _open_checked(payload: object, view: memoryview, fmt: str, max_pixels: int) 
         img = _PLUGINS[fmt](io.BytesIO(payload if isinstance(payload, bytes) else view))
     except _DECODE_ERRORS as exc:
         raise InvalidArgument(f"payload is not a readable {fmt} image: {exc}", "payload") from None
-    width, height = img.size
-    if width < 1 or height < 1:
-        raise InvalidArgument(f"payload declares an empty image ({width}x{height})", "payload")
-    if width * height > max_pixels:
-        raise InvalidArgument(
-            f"image is {width}x{height} = {width * height} pixels, above the limit of "
-            f"{max_pixels} pixels ({MAX_PIXELS_CONFIG_KEY})",
-            "payload",
-        )
+    _check_pixels(img.width, img.height, max_pixels, short_side)
     return img
 
 
@@ -170,12 +189,15 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def decode_image(payload: object, mime: str, max_pixels: int) -> Image.Image:
+def decode_image(
+    payload: object, mime: str, max_pixels: int, short_side: int | None = None
+) -> Image.Image:
     """Decode an accepted image payload to an upright RGB Pillow image.
 
     Raises UnsupportedMediaType (field ``payload_mime``) for a mime outside MIME_FORMATS, and
     InvalidArgument (field ``payload``) for bytes that are not that format, declare more than
-    ``max_pixels`` pixels, or are truncated/corrupt.
+    ``max_pixels`` pixels, or are truncated/corrupt.  With ``short_side`` the image is also
+    refused when resizing its short side to that length would exceed ``max_pixels``.
     """
     fmt = _format_for_mime(mime)
     if max_pixels < 1:
@@ -186,7 +208,7 @@ def decode_image(payload: object, mime: str, max_pixels: int) -> Image.Image:
         raise InvalidArgument("payload must be bytes-like", "payload") from None
     if view.nbytes == 0:
         raise InvalidArgument("payload is empty", "payload")
-    img = _open_checked(payload, view, fmt, max_pixels)
+    img = _open_checked(payload, view, fmt, max_pixels, short_side)
     try:
         img.load()  # decode now: truncation and corrupt data surface here, not later
         img = _apply_exif_orientation(img)
@@ -213,6 +235,8 @@ def resize_center_crop(img: Image.Image, size: int = CLIP_SIZE) -> np.ndarray:
     """Bicubic resize (short side -> ``size``) then centre crop: uint8 ``[size, size, 3]``.
 
     The array is C-contiguous and may be read-only (it wraps Pillow's bytes without a copy).
+    The full resized image is materialised (cropping first changes pixels at the 1-LSB level),
+    so untrusted images must come through ``decode_image(..., short_side=size)``.
     """
     img = to_rgb(img)
     new_w, new_h = resize_output_size(img.width, img.height, size)
@@ -232,7 +256,7 @@ def preprocess_clip(
     ``dest`` is normally the request's slot in the batch buffer (``batch[i]``) so the normalised
     image is written exactly once; without it a fresh array is returned.
     """
-    hwc = resize_center_crop(decode_image(payload, mime, max_pixels), CLIP_SIZE)
+    hwc = resize_center_crop(decode_image(payload, mime, max_pixels, CLIP_SIZE), CLIP_SIZE)
     if dest is None:
         dest = np.empty((3, CLIP_SIZE, CLIP_SIZE), dtype=np.float32)
     return native.image.normalize_hwc_to_chw(hwc, dest, CLIP_MEAN, CLIP_STD)
@@ -242,7 +266,7 @@ def preprocess_clip_uint8(
     payload: object, mime: str, max_pixels: int, dest: np.ndarray | None = None
 ) -> np.ndarray:
     """Decode + resize + crop only: uint8 ``[224, 224, 3]`` (the ``_uint8`` route's layout)."""
-    hwc = resize_center_crop(decode_image(payload, mime, max_pixels), CLIP_SIZE)
+    hwc = resize_center_crop(decode_image(payload, mime, max_pixels, CLIP_SIZE), CLIP_SIZE)
     if dest is None:
         return np.array(hwc, dtype=np.uint8, copy=True)
     if dest.dtype != np.uint8 or dest.shape != hwc.shape:
