@@ -1,0 +1,813 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Descriptor parse + validate, compiled (twin of ``lumen_core.contract.parse_meta``).
+
+Why compiled: every request -- raw or tensor -- passes through ``parse_meta`` before it may
+queue, so its cost is paid per request on the event loop.  The pure twin builds a dict of the
+``lumen.*`` values and runs ~30 Python-level checks (~10 us for a tensor request); here one
+pass over the meta dict (``PyDict_Next``) fills a small C struct, the checks read that struct,
+and Python objects are made only for the result.
+
+Shape of the code follows asyncpg's ``frb.pxd``: a plain C struct (``desc_t``) plus ``nogil``
+inline helpers (the shape parser, overflow-checked multiplication, table lookups by length +
+``memcmp``).  Every table -- reserved keys, dtypes and their sizes, layouts, limits,
+whitespace, boolean spellings -- is read from ``lumen_core.contract`` at import; this module
+holds no second list of them.
+
+Behaviour is the contract's, check for check, in the order documented in contract.py: same
+exception class, same ``field``, same message.  Error messages are built here on the cold path
+with the contract's own helpers (``_bad``, ``_short``, ``_names``); where a contract helper owns
+a message (``parse_shape``, ``shape_nbytes``, ``_parse_uint``, ``_parse_bool``) that helper is
+called on the error path so the text has one home.  Strings are judged by their character data
+(a ``str`` subclass is treated like the ``str`` it holds).
+"""
+from cpython.dict cimport PyDict_CheckExact, PyDict_Next, PyDict_Size
+from cpython.long cimport PyLong_FromLongLong
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from libc.stdint cimport int64_t, uint64_t
+from libc.string cimport memcmp, memset
+
+cimport cython
+
+from lumen_core import contract as _c
+from lumen_core.errors import InternalError
+
+__all__ = ["Descriptor", "parse_meta", "parse_shape"]
+
+
+cdef extern from "Python.h":
+    # Borrowed-pointer views of PEP 393 strings (no encoding, no allocation).
+    bint PyUnicode_Check(PyObject* o)
+    bint PyUnicode_IS_ASCII(PyObject* o)
+    Py_ssize_t PyUnicode_GET_LENGTH(PyObject* o)
+    unsigned int PyUnicode_KIND(PyObject* o)
+    void* PyUnicode_DATA(PyObject* o)
+    Py_UCS4 PyUnicode_READ(unsigned int kind, void* data, Py_ssize_t index)
+    bint PyLong_CheckExact(PyObject* o)
+    long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
+
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    /* a * b for non-negative int64 operands; returns 1 (and leaves *out alone) on overflow */
+    static inline int lumen_mul_overflow(int64_t a, int64_t b, int64_t *out) {
+    #if defined(__GNUC__) || defined(__clang__)
+        return __builtin_mul_overflow(a, b, out);
+    #else
+        if (a != 0 && b > INT64_MAX / a) return 1;
+        *out = a * b;
+        return 0;
+    #endif
+    }
+    """
+    bint lumen_mul_overflow(int64_t a, int64_t b, int64_t* out) nogil
+
+
+# ---------------------------------------------------------------- compile-time capacities
+cdef enum:
+    # array capacities; the contract's actual limits (checked at import) must fit in them
+    CAP_KEYS = 32       # reserved keys
+    CAP_TABLE = 32      # dtypes, layouts, boolean spellings
+    CAP_RANK = 8        # contract.MAX_RANK
+    CAP_DIGITS = 19     # contract.MAX_DIM_DIGITS: 19 decimal digits always fit in uint64
+    CAP_BOOL_CHARS = 16  # longest accepted boolean spelling
+
+cdef enum:
+    KIND_RAW = 0
+    KIND_TENSOR = 1
+
+cdef enum:
+    FLAG_SEQ_START = 1
+    FLAG_SEQ_END = 2
+
+
+cdef struct desc_t:
+    # One request's lumen.* descriptor, filled by one pass over meta.
+    int n_lumen                  # lumen.* keys seen
+    int kind                     # KIND_RAW / KIND_TENSOR
+    int dtype                    # index into the dtype table, -1 on the raw route
+    int layout                   # index into the layout table, -1 on the raw route
+    int rank
+    int64_t shape[CAP_RANK]
+    int64_t nbytes
+    int64_t priority             # 0: not set
+    int64_t timeout_ms           # 0: not set
+    unsigned int flags           # FLAG_SEQ_*
+    PyObject* vals[CAP_KEYS]     # borrowed: the meta's value strings, by key slot
+
+
+cdef struct name_table_t:
+    # ASCII names with a per-entry integer payload (dtype size, layout rank, ...)
+    int n
+    const char* data[CAP_TABLE]
+    Py_ssize_t length[CAP_TABLE]
+    int64_t a[CAP_TABLE]
+    int64_t b[CAP_TABLE]
+
+
+# ---------------------------------------------------------------- tables from the contract
+cdef object _bad = _c._bad
+cdef object _short = _c._short
+cdef object _names = _c._names
+cdef object _RESERVED_KEYS = _c.RESERVED_KEYS
+cdef object _DTYPES = _c.DTYPES
+cdef object _LAYOUTS = _c.LAYOUTS
+cdef object _EMPTY_CONTRACT = _c.EMPTY_CONTRACT
+
+cdef object KEY_INPUT_KIND = _c.KEY_INPUT_KIND
+cdef object KEY_DTYPE = _c.KEY_DTYPE
+cdef object KEY_SHAPE = _c.KEY_SHAPE
+cdef object KEY_LAYOUT = _c.KEY_LAYOUT
+cdef object KEY_FORMAT = _c.KEY_FORMAT
+cdef object KEY_BYTE_ORDER = _c.KEY_BYTE_ORDER
+cdef object KEY_PREPROCESS_ID = _c.KEY_PREPROCESS_ID
+cdef object KEY_PREPROCESS_SKIP = _c.KEY_PREPROCESS_SKIP
+cdef object KEY_MODEL_ID = _c.KEY_MODEL_ID
+cdef object KEY_MODEL_VERSION = _c.KEY_MODEL_VERSION
+cdef object KEY_SEQUENCE_ID = _c.KEY_SEQUENCE_ID
+cdef object KEY_SEQUENCE_START = _c.KEY_SEQUENCE_START
+cdef object KEY_SEQUENCE_END = _c.KEY_SEQUENCE_END
+cdef object KEY_PRIORITY = _c.KEY_PRIORITY
+cdef object KEY_TIMEOUT_MS = _c.KEY_TIMEOUT_MS
+cdef object FIELD_PAYLOAD = _c.FIELD_PAYLOAD
+
+cdef Py_ssize_t MAX_META_VALUE_CHARS = _c.MAX_META_VALUE_CHARS
+cdef Py_ssize_t MAX_SHAPE_CHARS = _c.MAX_SHAPE_CHARS
+cdef int MAX_RANK = _c.MAX_RANK
+cdef int MAX_DIM_DIGITS = _c.MAX_DIM_DIGITS
+cdef int MAX_PRIORITY_DIGITS = _c.MAX_PRIORITY_DIGITS
+cdef int MAX_TIMEOUT_DIGITS = _c.MAX_TIMEOUT_DIGITS
+cdef Py_ssize_t MAX_SEQUENCE_ID_CHARS = _c.MAX_SEQUENCE_ID_CHARS
+cdef int64_t INT64_MAX = _c.INT64_MAX
+cdef int64_t UNBOUNDED = _c.UNBOUNDED
+
+if MAX_RANK > CAP_RANK or MAX_DIM_DIGITS > CAP_DIGITS or len(_c.RESERVED_KEYS) > CAP_KEYS:
+    raise ImportError("lumen_core._descriptor was compiled for smaller contract limits; rebuild it")
+
+# Wording of the request-key messages owned by contract._parse_uint's callers.
+cdef object WHAT_PRIORITY = "an integer >= 1"
+cdef object WHAT_TIMEOUT = "a positive number of milliseconds"
+
+# Values with one accepted spelling (contract.py writes them inline in its checks).
+cdef object V_RAW = "raw"
+cdef object V_TENSOR = "tensor"
+cdef object V_CONTIGUOUS = "contiguous"
+cdef object V_LITTLE = "little"
+
+# Everything the C tables point into stays alive here.
+cdef list _keep = []
+
+
+cdef const char* _ascii_ptr(object s, Py_ssize_t* n) except NULL:
+    """Pointer to the ASCII bytes of ``s`` (kept alive in ``_keep``)."""
+    if not isinstance(s, str) or not PyUnicode_IS_ASCII(<PyObject*>s):
+        raise ImportError(f"contract table entry {s!r} must be an ASCII str")
+    _keep.append(s)
+    n[0] = PyUnicode_GET_LENGTH(<PyObject*>s)
+    return <const char*>PyUnicode_DATA(<PyObject*>s)
+
+
+cdef int _fill(name_table_t* t, object names, object a, object b) except -1:
+    t.n = 0
+    for i, name in enumerate(names):
+        if i >= CAP_TABLE:
+            raise ImportError("lumen_core._descriptor: contract table larger than CAP_TABLE")
+        t.data[i] = _ascii_ptr(name, &t.length[i])
+        t.a[i] = a[i]
+        t.b[i] = b[i]
+        t.n += 1
+    return 0
+
+
+# reserved keys: slot = position in sorted(RESERVED_KEYS); a = b = unused
+cdef tuple _KEY_OBJS = tuple(sorted(_c.RESERVED_KEYS))
+cdef name_table_t KEYS
+_fill(&KEYS, _KEY_OBJS, [0] * len(_KEY_OBJS), [0] * len(_KEY_OBJS))
+cdef PyObject* KEY_PTRS[CAP_KEYS]
+for _i, _k in enumerate(_KEY_OBJS):
+    KEY_PTRS[_i] = <PyObject*>_k
+
+cdef int S_KIND = _KEY_OBJS.index(KEY_INPUT_KIND)
+cdef int S_DTYPE = _KEY_OBJS.index(KEY_DTYPE)
+cdef int S_SHAPE = _KEY_OBJS.index(KEY_SHAPE)
+cdef int S_LAYOUT = _KEY_OBJS.index(KEY_LAYOUT)
+cdef int S_FORMAT = _KEY_OBJS.index(KEY_FORMAT)
+cdef int S_BYTE_ORDER = _KEY_OBJS.index(KEY_BYTE_ORDER)
+cdef int S_PP_ID = _KEY_OBJS.index(KEY_PREPROCESS_ID)
+cdef int S_PP_SKIP = _KEY_OBJS.index(KEY_PREPROCESS_SKIP)
+cdef int S_MODEL_ID = _KEY_OBJS.index(KEY_MODEL_ID)
+cdef int S_MODEL_VERSION = _KEY_OBJS.index(KEY_MODEL_VERSION)
+cdef int S_SEQ_ID = _KEY_OBJS.index(KEY_SEQUENCE_ID)
+cdef int S_SEQ_START = _KEY_OBJS.index(KEY_SEQUENCE_START)
+cdef int S_SEQ_END = _KEY_OBJS.index(KEY_SEQUENCE_END)
+cdef int S_PRIORITY = _KEY_OBJS.index(KEY_PRIORITY)
+cdef int S_TIMEOUT = _KEY_OBJS.index(KEY_TIMEOUT_MS)
+
+# keys refused on the raw route, in the contract's order
+cdef int N_TENSOR_KEYS = len(_c.TENSOR_KEYS)
+cdef int TENSOR_SLOTS[CAP_KEYS]
+for _i, _k in enumerate(_c.TENSOR_KEYS):
+    TENSOR_SLOTS[_i] = _KEY_OBJS.index(_k)
+
+cdef const char* PREFIX
+cdef Py_ssize_t PREFIX_LEN
+PREFIX = _ascii_ptr(_c.RESERVED_PREFIX, &PREFIX_LEN)
+
+# dtypes: a = itemsize
+cdef tuple _DTYPE_OBJS = tuple(_c.DTYPES)
+cdef name_table_t DTYPES
+_fill(&DTYPES, _DTYPE_OBJS, [_c.DTYPE_SIZES[n] for n in _DTYPE_OBJS], [0] * len(_DTYPE_OBJS))
+
+# layouts: a = rank, b = batch axis (-1: none)
+cdef tuple _LAYOUT_OBJS = tuple(_c.LAYOUTS)
+cdef name_table_t LAYOUTS
+_fill(&LAYOUTS, _LAYOUT_OBJS, [_c.LAYOUTS[n].rank for n in _LAYOUT_OBJS],
+      [-1 if _c.LAYOUTS[n].batch_axis is None else _c.LAYOUTS[n].batch_axis
+       for n in _LAYOUT_OBJS])
+
+# boolean spellings (lower case): a = the value
+cdef tuple _BOOL_OBJS = tuple(_c._TRUE) + tuple(_c._FALSE)
+cdef name_table_t BOOLS
+_fill(&BOOLS, _BOOL_OBJS, [1] * len(_c._TRUE) + [0] * len(_c._FALSE), [0] * len(_BOOL_OBJS))
+for _k in _BOOL_OBJS:
+    if _k != _k.lower() or len(_k) > CAP_BOOL_CHARS:
+        raise ImportError(f"boolean spelling {_k!r} must be lower case and short")
+
+# whitespace the shape parser skips
+cdef bint WS[256]
+memset(WS, 0, sizeof(WS))
+for _k in _c._WS:
+    WS[ord(_k)] = True
+
+
+# ---------------------------------------------------------------- nogil helpers
+cdef inline int _find(const name_table_t* t, const char* p, Py_ssize_t n) noexcept nogil:
+    """Index of the entry equal to ``p[:n]``, -1 when there is none (length, then memcmp)."""
+    cdef int i
+    for i in range(t.n):
+        if t.length[i] == n and memcmp(t.data[i], p, n) == 0:
+            return i
+    return -1
+
+
+cdef int _parse_shape(const char* s, Py_ssize_t n, int64_t* out) noexcept nogil:
+    """Parse ``[d0, d1, ...]`` (ASCII) into ``out``; return the rank, or -1 on any error.
+
+    Mirrors contract.parse_shape step for step; the bounded length was checked by the caller,
+    digit runs are bounded by MAX_DIM_DIGITS so the accumulator never overflows.
+    """
+    cdef Py_ssize_t i = 0, start
+    cdef int rank = 0
+    cdef uint64_t v
+    cdef unsigned char ch
+    while i < n and WS[<unsigned char>s[i]]:
+        i += 1
+    if i >= n or s[i] != b'[':
+        return -1
+    i += 1
+    while True:
+        while i < n and WS[<unsigned char>s[i]]:
+            i += 1
+        if i < n and s[i] == b']' and rank == 0:
+            i += 1
+            break
+        if i < n and s[i] == b'-':
+            return -1
+        start = i
+        v = 0
+        while i < n:
+            ch = <unsigned char>s[i]
+            if ch < 48 or ch > 57:
+                break
+            if i - start < MAX_DIM_DIGITS:
+                v = v * 10 + (ch - 48)
+            i += 1
+        if i == start or i - start > MAX_DIM_DIGITS or v > <uint64_t>INT64_MAX:
+            return -1
+        if rank == MAX_RANK:
+            return -1
+        out[rank] = <int64_t>v
+        rank += 1
+        while i < n and WS[<unsigned char>s[i]]:
+            i += 1
+        if i < n and s[i] == b',':
+            i += 1
+            continue
+        if i < n and s[i] == b']':
+            i += 1
+            break
+        return -1
+    while i < n and WS[<unsigned char>s[i]]:
+        i += 1
+    if i != n or rank == 0:
+        return -1
+    return rank
+
+
+cdef inline bint _shape_nbytes(const int64_t* shape, int rank, int64_t itemsize,
+                               int64_t* out) noexcept nogil:
+    """``itemsize * prod(shape)`` step by step like the contract; False when it overflows."""
+    cdef int64_t total = itemsize
+    cdef int i
+    for i in range(rank):
+        if lumen_mul_overflow(total, shape[i], &total):
+            return False
+    out[0] = total
+    return True
+
+
+cdef inline bint _uint_ascii(const char* p, Py_ssize_t n, int max_digits,
+                             int64_t* out) noexcept nogil:
+    """1..max_digits ASCII digits -> ``out``; False for anything else."""
+    cdef int64_t acc = 0
+    cdef Py_ssize_t i
+    if n < 1 or n > max_digits:
+        return False
+    for i in range(n):
+        if p[i] < b'0' or p[i] > b'9':
+            return False
+        acc = acc * 10 + (p[i] - 48)
+    out[0] = acc
+    return True
+
+
+cdef inline int _bool_ascii(const char* p, Py_ssize_t n) noexcept nogil:
+    """1 / 0 for an accepted boolean spelling (ASCII case-insensitive), -1 otherwise."""
+    cdef char buf[CAP_BOOL_CHARS]
+    cdef Py_ssize_t i
+    cdef int j
+    if n > CAP_BOOL_CHARS:
+        return -1
+    for i in range(n):
+        buf[i] = p[i] + 32 if b'A' <= p[i] <= b'Z' else p[i]
+    j = _find(&BOOLS, buf, n)
+    return -1 if j < 0 else <int>BOOLS.a[j]
+
+
+# ---------------------------------------------------------------- string views (GIL, no refs)
+cdef inline bint _has_prefix(PyObject* s) noexcept:
+    """``s.startswith(RESERVED_PREFIX)`` on the character data, any string kind."""
+    cdef Py_ssize_t i
+    cdef unsigned int kind
+    cdef void* data
+    if PyUnicode_GET_LENGTH(s) < PREFIX_LEN:
+        return False
+    kind = PyUnicode_KIND(s)
+    data = PyUnicode_DATA(s)
+    if kind == 1:
+        return memcmp(data, PREFIX, PREFIX_LEN) == 0
+    for i in range(PREFIX_LEN):
+        if PyUnicode_READ(kind, data, i) != <Py_UCS4>PREFIX[i]:
+            return False
+    return True
+
+
+cdef inline int _key_slot(PyObject* k) noexcept:
+    """Slot of a reserved key: identity with the contract's constants first, then the data."""
+    cdef int i
+    for i in range(KEYS.n):
+        if KEY_PTRS[i] == k:
+            return i
+    if not PyUnicode_IS_ASCII(k):
+        return -1
+    return _find(&KEYS, <const char*>PyUnicode_DATA(k), PyUnicode_GET_LENGTH(k))
+
+
+cdef inline int _lookup(const name_table_t* t, PyObject* s) noexcept:
+    if not PyUnicode_IS_ASCII(s):
+        return -1
+    return _find(t, <const char*>PyUnicode_DATA(s), PyUnicode_GET_LENGTH(s))
+
+
+cdef inline bint _equals(PyObject* s, object literal) noexcept:
+    """``s == literal`` for an ASCII ``literal``."""
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(<PyObject*>literal)
+    return (PyUnicode_IS_ASCII(s) and PyUnicode_GET_LENGTH(s) == n
+            and memcmp(PyUnicode_DATA(s), PyUnicode_DATA(<PyObject*>literal), n) == 0)
+
+
+# ---------------------------------------------------------------- the result
+@cython.freelist(64)
+cdef class Descriptor:
+    """A request's validated ``lumen.*`` metadata (same attributes as contract.Descriptor).
+
+    ``kind`` is ``"raw"`` or ``"tensor"``; tensor fields are None on the raw route.
+    ``priority`` / ``timeout_ms`` are 0 when the request does not set them.
+    ``spec_index`` is the index of the matching TensorSpec (-1 on the raw route).
+    """
+
+    cdef public object kind, dtype, shape, layout, preprocess_id, model_id, model_version
+    cdef public object nbytes, spec_index, priority, timeout_ms
+    cdef public object sequence_id, sequence_start, sequence_end
+
+    def __init__(self, kind="raw", dtype=None, shape=None, layout=None, preprocess_id=None,
+                 model_id=None, model_version=None, nbytes=0, spec_index=-1, priority=0,
+                 timeout_ms=0, sequence_id=None, sequence_start=False, sequence_end=False):
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.layout = layout
+        self.preprocess_id = preprocess_id
+        self.model_id = model_id
+        self.model_version = model_version
+        self.nbytes = nbytes
+        self.spec_index = spec_index
+        self.priority = priority
+        self.timeout_ms = timeout_ms
+        self.sequence_id = sequence_id
+        self.sequence_start = sequence_start
+        self.sequence_end = sequence_end
+
+    def astuple(self) -> tuple:
+        """The fields in ``contract.Descriptor.__slots__`` order."""
+        return (self.kind, self.dtype, self.shape, self.layout, self.preprocess_id,
+                self.model_id, self.model_version, self.nbytes, self.spec_index,
+                self.priority, self.timeout_ms, self.sequence_id, self.sequence_start,
+                self.sequence_end)
+
+    def __eq__(self, other):
+        return hasattr(other, "astuple") and self.astuple() == other.astuple()
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return "Descriptor(" + ", ".join(
+            f"{k}={v!r}" for k, v in zip(_c.Descriptor.__slots__, self.astuple())) + ")"
+
+    def __reduce__(self):
+        return (Descriptor, self.astuple())
+
+
+for _k in _c.Descriptor.__slots__:
+    if not hasattr(Descriptor, _k):
+        raise ImportError(f"compiled Descriptor lacks the contract field {_k!r}")
+
+
+cdef inline Descriptor _new_descriptor():
+    """The defaults of contract.Descriptor() without running ``__init__``."""
+    cdef Descriptor o = Descriptor.__new__(Descriptor)
+    o.kind = V_RAW
+    o.nbytes = 0
+    o.spec_index = -1
+    o.priority = 0
+    o.timeout_ms = 0
+    o.sequence_start = False
+    o.sequence_end = False
+    return o
+
+
+# ---------------------------------------------------------------- step 0: one pass over meta
+cdef int _take(desc_t* d, PyObject* k, PyObject* v) except -1:
+    cdef int slot
+    if not PyUnicode_Check(k):
+        raise _bad(None, f"meta keys must be strings, got {type(<object>k).__name__}")
+    if not _has_prefix(k):
+        return 0
+    slot = _key_slot(k)
+    if slot < 0:
+        key = <object>k
+        raise _bad(key, f"unknown reserved key {_short(key)}; known lumen.* keys: "
+                        f"{_names(_RESERVED_KEYS)}")
+    if not PyUnicode_Check(v):
+        key = <object>k
+        raise _bad(key, f"{key} must be a string, got {type(<object>v).__name__}")
+    if PyUnicode_GET_LENGTH(v) > MAX_META_VALUE_CHARS:
+        key = <object>k
+        raise _bad(key, f"{key} is {PyUnicode_GET_LENGTH(v)} characters long; at most "
+                        f"{MAX_META_VALUE_CHARS} are accepted")
+    if d.vals[slot] == NULL:
+        d.n_lumen += 1
+    d.vals[slot] = v
+    return 0
+
+
+cdef object _collect(desc_t* d, object meta):
+    """Fill ``d.vals``; return the object that keeps the borrowed values alive.
+
+    An exact dict is walked with PyDict_Next (its values stay owned by ``meta``); any other
+    mapping goes through ``.items()`` like the contract, each value kept in a list.
+    """
+    cdef Py_ssize_t pos = 0
+    cdef PyObject* k
+    cdef PyObject* v
+    cdef list keep
+    if PyDict_CheckExact(meta):
+        while PyDict_Next(meta, &pos, &k, &v):
+            _take(d, k, v)
+        return meta
+    keep = []
+    for key, value in meta.items():
+        keep.append(value)
+        _take(d, <PyObject*>key, <PyObject*>value)
+    return keep
+
+
+# ---------------------------------------------------------------- step 1: request keys
+cdef int64_t _uint(desc_t* d, int slot, object key, int max_digits, object what) except -1:
+    cdef PyObject* v = d.vals[slot]
+    cdef int64_t out
+    if PyUnicode_IS_ASCII(v) and _uint_ascii(<const char*>PyUnicode_DATA(v),
+                                             PyUnicode_GET_LENGTH(v), max_digits, &out):
+        return out
+    # cold: the contract's helper raises with its message
+    return _c._parse_uint(key, <object>v, max_digits, what)
+
+
+cdef int _bool(desc_t* d, int slot, object key) except -1:
+    cdef PyObject* v = d.vals[slot]
+    cdef int r = -1
+    if PyUnicode_IS_ASCII(v):
+        r = _bool_ascii(<const char*>PyUnicode_DATA(v), PyUnicode_GET_LENGTH(v))
+    if r >= 0:
+        return r
+    # cold: the contract's helper raises (or accepts a spelling only str.lower() knows)
+    return 1 if _c._parse_bool(key, <object>v) else 0
+
+
+cdef int _request_keys(desc_t* d) except -1:
+    cdef PyObject* v = d.vals[S_KIND]
+    cdef Py_ssize_t n
+    cdef int skip
+    if v != NULL:
+        if _equals(v, V_RAW):
+            d.kind = KIND_RAW
+        elif _equals(v, V_TENSOR):
+            d.kind = KIND_TENSOR
+        else:
+            raise _bad(KEY_INPUT_KIND, f"{KEY_INPUT_KIND} must be 'raw' or 'tensor', "
+                                       f"got {_short(<object>v)}")
+    if d.vals[S_PRIORITY] != NULL:
+        d.priority = _uint(d, S_PRIORITY, KEY_PRIORITY, MAX_PRIORITY_DIGITS, WHAT_PRIORITY)
+        if d.priority < 1:
+            raise _bad(KEY_PRIORITY, f"{KEY_PRIORITY} must be >= 1 (1 is the highest)")
+    if d.vals[S_TIMEOUT] != NULL:
+        d.timeout_ms = _uint(d, S_TIMEOUT, KEY_TIMEOUT_MS, MAX_TIMEOUT_DIGITS, WHAT_TIMEOUT)
+        if d.timeout_ms < 1:
+            raise _bad(KEY_TIMEOUT_MS, f"{KEY_TIMEOUT_MS} must be >= 1")
+    v = d.vals[S_SEQ_ID]
+    if v != NULL:
+        n = PyUnicode_GET_LENGTH(v)
+        if n == 0 or n > MAX_SEQUENCE_ID_CHARS:
+            raise _bad(KEY_SEQUENCE_ID, f"{KEY_SEQUENCE_ID} must be a non-empty string of at "
+                                        f"most {MAX_SEQUENCE_ID_CHARS} characters")
+    if d.vals[S_SEQ_START] != NULL and _bool(d, S_SEQ_START, KEY_SEQUENCE_START):
+        d.flags |= FLAG_SEQ_START
+    if d.vals[S_SEQ_END] != NULL and _bool(d, S_SEQ_END, KEY_SEQUENCE_END):
+        d.flags |= FLAG_SEQ_END
+    if d.vals[S_PP_SKIP] != NULL:
+        skip = _bool(d, S_PP_SKIP, KEY_PREPROCESS_SKIP)
+        if skip and d.kind == KIND_RAW:
+            raise _bad(KEY_PREPROCESS_SKIP, f"{KEY_PREPROCESS_SKIP}=true needs "
+                                            f"{KEY_INPUT_KIND}=tensor")
+        if not skip and d.kind == KIND_TENSOR:
+            raise _bad(KEY_PREPROCESS_SKIP, f"tensor inputs are already preprocessed; "
+                                            f"{KEY_PREPROCESS_SKIP}=false is contradictory")
+    return 0
+
+
+# ---------------------------------------------------------------- step 2: raw route
+cdef int _check_model(desc_t* d, object contract) except -1:
+    cdef PyObject* v = d.vals[S_MODEL_ID]
+    if v != NULL:
+        want = contract.model_id
+        if <object>v != want:
+            raise _bad(KEY_MODEL_ID, f"{KEY_MODEL_ID} {_short(<object>v)} does not match the "
+                                     f"task's model {want!r} (the task routes, never the model id)")
+    v = d.vals[S_MODEL_VERSION]
+    if v != NULL:
+        want = contract.model_version
+        if <object>v != want:
+            raise _bad(KEY_MODEL_VERSION, f"{KEY_MODEL_VERSION} {_short(<object>v)} does not "
+                                          f"match the task's model version {want!r}")
+    return 0
+
+
+cdef int _check_raw(desc_t* d, object contract) except -1:
+    cdef int i
+    cdef PyObject* v
+    for i in range(N_TENSOR_KEYS):
+        if d.vals[TENSOR_SLOTS[i]] != NULL:
+            key = _KEY_OBJS[TENSOR_SLOTS[i]]
+            raise _bad(key, f"{key} is only valid with {KEY_INPUT_KIND}=tensor")
+    v = d.vals[S_PP_ID]
+    if v != NULL:
+        accepted = contract.raw_preprocess_ids
+        if <object>v not in accepted:
+            raise _bad(KEY_PREPROCESS_ID, f"raw input is preprocessed with "
+                                          f"{_names(accepted)}, not {_short(<object>v)}")
+    return _check_model(d, contract)
+
+
+# ---------------------------------------------------------------- step 3: tensor route
+cdef list _shape_list(desc_t* d):
+    return [d.shape[i] for i in range(d.rank)]
+
+
+cdef tuple _shape_tuple(desc_t* d):
+    cdef tuple t = PyTuple_New(d.rank)
+    cdef int i
+    for i in range(d.rank):
+        item = PyLong_FromLongLong(d.shape[i])
+        Py_INCREF(item)
+        PyTuple_SET_ITEM(t, i, item)
+    return t
+
+
+cdef object _tensor_shape(desc_t* d, object contract):
+    """dtype, shape and byte length (SPEC checks 1 and 2); returns the dtype name."""
+    cdef PyObject* v = d.vals[S_DTYPE]
+    cdef Py_ssize_t n
+    if v == NULL:
+        raise _bad(KEY_DTYPE, f"{KEY_DTYPE} is required for tensor input")
+    d.dtype = _lookup(&DTYPES, v)
+    if d.dtype < 0:
+        raise _bad(KEY_DTYPE, f"unknown dtype {_short(<object>v)}; known: {_names(_DTYPES)}")
+    dtype = _DTYPE_OBJS[d.dtype]
+    if dtype not in contract.dtypes:
+        raise _bad(KEY_DTYPE, f"dtype {dtype} is not accepted by this task; accepted: "
+                              f"{_names(contract.dtypes)}")
+    v = d.vals[S_SHAPE]
+    if v == NULL:
+        raise _bad(KEY_SHAPE, f"{KEY_SHAPE} is required for tensor input")
+    n = PyUnicode_GET_LENGTH(v)
+    # a hostile length is refused here in O(1); a non-ASCII shape can only be an error
+    d.rank = -1
+    if n <= MAX_SHAPE_CHARS and PyUnicode_IS_ASCII(v):
+        # no GIL release: a <=256-byte parse is cheaper than the release/re-acquire
+        d.rank = _parse_shape(<const char*>PyUnicode_DATA(v), n, d.shape)
+    if d.rank < 0:
+        _c.parse_shape(<object>v)  # cold: raises with the contract's message
+        raise InternalError(f"compiled shape parser refused {_short(<object>v)}; "
+                            f"contract.parse_shape accepted it", KEY_SHAPE)
+    if not _shape_nbytes(d.shape, d.rank, DTYPES.a[d.dtype], &d.nbytes):
+        _c.shape_nbytes(_shape_list(d), DTYPES.a[d.dtype])  # cold: raises
+        raise InternalError("compiled byte-length check disagrees with contract.shape_nbytes",
+                            KEY_SHAPE)
+    return dtype
+
+
+cdef int _payload_matches(desc_t* d, object payload_nbytes) except -1:
+    cdef int overflow = 0
+    cdef long long got
+    if PyLong_CheckExact(<PyObject*>payload_nbytes):
+        got = PyLong_AsLongLongAndOverflow(payload_nbytes, &overflow)
+        return overflow == 0 and got == d.nbytes
+    return not (payload_nbytes != d.nbytes)
+
+
+cdef inline bint _dim_ok(int64_t dim, object lo, object hi) except -1:
+    """``lo <= dim and (hi == UNBOUNDED or dim <= hi)`` -- C compare when the bounds fit."""
+    cdef int o1 = 0, o2 = 0
+    cdef long long clo, chi
+    if PyLong_CheckExact(<PyObject*>lo) and PyLong_CheckExact(<PyObject*>hi):
+        clo = PyLong_AsLongLongAndOverflow(lo, &o1)
+        chi = PyLong_AsLongLongAndOverflow(hi, &o2)
+        if o1 == 0 and o2 == 0:
+            return not (dim < clo or (chi != UNBOUNDED and dim > chi))
+    return not (dim < lo or (hi != UNBOUNDED and dim > hi))
+
+
+cdef int _check_dims(desc_t* d, object spec_dims) except -1:
+    """The task's per-dimension constraints (SPEC check 9)."""
+    cdef int axis = 0
+    for lo, hi in spec_dims:
+        if axis >= d.rank:
+            break
+        if not _dim_ok(d.shape[axis], lo, hi):
+            want = str(lo) if lo == hi else (f"{lo} <= d" + ("" if hi == UNBOUNDED else f" <= {hi}"))
+            raise _bad(KEY_SHAPE, f"dimension {axis} of {_shape_list(d)} is {d.shape[axis]}; "
+                                  f"this task needs {want}")
+        axis += 1
+    return 0
+
+
+cdef Descriptor _check_tensor(desc_t* d, object payload_nbytes, object contract):
+    cdef PyObject* v
+    cdef int64_t batch_axis
+    # 1. dtype, 2. shape (+ byte length)
+    dtype = _tensor_shape(d, contract)
+    # 3. layout
+    v = d.vals[S_LAYOUT]
+    if v == NULL:
+        raise _bad(KEY_LAYOUT, f"{KEY_LAYOUT} is required for tensor input; accepted: "
+                               f"{_names(contract.layouts)}")
+    d.layout = _lookup(&LAYOUTS, v)
+    if d.layout < 0:
+        raise _bad(KEY_LAYOUT, f"unknown layout {_short(<object>v)}; known: {_names(_LAYOUTS)}")
+    layout = _LAYOUT_OBJS[d.layout]
+    if layout not in contract.layouts:
+        raise _bad(KEY_LAYOUT, f"layout {layout} is not accepted by this task; accepted: "
+                               f"{_names(contract.layouts)}")
+    if LAYOUTS.a[d.layout] != d.rank:
+        raise _bad(KEY_LAYOUT, f"layout {layout} has rank {LAYOUTS.a[d.layout]} but the shape "
+                               f"{_shape_list(d)} has rank {d.rank}")
+    # 4. payload length
+    if not _payload_matches(d, payload_nbytes):
+        raise _bad(FIELD_PAYLOAD, f"payload is {payload_nbytes} bytes but {dtype} "
+                                  f"{_shape_list(d)} needs exactly {d.nbytes}")
+    # 5. preprocess id
+    v = d.vals[S_PP_ID]
+    if v == NULL:
+        raise _bad(KEY_PREPROCESS_ID, f"{KEY_PREPROCESS_ID} is required for tensor input; "
+                                      f"accepted: {_names(contract.preprocess_ids)}")
+    pp = <object>v
+    if pp not in contract.preprocess_ids:
+        raise _bad(KEY_PREPROCESS_ID, f"preprocess id {_short(pp)} is not accepted by this "
+                                      f"task; accepted: {_names(contract.preprocess_ids)}")
+    # 6. no payload batches
+    batch_axis = LAYOUTS.b[d.layout]
+    if batch_axis >= 0 and d.shape[batch_axis] != 1:
+        raise _bad(KEY_SHAPE, f"the batch dimension of {_shape_list(d)} must be 1: send many "
+                              f"inputs as many requests, batching is the runtime's job")
+    # 7. model id / version
+    _check_model(d, contract)
+    # 8. format / byte order
+    v = d.vals[S_FORMAT]
+    if v != NULL and not _equals(v, V_CONTIGUOUS):
+        raise _bad(KEY_FORMAT, f"{KEY_FORMAT} must be 'contiguous', got {_short(<object>v)}")
+    v = d.vals[S_BYTE_ORDER]
+    if v != NULL and not _equals(v, V_LITTLE):
+        raise _bad(KEY_BYTE_ORDER, f"{KEY_BYTE_ORDER} must be 'little', got {_short(<object>v)}")
+    # 9. the task's per-dimension constraints
+    idx = contract.index.get((dtype, layout, pp))
+    if idx is None:
+        raise _bad(KEY_PREPROCESS_ID, f"no tensor signature of this task has dtype={dtype} "
+                                      f"layout={layout} preprocess={pp}; accepted: "
+                                      f"{[s.describe() for s in contract.specs]}")
+    _check_dims(d, contract.specs[idx].dims)
+    cdef Descriptor out = _new_descriptor()
+    out.dtype = dtype
+    out.shape = _shape_tuple(d)
+    out.layout = layout
+    out.preprocess_id = pp
+    out.nbytes = d.nbytes
+    out.spec_index = idx
+    return out
+
+
+# ---------------------------------------------------------------- entry points
+cdef inline void _fill_request_fields(Descriptor out, desc_t* d):
+    cdef PyObject* v = d.vals[S_KIND]
+    if v != NULL:
+        out.kind = <object>v
+    if d.priority:
+        out.priority = d.priority
+    if d.timeout_ms:
+        out.timeout_ms = d.timeout_ms
+    v = d.vals[S_SEQ_ID]
+    if v != NULL:
+        out.sequence_id = <object>v
+    out.sequence_start = (d.flags & FLAG_SEQ_START) != 0
+    out.sequence_end = (d.flags & FLAG_SEQ_END) != 0
+    v = d.vals[S_MODEL_ID]
+    if v != NULL:
+        out.model_id = <object>v
+    v = d.vals[S_MODEL_VERSION]
+    if v != NULL:
+        out.model_version = <object>v
+
+
+def parse_meta(meta, payload_nbytes, contract=_EMPTY_CONTRACT) -> Descriptor:
+    """Validate ``meta`` against ``contract``; see ``lumen_core.contract.parse_meta``."""
+    cdef desc_t d
+    cdef Descriptor out
+    cdef PyObject* v
+    if meta is None or (PyDict_Size(meta) == 0 if PyDict_CheckExact(meta) else not meta):
+        return _new_descriptor()
+    memset(&d, 0, sizeof(desc_t))
+    keep = _collect(&d, meta)  # noqa: F841  (holds the borrowed value pointers alive)
+    if d.n_lumen == 0:
+        return _new_descriptor()
+    _request_keys(&d)
+    if d.kind == KIND_RAW:
+        _check_raw(&d, contract)
+        out = _new_descriptor()
+        v = d.vals[S_PP_ID]
+        if v != NULL:
+            out.preprocess_id = <object>v
+    else:
+        out = _check_tensor(&d, payload_nbytes, contract)
+    _fill_request_fields(out, &d)
+    return out
+
+
+def parse_shape(text: str) -> tuple:
+    """Compiled ``contract.parse_shape``: ``[d0, d1, ...]`` -> tuple of non-negative ints."""
+    cdef desc_t d
+    cdef Py_ssize_t n
+    if not isinstance(text, str):
+        return _c.parse_shape(text)  # the contract's behaviour for a non-str, whatever it is
+    n = PyUnicode_GET_LENGTH(<PyObject*>text)
+    d.rank = -1
+    if n <= MAX_SHAPE_CHARS and PyUnicode_IS_ASCII(<PyObject*>text):
+        d.rank = _parse_shape(<const char*>PyUnicode_DATA(<PyObject*>text), n, d.shape)
+    if d.rank < 0:
+        _c.parse_shape(text)
+        raise InternalError(f"compiled shape parser refused {_short(text)}; "
+                            f"contract.parse_shape accepted it", KEY_SHAPE)
+    return _shape_tuple(&d)
