@@ -1,0 +1,260 @@
+"""Runtime + generic onnx backend + ORT engine, end to end on small generated models."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+import lumen_core as lc
+import onnx_models as M
+from lumen_core.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    M.mlp(d / "mlp.onnx")
+    M.mlp(d / "failing.onnx", fail_marker=True)
+    M.scale(d / "scale.onnx", dims=("N", "L"))
+    M.scale(d / "scale_fixed.onnx", dims=("N", 3, 4))
+    M.nan_for_negative(d / "sqrt.onnx")
+    return d
+
+
+def task(name, path, **batching):
+    batching.setdefault("max_queue_delay_us", 0)
+    return {"name": name, "backend": "onnx", "model": str(path), "batching": batching}
+
+
+def mlp_req(x: np.ndarray, task_name="mlp", **meta):
+    b = lc.new_infer_request(task_name).for_tensor_array(x.reshape(1, -1), layout="NC",
+                                                         preprocess_id="none")
+    for k, v in meta.items():
+        b.with_meta(k, v)
+    return b.build()
+
+
+def test_thousand_concurrent_callers_on_a_real_model(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=32, max_queue_size=2000)]}
+    xs = np.random.default_rng(1).standard_normal((1000, 16)).astype(np.float32)
+    ref = M.mlp_reference(xs)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            return await asyncio.gather(*[rt.infer(mlp_req(xs[i])) for i in range(1000)])
+
+    res = asyncio.run(main())
+    for i, r in enumerate(res):
+        np.testing.assert_allclose(r.outputs["y"], ref[i], atol=1e-5)
+    sizes = [int(r.meta["lumen.batch.size"]) for r in res]
+    assert max(sizes) > 1 and max(sizes) <= 32
+    assert all(int(r.meta["lumen.compute_us"]) > 0 for r in res)
+
+
+def test_model_failure_lands_only_on_the_marked_request(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "failing.onnx", max_batch_size=16)]}
+    xs = np.random.default_rng(2).standard_normal((64, 16)).astype(np.float32)
+    xs[[5, 40], 0] = M.FAIL_MARKER
+    ref = M.mlp_reference(xs)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            return await asyncio.gather(*[rt.infer(mlp_req(xs[i])) for i in range(64)],
+                                        return_exceptions=True)
+
+    res = asyncio.run(main())
+    for i, r in enumerate(res):
+        if i in (5, 40):
+            assert isinstance(r, lc.InternalError), r
+        else:
+            np.testing.assert_allclose(r.outputs["y"], ref[i], atol=1e-5)
+
+
+def test_non_finite_output_is_an_internal_error_for_that_request_only(model_dir):
+    cfg = {"tasks": [task("sqrt", model_dir / "sqrt.onnx", max_batch_size=8)]}
+    xs = np.abs(np.random.default_rng(3).standard_normal((16, 4))).astype(np.float32)
+    xs[3, 2] = -1.0
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            return await asyncio.gather(*[rt.infer(mlp_req(xs[i], "sqrt")) for i in range(16)],
+                                        return_exceptions=True)
+
+    res = asyncio.run(main())
+    assert isinstance(res[3], lc.InternalError) and "non-finite" in res[3].message
+    for i, r in enumerate(res):
+        if i != 3:
+            np.testing.assert_allclose(r.outputs["y"], np.sqrt(xs[i]), rtol=1e-6)
+
+
+def test_signatures_never_mix_and_shapes_batch_separately(model_dir):
+    cfg = {"tasks": [dict(task("scale", model_dir / "scale.onnx", max_batch_size=16),
+                          options={"layout": "NL"})]}
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal((1, 1 + i % 4)).astype(np.float32) for i in range(80)]
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            reqs = [lc.new_infer_request("scale").for_tensor_array(a, "NL", "none").build()
+                    for a in arrays]
+            return await asyncio.gather(*[rt.infer(r) for r in reqs])
+
+    res = asyncio.run(main())
+    for a, r in zip(arrays, res):
+        np.testing.assert_allclose(r.outputs["y"], a[0] * 2)
+
+
+def test_generic_contract_is_derived_from_the_model(model_dir):
+    cfg = {"tasks": [task("fixed", model_dir / "scale_fixed.onnx"),
+                     dict(task("dyn", model_dir / "scale.onnx"),
+                          options={"preprocess_ids": ["p1", "p2"], "max_dim": 8, "layout": "NL"})]}
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            desc = rt.describe()
+            sig = desc["fixed"]["tensor_signatures"][0]
+            assert sig["dtype"] == "fp32" and sig["layout"] == "NCL" and sig["shape"] == [1, 3, 4]
+            dyn = desc["dyn"]["tensor_signatures"][0]
+            assert dyn["shape"] == [1, [1, 8]] and dyn["preprocess_ids"] == ["p1", "p2"]
+            ok = await rt.infer(lc.new_infer_request("fixed").for_tensor_array(
+                np.ones((1, 3, 4), np.float32), "NCL", "none").build())
+            assert ok.outputs["y"].shape == (3, 4)
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(lc.new_infer_request("fixed").for_tensor_array(
+                    np.ones((1, 3, 5), np.float32), "NCL", "none").build())
+            assert ei.value.field == "lumen.tensor.shape"
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(lc.new_infer_request("dyn").for_tensor_array(
+                    np.ones((1, 9), np.float32), "NL", "p1").build())
+            assert ei.value.field == "lumen.tensor.shape"
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(lc.new_infer_request("dyn").for_tensor_array(
+                    np.ones((1, 4), np.float32), "NL", "p3").build())
+            assert ei.value.field == "lumen.preprocess.id"
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(lc.new_infer_request("dyn").for_tensor_array(
+                    np.ones((1, 4), np.int64), "NL", "p1").build())
+            assert ei.value.field == "lumen.tensor.dtype"
+
+    asyncio.run(main())
+
+
+def test_request_errors_are_specific(model_dir):
+    cfg = {"server": {"max_payload_bytes": 1024},
+           "tasks": [task("mlp", model_dir / "mlp.onnx")]}
+    x = np.ones(16, np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            with pytest.raises(lc.TaskNotFound) as ei:
+                await rt.infer(lc.InferRequest("nope", b"", "text/plain"))
+            assert ei.value.field == "task" and "mlp" in ei.value.message
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(lc.InferRequest("mlp", b"hello", "text/plain"))
+            assert ei.value.field == "lumen.input.kind"
+            with pytest.raises(lc.PayloadTooLarge):
+                await rt.infer(lc.InferRequest("mlp", b"x" * 2048, "application/octet-stream"))
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(lc.InferRequest("mlp", 12345, "application/octet-stream"))
+            assert ei.value.field == "payload"
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(mlp_req(x, **{"lumen.priority": "2"}))
+            assert ei.value.field == "lumen.priority"
+            with pytest.raises(lc.InvalidArgument) as ei:
+                await rt.infer(mlp_req(x, **{"lumen.model.id": "other"}))
+            assert ei.value.field == "lumen.model.id"
+            # the process keeps serving after every error
+            ok = await rt.infer(mlp_req(x, **{"lumen.model.id": "mlp", "lumen.timeout_ms": "5000"}))
+            assert ok.outputs["y"].shape == (8,)
+
+    asyncio.run(main())
+
+
+def test_exit_drains_in_flight_work(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=4)]}
+    xs = np.ones((40, 16), np.float32)
+
+    async def main():
+        rt = lc.Runtime.from_dict(cfg)
+        async with rt:
+            futs = [asyncio.ensure_future(rt.infer(mlp_req(xs[i]))) for i in range(40)]
+            await asyncio.sleep(0)
+        assert all(f.done() and not f.exception() for f in futs)
+        with pytest.raises(lc.Unavailable):
+            await rt.infer(mlp_req(xs[0]))
+
+    asyncio.run(main())
+
+
+def test_infer_sync_from_a_plain_thread(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx")]}
+    x = np.random.default_rng(5).standard_normal(16).astype(np.float32)
+    with lc.Runtime.from_dict(cfg) as rt:
+        r = rt.infer_sync(mlp_req(x))
+        np.testing.assert_allclose(r.outputs["y"], M.mlp_reference(x[None])[0], atol=1e-5)
+        assert r.task == "mlp" and len(r.correlation_id) == 32
+
+
+def test_multiple_instances_share_the_load(model_dir):
+    cfg = {"tasks": [dict(task("mlp", model_dir / "mlp.onnx", max_batch_size=8), instances=2,
+                          intra_op_threads=1)]}
+    xs = np.random.default_rng(6).standard_normal((200, 16)).astype(np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            res = await asyncio.gather(*[rt.infer(mlp_req(xs[i])) for i in range(200)])
+            counts = [i.stats["items"] for i in rt.tasks["mlp"].instances]
+            return res, counts
+
+    res, counts = asyncio.run(main())
+    np.testing.assert_allclose(np.stack([r.outputs["y"] for r in res]), M.mlp_reference(xs), atol=1e-5)
+    assert sum(counts) >= 200 and all(c > 0 for c in counts)
+
+
+@pytest.mark.parametrize("cfg, key, problem", [
+    ({"tasks": [{"name": "a", "backend": "onnx", "model": "x.onnx", "batching": {"max_batch_size": 0}}]},
+     "tasks[0].batching.max_batch_size", ">= 1"),
+    ({"tasks": [{"name": "a", "backend": "onnx", "model": "x.onnx", "instancez": 2}]},
+     "tasks[0].instancez", "unknown key"),
+    ({"tasks": [{"name": "a", "backend": "onnx", "device": "tpu"}]}, "tasks[0].device", "cuda:N"),
+    ({"tasks": [{"backend": "onnx"}]}, "tasks[0].name", "required"),
+    ({"tasks": [{"name": "a", "backend": "onnx"}, {"name": "a", "backend": "onnx"}]},
+     "tasks[1].name", "duplicate"),
+    ({"server": {"http_port": "80"}}, "server.http_port", "integer"),
+    ({"tasks": [{"name": "a", "backend": "onnx", "batching": {"preferred_batch_sizes": [64]}}]},
+     "tasks[0].batching.preferred_batch_sizes", "max_batch_size"),
+])
+def test_config_errors_name_file_key_and_problem(cfg, key, problem):
+    with pytest.raises(ConfigError) as ei:
+        lc.Runtime.from_dict(cfg, source="my.toml")
+    assert ei.value.key == key and problem in ei.value.problem
+    assert str(ei.value).startswith(f"my.toml: {key}: ")
+
+
+def test_config_file_and_load_errors(tmp_path, model_dir):
+    p = tmp_path / "lumen.toml"
+    p.write_text('[[tasks]]\nname = "m"\nbackend = "onnx"\nmodel = "missing.onnx"\n')
+    rt = lc.Runtime.from_config(str(p))
+    with pytest.raises(ConfigError) as ei:
+        asyncio.run(rt.start())
+    assert ei.value.key == "tasks[0].model" and str(p) in str(ei.value)
+    p.write_text('[[tasks]]\nname = "m"\nbackend = "nope"\n')
+    with pytest.raises(ConfigError) as ei:
+        asyncio.run(lc.Runtime.from_config(str(p)).start())
+    assert ei.value.key == "tasks[0].backend" and "onnx" in ei.value.problem
+    p.write_text("[[tasks]\n")
+    with pytest.raises(ConfigError) as ei:
+        lc.Runtime.from_config(str(p))
+    assert ei.value.key == "<syntax>"
+    # relative model paths resolve against the config file's folder
+    (tmp_path / "m.onnx").write_bytes((model_dir / "mlp.onnx").read_bytes())
+    p.write_text('[[tasks]]\nname = "m"\nbackend = "onnx"\nmodel = "m.onnx"\n[tasks.batching]\nmax_queue_delay_us = 0\n')
+
+    async def main():
+        async with lc.Runtime.from_config(str(p)) as rt:
+            r = await rt.infer(mlp_req(np.ones(16, np.float32), "m"))
+            assert r.outputs["y"].shape == (8,)
+
+    asyncio.run(main())
