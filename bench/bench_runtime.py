@@ -1,0 +1,116 @@
+"""In-process runtime efficiency (issue 3): 256 concurrent callers vs the ideal offline loop.
+
+The ideal loop feeds ORT perfectly batched inputs (pre-stacked batches of ``max_batch_size``)
+with the same session settings; the ratio ours / ideal is the runtime's efficiency, and
+``1/ours - 1/ideal`` is the per-request overhead it adds.  Both run in this one process, one
+after the other, so the ratio is measured under the same machine conditions.
+
+    python bench/bench_runtime.py [--callers 256] [--requests 20000] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import onnx_models as M  # noqa: E402
+
+import lumen_core as lc  # noqa: E402
+from lumen_core import native  # noqa: E402
+from lumen_core.engine.ort import session_options  # noqa: E402
+
+D_IN, D_HIDDEN, D_OUT = 256, 512, 128
+
+
+def ideal(path: str, xs: np.ndarray, batch: int, threads: int) -> float:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, session_options(threads, False),
+                                providers=["CPUExecutionProvider"])
+    batches = [np.ascontiguousarray(xs[i:i + batch]) for i in range(0, len(xs), batch)]
+    for b in batches[:5]:
+        sess.run(["y"], {"x": b})
+    t0 = time.perf_counter()
+    for b in batches:
+        sess.run(["y"], {"x": b})
+    return len(xs) / (time.perf_counter() - t0)
+
+
+def single_call_us(path: str, xs: np.ndarray, threads: int) -> float:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, session_options(threads, False),
+                                providers=["CPUExecutionProvider"])
+    n = 2000
+    for i in range(50):
+        sess.run(["y"], {"x": xs[i:i + 1]})
+    t0 = time.perf_counter()
+    for i in range(n):
+        sess.run(["y"], {"x": xs[i:i + 1]})
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+async def ours(path: str, xs: np.ndarray, callers: int, batch: int, threads: int) -> tuple:
+    cfg = {"tasks": [{"name": "mlp", "backend": "onnx", "model": path, "intra_op_threads": threads,
+                      "batching": {"max_batch_size": batch, "max_queue_delay_us": 0,
+                                   "max_queue_size": callers * 2}}]}
+    reqs = [lc.new_infer_request("mlp").for_tensor_array(xs[i:i + 1], "NC", "none").build()
+            for i in range(len(xs))]
+    async with lc.Runtime.from_dict(cfg) as rt:
+        for r in reqs[:batch * 4]:
+            await rt.infer(r)
+        per = len(reqs) // callers
+        sizes: list = []
+
+        async def caller(k: int) -> None:
+            for r in reqs[k * per:(k + 1) * per]:
+                resp = await rt.infer(r)
+                sizes.append(int(resp.meta["lumen.batch.size"]))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[caller(k) for k in range(callers)])
+        dt = time.perf_counter() - t0
+    return per * callers / dt, float(np.mean(sizes))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--callers", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=20480)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        path = M.mlp(os.path.join(d, "mlp.onnx"), D_IN, D_HIDDEN, D_OUT)
+        xs = np.random.default_rng(0).standard_normal((a.requests, D_IN)).astype(np.float32)
+        single = single_call_us(path, xs, a.threads)
+        best_ideal = ideal(path, xs, a.batch, a.threads)
+        got, mean_batch = asyncio.run(ours(path, xs, a.callers, a.batch, a.threads))
+        got_uv = None
+        try:
+            import uvloop
+        except ImportError:
+            uvloop = None
+        if uvloop is not None:
+            got_uv, mean_uv = uvloop.run(ours(path, xs, a.callers, a.batch, a.threads))
+        best_ideal = max(best_ideal, ideal(path, xs, a.batch, a.threads))
+    print(f"model: MLP {D_IN}-{D_HIDDEN}-{D_OUT} fp32, single call {single:.0f} us, "
+          f"ORT intra-op threads {a.threads}, spinning off; extensions {native.using_extensions()}")
+    print(f"ideal offline loop (batches of {a.batch}): {best_ideal:,.0f} items/s (best of 2)")
+    print(f"runtime, {a.callers} concurrent callers:  {got:,.0f} items/s, mean batch {mean_batch:.1f}")
+    print(f"ratio runtime / ideal: {got / best_ideal:.3f}")
+    if got_uv is not None:
+        print(f"runtime under uvloop:  {got_uv:,.0f} items/s, mean batch {mean_uv:.1f}, "
+              f"ratio {got_uv / best_ideal:.3f}, overhead {(1 / got_uv - 1 / best_ideal) * 1e6:.1f} us")
+    print(f"per-request overhead: {(1 / got - 1 / best_ideal) * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
