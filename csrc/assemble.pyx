@@ -16,7 +16,7 @@ from cpython.buffer cimport (PyBUF_FULL_RO, PyBuffer_IsContiguous, PyBuffer_Rele
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memmove, memset
+from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
 import operator
@@ -24,6 +24,10 @@ import operator
 import numpy as np
 
 cnp.import_array()
+
+cdef extern from "assemble_copy.h" nogil:
+    # memcpy with a vector loop for slot-sized copies and memmove for aliasing (see the header)
+    void lumen_copy(char* dst, const char* src, size_t n)
 
 __all__ = ["gather", "gather_ragged", "scatter"]
 
@@ -152,7 +156,7 @@ def gather(items, dest) -> None:
                 raise ValueError(f"item {i} has {s.src[i].nbytes} bytes, the batch slot has {slot}")
         with nogil:
             for i in range(n):
-                memmove(out + i * slot, s.src[i].ptr, <size_t>slot)
+                lumen_copy(out + i * slot, s.src[i].ptr, <size_t>slot)
     finally:
         s.release()
 
@@ -210,6 +214,8 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
     integer dtype, or None) gets 1 on the first ``L_i`` positions and 0 after.  Rows past
     ``len(items)`` are all padding.  Copy, padding and mask are one pass without the GIL.
     Returns ``sum(L_i)`` so the caller can report the padding ratio without a second pass.
+    Items must not overlap ``dest`` or ``mask`` (unspecified result; the twins may write in
+    different orders).
     """
     cdef tuple seq = tuple(items)
     cdef cnp.ndarray d = _check_dest(dest, "dest")
@@ -251,7 +257,7 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
                 row = out + i * lmax * isz
                 length = s.src[i].nbytes // isz if i < n else 0
                 if length:
-                    memmove(row, s.src[i].ptr, <size_t>(length * isz))
+                    lumen_copy(row, s.src[i].ptr, <size_t>(length * isz))
                 _fill(row + length * isz, pad_elem, isz, lmax - length, pad_uniform)
                 if mout != NULL:
                     mrow = mout + i * lmax * msz

@@ -138,6 +138,22 @@ def test_gather_item_aliasing_dest_copies_in_order(impl):
     np.testing.assert_array_equal(dest, [[8, 9, 10, 11], [8, 9, 10, 11], [8, 9, 10, 11]])
 
 
+@pytest.mark.parametrize("slot", [255, 256, 1000, 4096 + 17])
+def test_gather_vector_copy_sizes_and_overlap(impl, slot):
+    # slot sizes around the compiled copy's vector threshold, odd tails, misaligned sources,
+    # and an item that partially overlaps its own slot (must behave like memmove)
+    rng = np.random.default_rng(slot)
+    payloads = [rng.integers(0, 256, slot, dtype=np.uint8).tobytes() for _ in range(3)]
+    dest = np.zeros((3, slot), np.uint8)
+    items = [payloads[0], memoryview(bytearray(b"\x00" + payloads[1]))[1:], payloads[2]]
+    impl.assemble.gather(items, dest)
+    assert dest.tobytes() == b"".join(payloads)
+    flat = dest.reshape(-1)
+    expected = flat[3:slot + 3].copy()
+    impl.assemble.gather([flat[3:slot + 3]], dest)
+    np.testing.assert_array_equal(dest[0], expected)
+
+
 # ---------------------------------------------------------------------------------- ragged
 
 
@@ -215,6 +231,12 @@ def test_gather_ragged_type_errors(impl):
         impl.assemble.gather_ragged([3], np.zeros((1, 2), np.int64), None, 0)
 
 
+def test_gather_ragged_pad_out_of_range_is_numpy_error(impl):
+    # the pad is cast with numpy's rules in both twins, so both raise what numpy raises
+    with pytest.raises(OverflowError):
+        impl.assemble.gather_ragged([b""], np.zeros((1, 2), np.uint8), None, -1)
+
+
 def test_gather_ragged_non_contiguous_same_error(impl):
     with pytest.raises(ValueError, match="item 0 is not C-contiguous"):
         impl.assemble.gather_ragged([np.arange(6)[::2]], np.zeros((1, 4), np.int64), None, 0)
@@ -233,7 +255,7 @@ _DTYPES = [np.int64, np.int32, np.uint8, np.float32, np.float16, np.complex64]
 def test_gather_ragged_property_matches_numpy_and_twins_agree(dtype, lmax, extra_rows, data):
     n = data.draw(st.integers(0, 12), label="n")
     lengths = data.draw(st.lists(st.integers(0, lmax), min_size=n, max_size=n), label="lengths")
-    pad = data.draw(st.integers(-5, 100), label="pad")
+    pad = data.draw(st.integers(0 if np.dtype(dtype).kind == "u" else -5, 100), label="pad")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     seqs = [rng.integers(0, 100, size=k).astype(dtype) for k in lengths]
     # present items as assorted buffer types, some misaligned

@@ -121,7 +121,8 @@ def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | Non
     ``dest`` is ``[N, Lmax]``; positions ``>= L_i`` get ``pad_value``; ``mask`` (same shape, an
     integer dtype, or None) gets 1 on the first ``L_i`` positions and 0 after.  Rows past
     ``len(items)`` are all padding.  Returns ``sum(L_i)`` so the caller can report the padding
-    ratio without a second pass.
+    ratio without a second pass.  Items must not overlap ``dest`` or ``mask`` (unspecified
+    result; the twins may write in different orders).
     """
     items = list(items)
     _check_dest(dest, "dest")
@@ -145,15 +146,16 @@ def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | Non
             if length > lmax:
                 raise ValueError(f"item {i} has {length} elements, the batch row has {lmax}")
             lengths.append(length)
-        rows = dest.view(np.uint8).reshape(n_rows, lmax * isz) if lmax else None
-        for i in range(n_rows):
-            length = lengths[i] if i < len(lengths) else 0
-            if length:
-                rows[i, :length * isz] = _bytes_of(views[i])
-            dest[i, length:] = pad
-            if mask is not None:
-                mask[i, :length] = 1
-                mask[i, length:] = 0
+        dest[...] = pad
+        if lengths and lmax:
+            rows = dest.view(np.uint8).reshape(n_rows, lmax * isz)
+            for i, length in enumerate(lengths):
+                if length:
+                    rows[i, :length * isz] = _bytes_of(views[i])
+        if mask is not None:
+            lens = np.zeros((n_rows, 1), dtype=np.intp)
+            lens[:len(lengths), 0] = lengths
+            np.less(np.arange(lmax), lens, out=mask, casting="unsafe")
         return sum(lengths)
     finally:
         _release(views)
