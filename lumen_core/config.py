@@ -20,6 +20,18 @@ DEFAULT_MAX_QUEUE_DELAY_US = 2000
 DEFAULT_MAX_QUEUE_SIZE = 1024
 MAX_INSTANCES = 64
 MAX_PRIORITY_LEVELS = 16
+# [tasks.sequence] (stateful tasks, SPEC section 3)
+SEQUENCE_STRATEGIES = ("direct", "oldest")
+DEFAULT_SEQUENCE_STRATEGY = "direct"
+DEFAULT_MAX_SEQUENCE_IDLE_US = 1_000_000  # Triton's default: 1 s
+MAX_SEQUENCE_IDLE_US = 3_600_000_000  # one hour
+MAX_SEQUENCE_SLOTS = 65536
+CONTROL_KINDS = ("START", "END", "READY", "CORRID")
+CONTROL_DTYPES = ("fp32", "int32", "bool")
+CORRID_DTYPES = ("uint64", "int64", "string")
+STATE_DTYPES = ("fp32", "fp16", "int64", "int32", "int8", "uint8", "bool")
+CONSTANT_DTYPES = ("fp32", "fp16", "int64", "int32", "int8", "uint8", "bool")
+MAX_STATE_RANK = 8
 
 
 class ConfigError(ValueError):
@@ -51,6 +63,56 @@ class BatchingConfig:
     default_priority_level: int = 0  # 0: the lowest level (priority_levels)
 
 
+@dataclass(frozen=True)
+class StateConfig:
+    """One implicit state tensor (``[[tasks.sequence.state]]``).
+
+    ``dims`` are the per-sequence dims (no batch axis); ``batch_axis`` is where the batch axis
+    sits in the model's tensor (Silero: ``[2, N, 128]`` -> dims ``[2, 128]``, batch_axis 1).
+    ``initial`` is ``"zeros"`` or the path of a ``.npy`` file holding one sequence's state.
+    """
+
+    input_name: str
+    output_name: str
+    dtype: str
+    dims: tuple
+    batch_axis: int = 0
+    initial: str = "zeros"
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """One control input (``[[tasks.sequence.control]]``): a ``[N]`` tensor the runtime fills."""
+
+    input_name: str
+    kind: str  # START | END | READY | CORRID
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ConstantConfig:
+    """An input that is the same for every batch (``[[tasks.sequence.constant]]``), e.g.
+    Silero's scalar ``sr``; ``dims`` is its full shape (``[]`` for a scalar)."""
+
+    input_name: str
+    dtype: str
+    dims: tuple
+    value: Any
+
+
+@dataclass
+class SequenceConfig:
+    """``[tasks.sequence]``: the sequence batcher's policy and the model's stateful inputs."""
+
+    strategy: str = DEFAULT_SEQUENCE_STRATEGY
+    max_sequence_idle_us: int = DEFAULT_MAX_SEQUENCE_IDLE_US
+    max_candidate_sequences: int = 0  # 0: batching.max_batch_size
+    max_queue_delay_us: int = 0
+    state: tuple = ()
+    control: tuple = ()
+    constant: tuple = ()
+
+
 @dataclass
 class TaskConfig:
     name: str
@@ -64,7 +126,7 @@ class TaskConfig:
     allow_spinning: Optional[bool] = None  # None: off when instances share cores
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     options: dict = field(default_factory=dict)
-    sequence: Optional[dict] = None  # raw [tasks.sequence] table, parsed by the sequence batcher
+    sequence: Optional[SequenceConfig] = None  # [tasks.sequence]; None when absent
     source: str = "<dict>"  # where this task was declared, for error messages
     key: str = "tasks[0]"
 
@@ -164,6 +226,122 @@ def _parse_batching(r: _Reader) -> BatchingConfig:
     return b
 
 
+def _parse_dims(r: _Reader, name: str, allow_empty: bool) -> tuple:
+    dims = r.get(name, list, None)
+    if dims is None:
+        raise r.err(name, "is required (a list of non-negative integers)")
+    if len(dims) > MAX_STATE_RANK or (not dims and not allow_empty):
+        raise r.err(name, f"must list 1..{MAX_STATE_RANK} dimensions, got {dims!r}")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise r.err(name, f"must be non-negative integers (variable-size state dims are "
+                              f"not supported), got {dims!r}")
+    return tuple(dims)
+
+
+def _parse_state(r: _Reader, base_dir: Optional[str]) -> StateConfig:
+    dims = _parse_dims(r, "dims", allow_empty=True)
+    initial = r.get("initial", str, "zeros")
+    if not initial:
+        raise r.err("initial", "must be 'zeros' or the path of a .npy file")
+    if initial != "zeros":
+        initial = _resolve_model(initial, base_dir)
+        if not os.path.isfile(initial):
+            raise r.err("initial", f"must be 'zeros' or an existing .npy file; no such file: {initial}")
+    st = StateConfig(
+        input_name=_required_str(r, "input_name"),
+        output_name=_required_str(r, "output_name"),
+        dtype=r.get("dtype", str, "fp32", choices=STATE_DTYPES),
+        dims=dims,
+        batch_axis=r.get("batch_axis", int, 0, lo=0, hi=len(dims)),
+        initial=initial,
+    )
+    r.finish()
+    return st
+
+
+def _parse_control(r: _Reader) -> ControlConfig:
+    name = _required_str(r, "input_name")
+    kind = r.get("kind", str, "", choices=CONTROL_KINDS)
+    if not kind:
+        raise r.err("kind", f"is required (one of {', '.join(CONTROL_KINDS)})")
+    allowed = CORRID_DTYPES if kind == "CORRID" else CONTROL_DTYPES
+    dtype = r.get("dtype", str, "", choices=allowed)
+    if not dtype:
+        raise r.err("dtype", f"is required for a {kind} control (one of {', '.join(allowed)})")
+    r.finish()
+    return ControlConfig(name, kind, dtype)
+
+
+def _parse_constant(r: _Reader) -> ConstantConfig:
+    import numpy as np
+
+    from .contract import DTYPES
+
+    name = _required_str(r, "input_name")
+    dtype = r.get("dtype", str, "", choices=CONSTANT_DTYPES)
+    if not dtype:
+        raise r.err("dtype", f"is required (one of {', '.join(CONSTANT_DTYPES)})")
+    dims = _parse_dims(r, "dims", allow_empty=True) if "dims" in r.table else ()
+    r.used.add("dims")
+    if "value" not in r.table:
+        raise r.err("value", "is required (a number, or a nested list matching dims)")
+    value = r.get("value", object, None)
+    try:
+        arr = np.array(value, dtype=DTYPES[dtype])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise r.err("value", f"is not a valid {dtype} value: {exc}") from None
+    if arr.ndim == 0 and dims:
+        arr = np.full(dims, arr, dtype=arr.dtype)
+    if arr.shape != dims:
+        raise r.err("value", f"has shape {list(arr.shape)}, dims say {list(dims)}")
+    r.finish()
+    return ConstantConfig(name, dtype, dims, arr)
+
+
+def _required_str(r: _Reader, name: str) -> str:
+    v = r.get(name, str, "")
+    if not v:
+        raise r.err(name, "is required (a model input/output name)")
+    return v
+
+
+def _parse_sequence(r: _Reader, batching: BatchingConfig, base_dir: Optional[str]) -> SequenceConfig:
+    sc = SequenceConfig(
+        strategy=r.get("strategy", str, DEFAULT_SEQUENCE_STRATEGY, choices=SEQUENCE_STRATEGIES),
+        max_sequence_idle_us=r.get("max_sequence_idle_us", int, DEFAULT_MAX_SEQUENCE_IDLE_US,
+                                   lo=1000, hi=MAX_SEQUENCE_IDLE_US),
+        max_candidate_sequences=r.get("max_candidate_sequences", int, 0, lo=0,
+                                      hi=MAX_SEQUENCE_SLOTS),
+        max_queue_delay_us=r.get("max_queue_delay_us", int, 0, lo=0, hi=60_000_000),
+    )
+    if sc.strategy == "oldest" and sc.max_candidate_sequences and \
+            sc.max_candidate_sequences < batching.max_batch_size:
+        raise r.err("max_candidate_sequences",
+                    f"must be >= batching.max_batch_size ({batching.max_batch_size}) so a full "
+                    f"batch can form, got {sc.max_candidate_sequences}")
+    inputs: dict = {}
+    for section, parse in (("state", lambda t: _parse_state(t, base_dir)),
+                           ("control", _parse_control), ("constant", _parse_constant)):
+        tables = r.get(section, list, [])
+        parsed = []
+        for i, t in enumerate(tables):
+            sub = _Reader(r.source, f"{r.key(section)}[{i}]", t)
+            item = parse(sub)
+            if item.input_name in inputs:
+                raise sub.err("input_name", f"input {item.input_name!r} is already declared "
+                                            f"by {inputs[item.input_name]}")
+            inputs[item.input_name] = f"{r.key(section)}[{i}]"
+            parsed.append(item)
+        setattr(sc, section, tuple(parsed))
+    kinds = [c.kind for c in sc.control]
+    for k in CONTROL_KINDS:
+        if kinds.count(k) > 1:
+            raise r.err("control", f"declares the {k} control {kinds.count(k)} times")
+    r.finish()
+    return sc
+
+
 def _resolve_model(path: str, base_dir: Optional[str]) -> str:
     if not path:
         return path
@@ -192,7 +370,10 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     cfg.allow_spinning = r.get("allow_spinning", bool, None)
     cfg.batching = _parse_batching(r.sub("batching"))
     cfg.options = r.get("options", dict, {})
-    cfg.sequence = r.get("sequence", dict, None)
+    if "sequence" in r.table:
+        cfg.sequence = _parse_sequence(r.sub("sequence"), cfg.batching, base_dir)
+    else:
+        r.used.add("sequence")
     r.finish()
     return cfg
 

@@ -6,6 +6,7 @@ import importlib
 
 BACKENDS = {
     "onnx": "lumen_core.tasks.onnx:OnnxBackend",
+    "vad": "lumen_core.tasks.vad:VadBackend",
 }
 
 
@@ -32,4 +33,6 @@ def default_task_tables() -> list:
 
 
 #: "module:function" returning a default ``[[tasks]]`` table or None
-DEFAULT_TASK_PROVIDERS: list = []
+DEFAULT_TASK_PROVIDERS: list = [
+    "lumen_core.tasks.vad:default_task_table",
+]

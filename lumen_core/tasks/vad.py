@@ -1,0 +1,186 @@
+"""``vad`` backend: Silero VAD v5, one 512-sample chunk (32 ms at 16 kHz) per request.
+
+The task is stateful: a stream is a sequence (``lumen.sequence.id``, ``start`` on the first
+chunk, ``end`` on the last) served by the sequence batcher.  The runtime keeps both pieces of
+per-stream memory the model needs, so a client sends only its new samples:
+
+- the recurrent state ``[2, N, 128]`` (batch axis 1), declared as implicit state
+  ``state -> stateN`` in ``[[tasks.sequence.state]]`` (the backend supplies that declaration
+  when the config leaves it out);
+- the 64-sample context: the model's input is ``[N, 576]`` = the last 64 samples of the
+  stream's previous chunk (zeros at the start) followed by the new 512
+  (:class:`~lumen_core.engine.state.ContextInput`).
+
+Inputs (all converge on one execution signature, so raw and tensor requests batch together):
+
+- ``audio/L16;rate=16000``: PCM16 little-endian mono, exactly 512 samples (1024 bytes);
+- ``audio/pcm;format=f32le;rate=16000``: 512 float32 little-endian samples (2048 bytes);
+- tensor route: fp32 ``[1, 512]``, layout ``NL``, preprocess id ``silero_vad_16k_v5``.
+
+Output: ``speech_prob`` fp32 ``[1]``, the probability that the chunk holds speech.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from ..config import ConfigError, ConstantConfig, SequenceConfig, StateConfig
+from ..contract import (
+    KEY_SEQUENCE_END,
+    KEY_SEQUENCE_ID,
+    KEY_SEQUENCE_START,
+    TensorContract,
+    TensorSpec,
+)
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.state import ContextInput, check_model_io, sequence_plans
+from ..errors import InvalidArgument, UnsupportedMediaType
+from ..request import InferRequest
+from .base import TaskBackend, split_outputs
+
+PREPROCESS_ID = "silero_vad_16k_v5"
+SAMPLE_RATE = 16000
+CHUNK_SAMPLES = 512
+CONTEXT_SAMPLES = 64
+STATE_DIMS = (2, 128)
+STATE_BATCH_AXIS = 1
+MIME_L16 = "audio/l16"
+MIME_PCM = "audio/pcm"
+PCM_FORMAT = "f32le"
+INPUT, STATE, STATE_OUT, SAMPLE_RATE_INPUT, PROB_OUT = "input", "state", "stateN", "sr", "output"
+OUTPUT_NAME = "speech_prob"
+#: PCM16 full scale (Silero and torchaudio normalise int16 samples by 1/32768)
+PCM16_SCALE = np.float32(1.0 / 32768.0)
+WARMUP_SEQUENCE_ID = "lumen-warmup"
+DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_MAX_QUEUE_SIZE = 4096
+DEFAULT_IDLE_US = 10_000_000
+
+
+def default_sequence() -> SequenceConfig:
+    """Silero's stateful inputs: the ``state`` tensor and the scalar sample rate ``sr``."""
+    return SequenceConfig(
+        state=(StateConfig(STATE, STATE_OUT, "fp32", STATE_DIMS, STATE_BATCH_AXIS),),
+        constant=(ConstantConfig(SAMPLE_RATE_INPUT, "int64", (), np.array(SAMPLE_RATE, np.int64)),),
+    )
+
+
+class VadBackend(TaskBackend):
+    raw_mimes = (MIME_L16, MIME_PCM)
+    stateful = True
+
+    def load(self) -> ModelSpec:
+        from .onnx import read_io
+
+        cfg = self.config
+        path = cfg.model
+        if not path:
+            from ..models import MODEL_FILE, SILERO_VAD, require_model
+
+            path = str(require_model(SILERO_VAD) / MODEL_FILE)
+        elif not os.path.isfile(path):
+            raise ConfigError(cfg.source, f"{cfg.key}.model", f"no such file: {path}")
+        if cfg.options:
+            raise ConfigError(cfg.source, f"{cfg.key}.options.{sorted(cfg.options)[0]}",
+                              "backend 'vad' takes no options")
+        seq = cfg.sequence
+        if seq is None:
+            seq = cfg.sequence = default_sequence()
+        elif not seq.state and not seq.constant:
+            base = default_sequence()
+            seq.state, seq.constant = base.state, base.constant
+        inputs, outputs = read_io(path)
+        in_names = [i[0] for i in inputs]
+        out_names = [o[0] for o in outputs]
+        plans = sequence_plans(seq, cfg.source, cfg.key)
+        check_model_io(plans, in_names, out_names, cfg.source, cfg.key)
+        missing = [n for n in (INPUT, PROB_OUT) if n not in in_names + out_names]
+        if missing:
+            raise ConfigError(cfg.source, f"{cfg.key}.model", f"{path} is not a Silero VAD v5 "
+                                                              f"model (no {missing})")
+        self.model_id = cfg.model_id or "silero-vad"
+        self.signature = (self.name, self.model_id, cfg.model_version, "fp32", (CHUNK_SAMPLES,),
+                          "NL", PREPROCESS_ID)
+        self.contract = TensorContract(
+            specs=(TensorSpec("fp32", "NL", frozenset({PREPROCESS_ID}), ((1, 1), (CHUNK_SAMPLES,
+                                                                                   CHUNK_SAMPLES))),),
+            model_id=self.model_id, model_version=cfg.model_version,
+            raw_preprocess_ids=frozenset({PREPROCESS_ID}))
+        window = ContextInput(INPUT, np.dtype(np.float32), CHUNK_SAMPLES, CONTEXT_SAMPLES)
+        outs = [OutputSpec(PROB_OUT, np.float32, (1,))]
+        outs += [OutputSpec(p.output_name, p.dtype, None) for p in plans if hasattr(p, "output_name")]
+        self.model = ModelSpec(path, [window] + plans, outs)
+        return self.model
+
+    # -- request path ---------------------------------------------------------------------
+    def prepare_raw(self, req: InferRequest, desc, payload: memoryview, mime: str,
+                    params: dict) -> PreparedModelRequest:
+        rate = params.get("rate")
+        if rate != str(SAMPLE_RATE):
+            raise UnsupportedMediaType(
+                f"task {self.name!r} takes 16 kHz audio: the mime type needs rate={SAMPLE_RATE}, "
+                f"got {req.payload_mime!r}", "payload_mime")
+        channels = params.get("channels", "1")
+        if channels != "1":
+            raise UnsupportedMediaType(f"task {self.name!r} takes mono audio (channels=1), got "
+                                       f"{req.payload_mime!r}", "payload_mime")
+        if mime == MIME_L16:
+            self._check_size(payload, 2, "PCM16")
+            samples = np.frombuffer(payload, dtype="<i2") * PCM16_SCALE
+        else:
+            fmt = params.get("format")
+            if fmt != PCM_FORMAT:
+                raise UnsupportedMediaType(
+                    f"task {self.name!r} takes audio/pcm only as format={PCM_FORMAT} (float32 "
+                    f"little-endian), got {req.payload_mime!r}; send PCM16 as audio/L16",
+                    "payload_mime")
+            self._check_size(payload, 4, "float32")
+            samples = payload
+        return PreparedModelRequest(self.signature, (samples,), (CHUNK_SAMPLES,))
+
+    def _check_size(self, payload: memoryview, width: int, what: str) -> None:
+        if payload.nbytes != CHUNK_SAMPLES * width:
+            raise InvalidArgument(
+                f"task {self.name!r} takes exactly {CHUNK_SAMPLES} {what} samples "
+                f"({CHUNK_SAMPLES * width} bytes, 32 ms at 16 kHz) per request, got "
+                f"{payload.nbytes} bytes", "payload")
+
+    def prepare_tensor(self, req: InferRequest, desc, payload: memoryview) -> PreparedModelRequest:
+        return PreparedModelRequest(self.signature, (payload,), (CHUNK_SAMPLES,))
+
+    def postprocess(self, outputs: dict, items) -> list:
+        return split_outputs({OUTPUT_NAME: outputs[PROB_OUT]}, len(items))
+
+    def warmup_requests(self) -> list:
+        """One silent chunk as a whole (start + end) sequence through the raw route."""
+        return [InferRequest(task=self.name, payload=bytes(CHUNK_SAMPLES * 2),
+                             payload_mime=f"audio/L16;rate={SAMPLE_RATE}",
+                             meta={KEY_SEQUENCE_ID: WARMUP_SEQUENCE_ID, KEY_SEQUENCE_START: "true",
+                                   KEY_SEQUENCE_END: "true"})]
+
+
+def default_task_table() -> Optional[dict]:
+    """The built-in ``vad`` task, or None when Silero VAD is not prepared."""
+    from ..models import SILERO_VAD, ModelMissingError, require_model
+
+    try:
+        require_model(SILERO_VAD)
+    except ModelMissingError:
+        return None
+    return {
+        "name": "vad",
+        "backend": "vad",
+        "batching": {"max_batch_size": DEFAULT_MAX_BATCH_SIZE,
+                     "max_queue_size": DEFAULT_MAX_QUEUE_SIZE},
+        "sequence": {
+            "strategy": "direct",
+            "max_sequence_idle_us": DEFAULT_IDLE_US,
+            "state": [{"input_name": STATE, "output_name": STATE_OUT, "dtype": "fp32",
+                       "dims": list(STATE_DIMS), "batch_axis": STATE_BATCH_AXIS,
+                       "initial": "zeros"}],
+            "constant": [{"input_name": SAMPLE_RATE_INPUT, "dtype": "int64",
+                          "value": SAMPLE_RATE}],
+        },
+    }
