@@ -96,3 +96,60 @@ def nan_for_negative(path, d: int = 4) -> str:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d])])
     return _save(graph, path)
+
+
+#: below this value at pixel [0, 0, 0] of a (normalised) input, ``image_encoder(nan_marker=True)``
+#: outputs NaN for that image: sqrt(x + NAN_MARKER_OFFSET) of a negative number
+NAN_MARKER_OFFSET = 100.0
+
+
+def image_encoder(path, width: int = 16, d_out: int = 64, patch: int = 16, seed: int = 0,
+                  extra_output: bool = False, nan_marker: bool = False) -> str:
+    """A tiny CLIP-style vision encoder: ``x`` [N,3,224,224] fp32 -> ``image_embeds`` [N, d_out].
+
+    Patch embedding (Conv ``patch`` x ``patch``, stride ``patch``) -> Relu -> Flatten -> MatMul.
+    ``extra_output`` adds ``patch_tokens`` [N, width*14*14] (a second output, as real exports
+    have).  ``nan_marker`` multiplies the embedding by ``sqrt(x[:,0,0,0] + NAN_MARKER_OFFSET)``,
+    so an input whose first value is below ``-NAN_MARKER_OFFSET`` yields NaN.
+    """
+    rng = np.random.default_rng(seed)
+    grid = 224 // patch
+    w = (rng.standard_normal((width, 3, patch, patch)) / np.sqrt(3 * patch * patch)).astype(np.float32)
+    b = (rng.standard_normal(width) * 0.1).astype(np.float32)
+    proj = (rng.standard_normal((width * grid * grid, d_out)) / np.sqrt(width * grid * grid)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "B"),
+             numpy_helper.from_array(proj, "P")]
+    nodes = [
+        helper.make_node("Conv", ["x", "W", "B"], ["conv"], kernel_shape=[patch, patch],
+                         strides=[patch, patch]),
+        helper.make_node("Relu", ["conv"], ["act"]),
+        helper.make_node("Flatten", ["act"], ["tokens"], axis=1),
+    ]
+    emb = "image_embeds"
+    if nan_marker:
+        inits += [
+            numpy_helper.from_array(np.array([0, 0, 0], np.int64), "starts"),
+            numpy_helper.from_array(np.array([1, 1, 1], np.int64), "ends"),
+            numpy_helper.from_array(np.array([1, 2, 3], np.int64), "axes"),
+            numpy_helper.from_array(np.array([-1, 1], np.int64), "col"),
+            numpy_helper.from_array(np.array(NAN_MARKER_OFFSET, np.float32), "offset"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", ["tokens", "P"], ["raw_embeds"]),
+            helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["first"]),
+            helper.make_node("Reshape", ["first", "col"], ["first_col"]),
+            helper.make_node("Add", ["first_col", "offset"], ["shifted"]),
+            helper.make_node("Sqrt", ["shifted"], ["gain"]),
+            helper.make_node("Mul", ["raw_embeds", "gain"], [emb]),
+        ]
+    else:
+        nodes.append(helper.make_node("MatMul", ["tokens", "P"], [emb]))
+    outs = [helper.make_tensor_value_info(emb, TensorProto.FLOAT, ["N", d_out])]
+    if extra_output:
+        nodes.append(helper.make_node("Identity", ["tokens"], ["patch_tokens"]))
+        outs.append(helper.make_tensor_value_info("patch_tokens", TensorProto.FLOAT,
+                                                  ["N", width * grid * grid]))
+    graph = helper.make_graph(
+        nodes, "image_encoder",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])], outs, inits)
+    return _save(graph, path)

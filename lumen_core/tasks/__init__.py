@@ -6,6 +6,7 @@ import importlib
 
 BACKENDS = {
     "onnx": "lumen_core.tasks.onnx:OnnxBackend",
+    "image_embedding": "lumen_core.tasks.image_embedding:ImageEmbeddingBackend",
     "vad": "lumen_core.tasks.vad:VadBackend",
 }
 
