@@ -65,8 +65,278 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     prep.set_defaults(func=cmd_models_prepare)
 
 
-# subcommand groups; serve / bench / infer add their own `_add_<group>` here
-_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_models,)
+# --------------------------------------------------------------------------- serve / infer / bench
+#: file extensions the stdlib's mimetypes does not map (or maps differently) for our tasks
+EXTRA_MIMES = {".txt": "text/plain; charset=utf-8", ".pcm": "audio/L16;rate=16000",
+               ".raw": "audio/L16;rate=16000", ".f32": "audio/pcm;format=f32le;rate=16000",
+               ".webp": "image/webp", ".bin": "application/octet-stream"}
+#: seconds `lumen infer --url` waits for the server
+INFER_HTTP_TIMEOUT_S = 120.0
+DEFAULT_CONCURRENCY = (16, 64)
+
+
+def _configure_logging() -> None:
+    """Warnings from everything, plus the server's own lifecycle lines (one when ready)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lumen.serve").setLevel(logging.INFO)
+
+
+def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
+    """The runtime of ``--config``, else the built-in default tasks; ``only_task`` keeps one."""
+    from .runtime import Runtime
+
+    rt = Runtime.from_config(config) if config else Runtime.default()
+    if only_task is not None:
+        names = [t.name for t in rt.config.tasks]
+        if only_task not in names:
+            from .errors import TaskNotFound
+
+            raise TaskNotFound(f"unknown task {only_task!r}; "
+                               f"{'the config' if config else 'the default runtime'} has "
+                               f"{', '.join(names) or 'no tasks'}", "task")
+        rt.config.tasks = [t for t in rt.config.tasks if t.name == only_task]
+    if not rt.config.tasks:
+        raise ValueError("no tasks to serve: no default model is prepared. Run `lumen models "
+                         "prepare` first, or pass --config lumen.toml")
+    return rt
+
+
+def _run(coro) -> object:
+    """Run on uvloop when it is installed (a faster event loop), else asyncio's."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _configure_logging()
+    from .serve.server import LumenServer
+
+    rt = _build_runtime(args.config)
+    grpc_port = -1 if args.grpc_port is None else (args.grpc_port or None)
+    server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port)
+    _run(server.run())
+    return EXIT_OK
+
+
+def _guess_mime(path: str) -> str:
+    import mimetypes
+    import os
+
+    ext = os.path.splitext(path)[1].lower()
+    if ext in EXTRA_MIMES:
+        return EXTRA_MIMES[ext]
+    mime, _ = mimetypes.guess_type(path)
+    if mime is None:
+        raise ValueError(f"cannot tell the mime type of {path!r} from its extension; pass --mime")
+    return mime
+
+
+def _parse_meta(pairs: Sequence[str]) -> dict:
+    meta = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--meta takes KEY=VALUE, got {pair!r}")
+        meta[key] = value
+    return meta
+
+
+def _infer_request(args: argparse.Namespace):
+    """(payload, mime, meta) from FILE: a .npy file goes through the tensor route."""
+    from .contract import DEFAULT_LAYOUT_FOR_RANK
+    from .request import new_infer_request
+
+    meta = _parse_meta(args.meta)
+    if args.file.endswith(".npy") and args.mime is None:
+        import numpy as np
+
+        arr = np.load(args.file, allow_pickle=False)
+        layout = args.layout or DEFAULT_LAYOUT_FOR_RANK.get(arr.ndim, "")
+        req = new_infer_request(args.task).for_tensor_array(arr, layout).with_metas(meta).build()
+        return req.payload, req.payload_mime, req.meta
+    if args.file == "-":
+        payload = sys.stdin.buffer.read()
+        mime = args.mime or "text/plain; charset=utf-8"
+    else:
+        with open(args.file, "rb") as f:
+            payload = f.read()
+        mime = args.mime or _guess_mime(args.file)
+    return payload, mime, meta
+
+
+def _print_json(obj: object) -> None:
+    import json
+
+    json.dump(obj, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    payload, mime, meta = _infer_request(args)
+    if args.url:
+        return _infer_http(args, payload, mime, meta)
+    from .request import InferRequest
+
+    rt = _build_runtime(args.config, only_task=args.task)
+    with rt:
+        resp = rt.infer_sync(InferRequest(args.task, payload, mime, meta))
+    from .serve.http import dtype_name
+
+    _print_json({"correlation_id": resp.correlation_id, "task": resp.task,
+                 "outputs": {k: {"dtype": dtype_name(a), "shape": list(a.shape),
+                                 "data": a.reshape(-1).tolist()} for k, a in resp.outputs.items()},
+                 "meta": resp.meta})
+    return EXIT_OK
+
+
+def _infer_http(args: argparse.Namespace, payload: bytes, mime: str, meta: dict) -> int:
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from .errors import from_code
+
+    url = f"{args.url.rstrip('/')}/v1/infer/{urllib.parse.quote(args.task)}"
+    if meta:
+        url += "?" + urllib.parse.urlencode(meta)
+    req = urllib.request.Request(url, data=bytes(payload), method="POST",
+                                 headers={"Content-Type": mime, "Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=INFER_HTTP_TIMEOUT_S) as r:
+            body = r.read()
+    except urllib.error.HTTPError as exc:
+        try:
+            err = json.loads(exc.read())["error"]
+        except (ValueError, KeyError, TypeError):
+            raise OSError(f"{url}: HTTP {exc.code}") from None
+        raise from_code(err.get("code", "internal"), err.get("message", ""), err.get("field")) from None
+    sys.stdout.write(body.decode("utf-8") + "\n")
+    return EXIT_OK
+
+
+def _targets(args: argparse.Namespace) -> list:
+    """(name, url) pairs from --url / --target NAME=URL."""
+    out = []
+    for url in args.url or []:
+        out.append(("lumen" if len(args.url) == 1 and not args.target else url, url))
+    for spec in args.target or []:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--target takes NAME=URL, got {spec!r}")
+        out.append((name, url))
+    return out
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from . import loadgen
+
+    targets = _targets(args)
+    if not targets and not args.in_process:
+        raise ValueError("nothing to measure: give --url URL, --target NAME=URL or --in-process")
+    texts = loadgen.make_corpus(args.corpus_size, args.seed)
+    count = args.count or len(texts)
+    results: list = []
+
+    async def run_all() -> None:
+        for name, url in targets:
+            for c in args.concurrency:
+                results.append(await loadgen.bench_http(url, texts, c, count, args.model,
+                                                        args.warmup, name))
+        if args.in_process:
+            rt = _build_runtime(args.config, only_task=args.model)
+            async with rt:
+                for c in args.concurrency:
+                    results.append(await loadgen.bench_runtime(rt, texts, c, count, args.model,
+                                                               args.warmup))
+
+    print(f"corpus: {len(texts)} texts (seed {args.seed}); {count} requests per run, "
+          f"warm-up {args.warmup}", file=sys.stderr)
+    _run(run_all())
+    print(loadgen.format_table(results))
+    for r in results:
+        if r.errors:
+            print(f"{r.target} c={r.concurrency}: {r.errors} errors, first: {r.first_error}",
+                  file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in results], f, indent=1)
+    if args.plot:
+        loadgen.plot(results, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return EXIT_OK if all(r.errors == 0 for r in results) else 1
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the tasks over HTTP (+ OpenAI embeddings) and gRPC",
+                       description="Serve a runtime over HTTP and gRPC until SIGTERM/SIGINT, "
+                                   "then drain in-flight requests and exit. Without --config: "
+                                   "the built-in default tasks on the prepared models.")
+    p.add_argument("--config", metavar="TOML", help="lumen.toml (default: built-in default tasks)")
+    p.add_argument("--host", default=None, help="bind address (default: [server].host, 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=None, metavar="P",
+                   help="HTTP port (default: [server].http_port, 8000; 0 picks a free one)")
+    p.add_argument("--grpc-port", type=int, default=None, metavar="P",
+                   help="gRPC port (default: [server].grpc_port, 8001; 0 disables gRPC)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_infer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("infer", help="run one request (in process, or against --url) and print JSON",
+                       description="Run FILE through TASK and print the JSON reply. The mime type "
+                                   "comes from the extension (or --mime); a .npy file is sent as a "
+                                   "tensor (lumen.input.kind=tensor) with its own dtype and shape.")
+    p.add_argument("task", metavar="TASK")
+    p.add_argument("file", metavar="FILE", help="the payload file ('-' reads stdin as text)")
+    p.add_argument("--mime", default=None, help="payload mime type (default: from the extension)")
+    p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                   help="a request meta key (repeatable), e.g. lumen.priority=1")
+    p.add_argument("--layout", default=None, help="tensor layout for a .npy FILE (default by rank)")
+    p.add_argument("--config", metavar="TOML", help="lumen.toml (default: built-in default tasks)")
+    p.add_argument("--url", default=None, help="send to a running server (http://HOST:PORT) "
+                                               "instead of loading the model here")
+    p.set_defaults(func=cmd_infer)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from .loadgen import DEFAULT_SEED, DEFAULT_SIZE, DEFAULT_TASK
+
+    p = sub.add_parser("bench", help="load-test an OpenAI-style embeddings endpoint (ours or a peer's)",
+                       description="Closed-loop load over the seeded text corpus: one text per "
+                                   "request, N concurrent keep-alive clients; prints req/s and "
+                                   "p50/p95/p99 latency per target and concurrency.")
+    p.add_argument("--url", action="append", metavar="URL",
+                   help="embeddings URL (http://HOST:PORT means HOST:PORT/v1/embeddings); repeatable")
+    p.add_argument("--target", action="append", metavar="NAME=URL",
+                   help="a named target, e.g. infinity=http://127.0.0.1:7997/embeddings; repeatable")
+    p.add_argument("--in-process", action="store_true",
+                   help="also measure the runtime in this process (no HTTP), for reference")
+    p.add_argument("--config", metavar="TOML", help="runtime config for --in-process")
+    p.add_argument("--model", default=DEFAULT_TASK, help=f"the 'model' field: the task (default {DEFAULT_TASK})")
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY),
+                   metavar="N", help="concurrent clients, one run each (default: 16 64)")
+    p.add_argument("-n", "--count", type=int, default=0,
+                   help="requests per run (default: the corpus size)")
+    p.add_argument("--warmup", type=int, default=64, help="untimed requests before each run")
+    p.add_argument("--corpus-size", type=int, default=DEFAULT_SIZE)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PNG", help="draw throughput/latency vs concurrency (matplotlib)")
+    p.set_defaults(func=cmd_bench)
+
+
+# subcommand groups, in the order `lumen --help` lists them
+_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_serve, _add_infer, _add_bench, _add_models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,384 @@
+"""The HTTP API (SPEC section 6): a small Starlette app over one running :class:`Runtime`.
+
+Why Starlette on uvicorn: it is a thin routing layer over raw ASGI (no validation framework, no
+dependency injection on the hot path), and ASGI gives the two things this server must control
+itself -- the request body as it streams in (so an oversized payload is refused with 413 before
+it is all read) and the ``http.disconnect`` event (so a caller that hangs up cancels its queued
+request instead of occupying a batch slot).
+
+Routes::
+
+    POST /v1/infer/{task}   body = payload, Content-Type = payload mime, query = meta
+    POST /v1/embeddings     OpenAI-compatible; one runtime request per input item
+    GET  /v1/tasks          each task's contract;  GET /v1/models  (OpenAI model list)
+    GET  /healthz  /readyz  /metrics
+
+Every error is ``{"error": {"code", "message", "field"}}`` with the status of SPEC section 2.
+The body is read once and handed to the runtime as the ``bytes`` object the server produced
+(joined only when it arrived in several chunks); tensor replies are sent from a memoryview of
+the output array, so neither direction copies a payload in Python.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..contract import DTYPE_NAMES
+from ..errors import (
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    Overloaded,
+    PayloadTooLarge,
+    TaskNotFound,
+    Unavailable,
+    UnsupportedMediaType,
+)
+from ..request import InferRequest
+from ..runtime import RESP_TOKENS
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import PrometheusObserver
+
+log = logging.getLogger("lumen.http")
+
+JSON = "application/json"
+OCTET_STREAM = "application/octet-stream"
+#: the most inputs one /v1/embeddings call may carry (OpenAI's own limit)
+MAX_EMBEDDING_INPUTS = 2048
+#: status reported (and counted) for a request whose client went away; nginx's convention
+CLIENT_CLOSED_STATUS = 499
+#: the output /v1/embeddings returns when a task has several
+EMBEDDING_OUTPUT = "embedding"
+#: header that picks one output for a raw tensor reply when a task has several
+OUTPUT_HEADER = "lumen-output"
+ENCODING_FORMATS = ("float", "base64")
+#: token-id inputs to /v1/embeddings go through the tensor route with this dtype and layout
+TOKEN_DTYPE, TOKEN_LAYOUT = "int64", "NL"
+
+_JSON_SEPARATORS = (",", ":")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready (nothing can be sent)."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=_JSON_SEPARATORS, allow_nan=False).encode()
+
+
+def json_response(obj: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
+    return Response(_dumps(obj), status_code=status, headers=headers, media_type=JSON)
+
+
+def error_response(exc: LumenError) -> Response:
+    """The JSON error body with the status of the error table (429 carries Retry-After; 413
+    closes the connection so the unread rest of the body is not drained into the server)."""
+    headers = {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    elif isinstance(exc, PayloadTooLarge):
+        headers["Connection"] = "close"
+    return json_response({"error": exc.to_dict()}, exc.http_status, headers)
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    return DTYPE_NAMES.get(arr.dtype.newbyteorder("="), str(arr.dtype))
+
+
+def _little_endian(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)
+
+
+class HttpApp:
+    """ASGI application serving one runtime.
+
+    ``draining`` is set by the server on SIGTERM: from then on inference routes and ``/readyz``
+    answer 503 while requests already admitted run to completion.
+    """
+
+    def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None,
+                 max_body_bytes: Optional[int] = None):
+        self.runtime = runtime
+        self.observer = observer
+        self.max_body = max_body_bytes or runtime.config.server.max_payload_bytes
+        self.draining = False
+        ep = self._endpoint
+        self.app = Starlette(routes=[
+            Route("/v1/infer/{task}", ep("/v1/infer/{task}", self.infer), methods=["POST"]),
+            Route("/v1/embeddings", ep("/v1/embeddings", self.embeddings), methods=["POST"]),
+            Route("/embeddings", ep("/v1/embeddings", self.embeddings), methods=["POST"]),
+            Route("/v1/tasks", ep("/v1/tasks", self.tasks), methods=["GET"]),
+            Route("/v1/models", ep("/v1/models", self.models), methods=["GET"]),
+            Route("/healthz", ep("/healthz", self.healthz), methods=["GET"]),
+            Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
+            Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
+        ])
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self.app(scope, receive, send)
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]]) -> Callable:
+        """Wrap a route: LumenError -> JSON error, anything else -> logged 500, count it."""
+        observer = self.observer
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                resp = await fn(request)
+            except LumenError as exc:
+                resp = error_response(exc)
+            except ClientGone:
+                resp = Response(status_code=CLIENT_CLOSED_STATUS)
+            except Exception as exc:  # noqa: BLE001 - a bug must answer 500, not drop the socket
+                log.exception("unhandled error on %s", name)
+                resp = error_response(InternalError(f"internal server error: {exc}"))
+            if observer is not None:
+                observer.transport_request("http", name, str(resp.status_code))
+            return resp
+
+        return endpoint
+
+    async def _read_body(self, request: Request, field: str) -> bytes:
+        """The whole body, refused with 413 as soon as it is known to exceed the limit: from
+        Content-Length before reading anything, else while counting the streamed chunks."""
+        limit = self.max_body
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise InvalidArgument(f"bad Content-Length header {declared[:40]!r}", "Content-Length")
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "
+                                      f"(server.max_payload_bytes)", field)
+        receive = request.receive
+        chunks: list = []
+        total = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = msg.get("body", b"")
+            if chunk:
+                total += len(chunk)
+                if total > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes "
+                                          f"(server.max_payload_bytes)", field)
+                chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        if len(chunks) == 1:
+            return chunks[0]
+        return b"".join(chunks)
+
+    async def _until_done_or_gone(self, request: Request, work: Awaitable) -> Any:
+        """Await ``work`` while watching for ``http.disconnect``; a client that hangs up
+        cancels it (and with it the queued runtime request(s)), raising ClientGone.
+
+        The watcher cancels this task only while it is suspended in ``work`` (``waiting``),
+        so a disconnect that races with completion can never cancel the reply path."""
+        task = asyncio.current_task()
+        state = {"waiting": True, "gone": False}
+        receive = request.receive
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if state["waiting"]:
+                        state["gone"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if state["gone"]:
+                task.uncancel()
+                raise ClientGone() from None
+            raise
+        finally:
+            state["waiting"] = False
+            watcher.cancel()
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise Unavailable("the server is shutting down; not accepting new requests")
+
+    # -- inference ------------------------------------------------------------------------
+    async def infer(self, request: Request) -> Response:
+        self._check_open()
+        task = request.path_params["task"]
+        headers = request.headers
+        body = await self._read_body(request, "payload")
+        req = InferRequest(task, body, headers.get("content-type", ""),
+                           dict(request.query_params), headers.get("x-correlation-id", ""))
+        resp = await self._until_done_or_gone(request, self.runtime.infer(req))
+        accept = headers.get("accept", "")
+        if OCTET_STREAM in accept and JSON not in accept:
+            return self._tensor_reply(resp, headers.get(OUTPUT_HEADER))
+        outputs = {name: {"dtype": dtype_name(a), "shape": list(a.shape),
+                          "data": a.reshape(-1).tolist()} for name, a in resp.outputs.items()}
+        return json_response({"correlation_id": resp.correlation_id, "task": resp.task,
+                              "outputs": outputs, "meta": resp.meta},
+                             headers={"X-Correlation-Id": resp.correlation_id})
+
+    @staticmethod
+    def _tensor_reply(resp: Any, wanted: Optional[str]) -> Response:
+        outs = resp.outputs
+        if wanted is not None:
+            if wanted not in outs:
+                raise InvalidArgument(f"task {resp.task!r} has no output {wanted!r} "
+                                      f"(outputs: {', '.join(outs)})", "Lumen-Output")
+            name = wanted
+        elif len(outs) == 1:
+            name = next(iter(outs))
+        else:
+            raise InvalidArgument(f"task {resp.task!r} has {len(outs)} outputs "
+                                  f"({', '.join(outs)}); pick one with the Lumen-Output header "
+                                  f"or accept application/json", "Accept")
+        arr = _little_endian(outs[name])
+        headers = {"Lumen-Tensor-Dtype": dtype_name(arr),
+                   "Lumen-Tensor-Shape": "[" + ",".join(str(d) for d in arr.shape) + "]",
+                   "Lumen-Output": name, "X-Correlation-Id": resp.correlation_id}
+        for k, v in resp.meta.items():
+            headers["Lumen-Meta-" + k] = v
+        return Response(memoryview(arr).cast("B"), headers=headers, media_type=OCTET_STREAM)
+
+    async def embeddings(self, request: Request) -> Response:
+        self._check_open()
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != JSON:
+            raise UnsupportedMediaType(f"/v1/embeddings takes a JSON body; send "
+                                       f"'Content-Type: application/json', not {ctype!r}",
+                                       "Content-Type")
+        body = await self._read_body(request, "body")
+        try:
+            obj = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"the body is not valid JSON: {exc}", "body") from None
+        model, items, fmt = self._parse_embeddings(obj)
+        cid = request.headers.get("x-correlation-id", "")
+        reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "")
+                for i, item in enumerate(items)]
+        infer = self.runtime.infer
+        try:
+            if len(reqs) == 1:
+                results = [await self._until_done_or_gone(request, infer(reqs[0]))]
+            else:
+                results = await self._until_done_or_gone(
+                    request, asyncio.gather(*(infer(r) for r in reqs)))
+        except TaskNotFound as exc:
+            raise TaskNotFound(exc.message, "model") from None
+        data = []
+        tokens = 0
+        for i, res in enumerate(results):
+            vec = self._embedding_output(res)
+            emb: Any = (base64.b64encode(memoryview(_little_endian(vec.astype(np.float32, copy=False)))
+                                         .cast("B")).decode("ascii")
+                        if fmt == "base64" else vec.reshape(-1).tolist())
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+            tokens += int(res.meta.get(RESP_TOKENS, 0))
+        return json_response({"object": "list", "data": data, "model": model,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _parse_embeddings(self, obj: Any) -> tuple:
+        if not isinstance(obj, dict):
+            raise InvalidArgument("the body must be a JSON object", "body")
+        model = obj.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument("'model' must name a task, e.g. \"text_embed\"", "model")
+        fmt = obj.get("encoding_format") or "float"
+        if fmt not in ENCODING_FORMATS:
+            raise InvalidArgument(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, "
+                                  f"got {fmt!r}", "encoding_format")
+        if obj.get("dimensions") is not None:
+            raise InvalidArgument("'dimensions' is not supported: the task's embedding size is "
+                                  "fixed by its model; omit the field", "dimensions")
+        inp = obj.get("input")
+        if isinstance(inp, str):
+            items: list = [inp]
+        elif isinstance(inp, list) and inp and all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in inp):
+            items = [inp]  # one input given as token ids
+        elif isinstance(inp, list) and inp:
+            items = inp
+        else:
+            raise InvalidArgument("'input' must be a string, a non-empty array of strings, or "
+                                  "token ids", "input")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise InvalidArgument(f"'input' has {len(items)} items; at most "
+                                  f"{MAX_EMBEDDING_INPUTS} per call", "input")
+        return model, items, fmt
+
+    def _embedding_request(self, model: str, item: Any, cid: str) -> InferRequest:
+        if isinstance(item, str):
+            return InferRequest(model, item.encode("utf-8"), "text/plain; charset=utf-8", {}, cid)
+        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in item):
+            return self._token_request(model, item, cid)
+        raise InvalidArgument("each 'input' item must be a string or an array of token ids", "input")
+
+    def _token_request(self, model: str, ids: list, cid: str) -> InferRequest:
+        """Token ids go through the tensor route under the preprocess id the task declares
+        for int64 ``[1, L]`` input (the tokenizer contract stays the task's)."""
+        task = self.runtime.tasks.get(model)
+        if task is None:
+            return InferRequest(model, b"", "", {}, cid)  # the runtime answers 404 / 503
+        for spec in task.backend.contract.specs:
+            if spec.dtype == TOKEN_DTYPE and spec.layout == TOKEN_LAYOUT and spec.preprocess_ids:
+                try:
+                    arr = np.asarray(ids, dtype=np.int64)
+                except OverflowError:
+                    raise InvalidArgument("token ids must fit in int64", "input") from None
+                meta = {"lumen.input.kind": "tensor", "lumen.tensor.dtype": TOKEN_DTYPE,
+                        "lumen.tensor.shape": f"[1,{arr.size}]", "lumen.tensor.layout": TOKEN_LAYOUT,
+                        "lumen.preprocess.id": sorted(spec.preprocess_ids)[0]}
+                return InferRequest(model, arr, OCTET_STREAM, meta, cid)
+        raise InvalidArgument(f"task {model!r} does not take token ids; send text", "input")
+
+    @staticmethod
+    def _embedding_output(res: Any) -> np.ndarray:
+        outs = res.outputs
+        if EMBEDDING_OUTPUT in outs:
+            return outs[EMBEDDING_OUTPUT]
+        if len(outs) == 1:
+            return next(iter(outs.values()))
+        raise InvalidArgument(f"task {res.task!r} has no {EMBEDDING_OUTPUT!r} output "
+                              f"(outputs: {', '.join(outs)}); use /v1/infer/{res.task}", "model")
+
+    # -- introspection --------------------------------------------------------------------
+    async def tasks(self, request: Request) -> Response:
+        return json_response({"tasks": self.runtime.describe()})
+
+    async def models(self, request: Request) -> Response:
+        created = int(time.time())
+        return json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "lumen"}
+            for name in sorted(self.runtime.tasks)]})
+
+    async def healthz(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        if not self.runtime.ready:
+            raise Unavailable("the runtime is still loading and warming up its tasks")
+        return json_response({"status": "ready", "tasks": sorted(self.runtime.tasks)})
+
+    async def metrics(self, request: Request) -> Response:
+        if self.observer is None:
+            raise TaskNotFound("metrics are not enabled on this server", None)
+        return Response(self.observer.exposition(), media_type=METRICS_CONTENT_TYPE)

@@ -1,0 +1,127 @@
+"""Prometheus metrics for a served runtime (SPEC section 6).
+
+:class:`PrometheusObserver` implements :class:`lumen_core.runtime.Observer`, so the runtime
+reports every finished request and batch through two plain method calls and knows nothing of
+Prometheus.  Each server owns its own ``CollectorRegistry`` (never the process-global one), so
+two servers in one process -- the test suite starts several -- never share or clash on series.
+
+Gauges that describe *current* state (pending requests, in-flight batches, active sequences,
+padding ratio) are read from the runtime at scrape time by :class:`RuntimeCollector` instead of
+being pushed on every request: a scrape every few seconds costs less than an update per
+request, and the values can never drift from the batcher's own counters.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..runtime import Observer
+
+#: seconds; spans a sub-millisecond tensor request up to a request that waited out a long queue
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+#: powers of two: batch sizes are usually bounded by a power-of-two max_batch_size
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+NAMESPACE = "lumen"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_US = 1e-6
+
+
+class PrometheusObserver(Observer):
+    """Per-task request/batch metrics plus transport-level counters, in one registry."""
+
+    def __init__(self, runtime: Any, registry: Optional[CollectorRegistry] = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "requests", "Finished inference requests by task, input route (raw/tensor) and "
+            "outcome code (ok or an error code).", ["task", "route", "code"],
+            namespace=NAMESPACE, registry=r)
+        self.queue_seconds = Histogram(
+            "queue_seconds", "Time a successful request waited in its batch queue.", ["task"],
+            namespace=NAMESPACE, buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram(
+            "compute_seconds", "Model run time of the batch a successful request was part of.",
+            ["task"], namespace=NAMESPACE, buckets=LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram(
+            "request_seconds", "End-to-end time in the runtime (validation, preprocessing, "
+            "queue, compute, postprocess), every outcome.", ["task"],
+            namespace=NAMESPACE, buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "batch_size", "Requests per executed batch.", ["task"], namespace=NAMESPACE,
+            buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.transport = Counter(
+            "transport_requests", "Requests per transport endpoint and status (HTTP status "
+            "code or gRPC status name).", ["transport", "endpoint", "status"],
+            namespace=NAMESPACE, registry=r)
+        r.register(RuntimeCollector(runtime))
+        # label children cached per task: .labels() takes a lock and hashes the label tuple
+        self._per_task: dict = {}
+
+    def _children(self, task: str) -> tuple:
+        c = self._per_task.get(task)
+        if c is None:
+            c = self._per_task[task] = (
+                self.queue_seconds.labels(task), self.compute_seconds.labels(task),
+                self.request_seconds.labels(task), self.batch_size.labels(task))
+        return c
+
+    # -- runtime.Observer ----------------------------------------------------------------
+    def request(self, task: str, route: str, code: str, e2e_us: int,
+                queue_us: int = 0, compute_us: int = 0) -> None:
+        queue, compute, e2e, _ = self._children(task)
+        self.requests.labels(task, route, code).inc()
+        e2e.observe(e2e_us * _US)
+        if code == "ok":
+            queue.observe(queue_us * _US)
+            compute.observe(compute_us * _US)
+
+    def batch(self, task: str, size: int, compute_us: int) -> None:
+        self._children(task)[3].observe(size)
+
+    # -- transports ----------------------------------------------------------------------
+    def transport_request(self, transport: str, endpoint: str, status: str) -> None:
+        """One finished HTTP or gRPC call (``endpoint`` is the route template, never the path,
+        so a scan of random URLs cannot blow up the series count)."""
+        self.transport.labels(transport, endpoint, status).inc()
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class RuntimeCollector:
+    """Scrape-time gauges read from the runtime's tasks and batchers."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+
+    def describe(self) -> list:
+        # an empty description keeps registration from calling collect() on a cold runtime
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        pending = GaugeMetricFamily(f"{NAMESPACE}_pending_requests",
+                                    "Requests queued and not yet in a batch.", labels=["task"])
+        in_flight = GaugeMetricFamily(f"{NAMESPACE}_inflight_batches",
+                                      "Batches running on an engine instance.", labels=["task"])
+        padding = GaugeMetricFamily(
+            f"{NAMESPACE}_padding_ratio", "Padded / all token slots over the task's life "
+            "(0 for tasks without ragged inputs).", labels=["task"])
+        active = GaugeMetricFamily(f"{NAMESPACE}_active_sequences",
+                                   "Open sequences of a stateful task.", labels=["task"])
+        ready = GaugeMetricFamily(f"{NAMESPACE}_ready",
+                                  "1 when every task is loaded and warmed up.")
+        ready.add_metric([], 1.0 if getattr(self.runtime, "ready", False) else 0.0)
+        for name, task in list(getattr(self.runtime, "tasks", {}).items()):
+            batcher = task.batcher
+            pending.add_metric([name], float(getattr(batcher, "pending", 0)))
+            in_flight.add_metric([name], float(getattr(batcher, "in_flight", 0)))
+            padding.add_metric([name], float(task.padding_ratio))
+            if hasattr(batcher, "active_sequences"):
+                n = batcher.active_sequences
+                active.add_metric([name], float(n() if callable(n) else n))
+        yield from (ready, pending, in_flight, padding, active)

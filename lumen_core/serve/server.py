@@ -1,0 +1,147 @@
+"""One process serving one runtime over HTTP (uvicorn) and gRPC, with a graceful stop.
+
+Start-up order: load + warm the runtime, install the metrics observer (so warm-up requests are
+not counted), bind gRPC, bind HTTP, then log one ``ready`` line.  Shutdown (SIGTERM / SIGINT /
+:meth:`LumenServer.shutdown`) runs the other way round and never drops admitted work:
+
+1. mark HTTP and gRPC as draining: new inference calls get 503 / UNAVAILABLE, ``/readyz``
+   turns 503 so a load balancer stops sending;
+2. uvicorn closes its listening sockets (new connections are refused), closes idle keep-alive
+   connections, and waits for in-flight HTTP requests to finish; gRPC does the same;
+3. the runtime drains its batchers and releases its sessions.
+
+uvicorn's own signal handling is replaced by ours (``_Uvicorn.capture_signals``) because one
+signal must stop both transports and the runtime, in that order.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from typing import Any, Iterator, Optional
+
+import uvicorn
+
+from .grpc import GrpcServer
+from .http import HttpApp
+from .metrics import PrometheusObserver
+
+log = logging.getLogger("lumen.serve")
+
+#: seconds in-flight requests get to finish after SIGTERM before connections are cut
+SHUTDOWN_GRACE_S = 30.0
+#: seconds an idle keep-alive HTTP connection stays open (uvicorn's default is 5)
+KEEP_ALIVE_S = 30
+#: the listen backlog; a load test opens many connections at once
+BACKLOG = 2048
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers (LumenServer installs one for everything)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        return None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free one; the caller reads the real port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+class LumenServer:
+    """HTTP + gRPC front of a :class:`~lumen_core.runtime.Runtime`.
+
+    ``http_port`` / ``grpc_port`` of 0 bind free ports (read them back from the attributes
+    after :meth:`start`); ``grpc_port=None`` disables gRPC.
+    """
+
+    def __init__(self, runtime: Any, host: Optional[str] = None, http_port: Optional[int] = None,
+                 grpc_port: Optional[int] = -1, grace_s: float = SHUTDOWN_GRACE_S,
+                 log_level: str = "warning"):
+        server_cfg = runtime.config.server
+        self.runtime = runtime
+        self.host = host if host is not None else server_cfg.host
+        self.http_port = http_port if http_port is not None else server_cfg.http_port
+        if grpc_port == -1:
+            grpc_port = server_cfg.grpc_port or None
+        self.grpc_port = grpc_port
+        self.grace_s = grace_s
+        self.observer = PrometheusObserver(runtime)
+        self.http = HttpApp(runtime, self.observer)
+        self.grpc: Optional[GrpcServer] = None
+        self._uvicorn: Optional[_Uvicorn] = None
+        self._serve_task: Optional[asyncio.Task] = None
+        self._log_level = log_level
+        self._stopping: Optional[asyncio.Task] = None
+        self.stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        rt = self.runtime
+        await rt.start()
+        rt.observer = self.observer
+        max_payload = rt.config.server.max_payload_bytes
+        if self.grpc_port is not None:
+            self.grpc = GrpcServer(rt, self.observer, self.host, self.grpc_port, max_payload)
+            await self.grpc.start()
+            self.grpc_port = self.grpc.port
+        sock = bind_socket(self.host, self.http_port)
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(self.http, log_level=self._log_level, access_log=False,
+                                lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
+                                timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
+                                server_header=False, date_header=False)
+        self._uvicorn = _Uvicorn(config)
+        self._serve_task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._serve_task.done():
+                self._serve_task.result()  # raises the start-up error
+                raise RuntimeError("the HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+        grpc_txt = f", grpc {self.host}:{self.grpc_port}" if self.grpc is not None else ""
+        log.info("lumen ready: tasks %s on http://%s:%d%s", ", ".join(sorted(rt.tasks)),
+                    self.host, self.http_port, grpc_txt)
+
+    def shutdown(self) -> "asyncio.Task":
+        """Begin the graceful stop (idempotent); returns the task that performs it."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._shutdown())
+        return self._stopping
+
+    async def _shutdown(self) -> None:
+        log.info("lumen shutting down: draining in-flight requests")
+        self.http.draining = True
+        grpc_stop = (asyncio.ensure_future(self.grpc.stop(self.grace_s))
+                     if self.grpc is not None else None)
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._serve_task is not None:
+                await self._serve_task
+        if grpc_stop is not None:
+            await grpc_stop
+        await self.runtime.stop()
+        self.stopped.set()
+        log.info("lumen stopped")
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM / SIGINT, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        await self.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shutdown)
+        try:
+            await self.stopped.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
