@@ -19,6 +19,7 @@ if os.environ.get("LUMEN_NO_EXTENSIONS", "") not in ("1", "true", "yes"):
             Extension(
                 f"lumen_core._{name}",
                 [pyx],
+                depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
                 include_dirs=["csrc", numpy.get_include()],
                 extra_compile_args=["-O3"],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
