@@ -29,6 +29,9 @@ log = logging.getLogger("lumen")
 
 #: seconds ``infer_sync`` waits before giving up on a wedged runtime (requests have deadlines)
 SYNC_WAIT_S = None
+#: response meta key: the input's token count, for tasks with ragged (token) inputs; the
+#: OpenAI-compatible ``usage`` of /v1/embeddings sums it
+RESP_TOKENS = "lumen.tokens"
 
 
 class Observer:
@@ -215,6 +218,8 @@ class Runtime:
     @staticmethod
     def _policy(task: Task, desc) -> tuple:
         b = task.config.batching
+        if prepared.length:
+            meta[RESP_TOKENS] = str(prepared.length)
         priority = desc.priority or b.default_priority_level or b.priority_levels
         if priority > b.priority_levels:
             raise InvalidArgument(f"lumen.priority must be 1..{b.priority_levels} for task "
