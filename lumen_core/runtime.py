@@ -213,13 +213,13 @@ class Runtime:
                               res.queue_us, res.compute_us)
         meta = {RESP_BATCH_SIZE: str(res.batch_size), RESP_QUEUE_US: str(res.queue_us),
                 RESP_COMPUTE_US: str(res.compute_us)}
+        if prepared.length:
+            meta[RESP_TOKENS] = str(prepared.length)
         return InferResponse(req.correlation_id, req.task, res.value, meta)
 
     @staticmethod
     def _policy(task: Task, desc) -> tuple:
         b = task.config.batching
-        if prepared.length:
-            meta[RESP_TOKENS] = str(prepared.length)
         priority = desc.priority or b.default_priority_level or b.priority_levels
         if priority > b.priority_levels:
             raise InvalidArgument(f"lumen.priority must be 1..{b.priority_levels} for task "
