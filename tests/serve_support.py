@@ -1,0 +1,141 @@
+"""Helpers for the server tests: a LumenServer on a background thread, test task configs,
+metrics scraping, and the prepared default models in a temporary LUMEN_HOME (once per session).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import httpx
+import numpy as np
+import onnx_models as M
+from prometheus_client.parser import text_string_to_metric_families
+
+from lumen_core.runtime import Runtime
+from lumen_core.serve.server import LumenServer
+
+D_IN, D_OUT = 16, 8
+#: the slow task holds a lone request in its queue this long (a batch never fills)
+SLOW_DELAY_US = 2_000_000
+SLOW_QUEUE_SIZE = 2
+#: seconds a test polls for a condition on the server before failing
+WAIT_S = 10.0
+#: small payload limit so 413 is cheap to provoke
+MAX_PAYLOAD = 4096
+
+
+def tensor_meta(shape: tuple, dtype: str = "fp32", layout: str = "NC") -> dict:
+    return {"lumen.input.kind": "tensor", "lumen.tensor.dtype": dtype,
+            "lumen.tensor.shape": "[" + ",".join(map(str, shape)) + "]",
+            "lumen.tensor.layout": layout, "lumen.preprocess.id": "none"}
+
+
+def onnx_config(tmp: pathlib.Path, slow: bool = True, **server: Any) -> dict:
+    """Three generic tasks on generated models: ``mlp`` (no queue delay), ``slow`` (a lone
+    request waits SLOW_DELAY_US, queue of SLOW_QUEUE_SIZE; its warm-up waits that long too, so
+    ``slow=False`` leaves it out) and ``nan`` (sqrt: NaN for x < 0)."""
+    mlp = M.mlp(tmp / "mlp.onnx", d_in=D_IN, d_out=D_OUT)
+    nan = M.nan_for_negative(tmp / "nan.onnx", d=4)
+    common = {"backend": "onnx", "intra_op_threads": 1}
+    cfg = {
+        "server": {"max_payload_bytes": MAX_PAYLOAD, **server},
+        "tasks": [
+            {"name": "mlp", "model": mlp, **common, "batching": {"max_queue_delay_us": 0}},
+            {"name": "slow", "model": mlp, **common,
+             "batching": {"max_queue_delay_us": SLOW_DELAY_US, "max_batch_size": 64,
+                          "max_queue_size": SLOW_QUEUE_SIZE}},
+            {"name": "nan", "model": nan, **common, "batching": {"max_queue_delay_us": 0}},
+        ],
+    }
+    if not slow:
+        cfg["tasks"] = [t for t in cfg["tasks"] if t["name"] != "slow"]
+    return cfg
+
+
+def mlp_input(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, D_IN)).astype(np.float32)
+
+
+class ServerThread:
+    """A started LumenServer (HTTP + gRPC on free loopback ports) on its own event loop."""
+
+    def __init__(self, runtime: Runtime, grpc: bool = True, grace_s: float = 5.0):
+        self.runtime = runtime
+        self.loop = asyncio.new_event_loop()
+        self.server = LumenServer(runtime, host="127.0.0.1", http_port=0,
+                                  grpc_port=0 if grpc else None, grace_s=grace_s)
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.call(self.server.start())
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.grpc_target = f"127.0.0.1:{self.server.grpc_port}"
+
+    def call(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            await self.server.shutdown()
+
+        try:
+            self.call(_stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+def scrape(url: str) -> dict:
+    """``{(sample name, frozenset(labels.items())): value}`` from /metrics, via the official
+    parser (so the exposition must be valid)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+_PREPARED: dict = {}
+
+
+def prepared_home(tmp_path_factory: Any) -> Optional[pathlib.Path]:
+    """A LUMEN_HOME with the default models prepared, built once per test session (``None``
+    is never returned: preparation errors fail the test that asked)."""
+    if "home" not in _PREPARED:
+        from lumen_core import models
+
+        home = tmp_path_factory.mktemp("lumen_home")
+        models.prepare(home=home)
+        _PREPARED["home"] = home
+    return _PREPARED["home"]
+
+
+def default_runtime(home: pathlib.Path, **server: Any) -> Runtime:
+    """``Runtime.default()`` on the models prepared under ``home`` (LUMEN_HOME is set only
+    while the default task tables are resolved)."""
+    old = os.environ.get("LUMEN_HOME")
+    os.environ["LUMEN_HOME"] = str(home)
+    try:
+        return Runtime.default(server=server or None)
+    finally:
+        if old is None:
+            del os.environ["LUMEN_HOME"]
+        else:
+            os.environ["LUMEN_HOME"] = old
