@@ -19,6 +19,10 @@ with the contract's own helpers (``_bad``, ``_short``, ``_names``); where a cont
 a message (``parse_shape``, ``shape_nbytes``, ``_parse_uint``, ``_parse_bool``) that helper is
 called on the error path so the text has one home.  Strings are judged by their character data
 (a ``str`` subclass is treated like the ``str`` it holds).
+
+A ``TensorContract`` is read once into a cached ``_ContractView`` (accepted dtypes/layouts as
+C flags, signatures and per-dimension bounds as packed C arrays): contracts are immutable
+(frozen dataclasses), so the per-request checks never look up attributes.
 """
 from cpython.dict cimport PyDict_CheckExact, PyDict_Next, PyDict_Size
 from cpython.long cimport PyLong_FromLongLong
@@ -29,6 +33,8 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcmp, memset
 
 cimport cython
+
+from array import array as _array
 
 from lumen_core import contract as _c
 from lumen_core.errors import InternalError
@@ -570,24 +576,92 @@ cdef int _request_keys(desc_t* d) except -1:
     return 0
 
 
+# ---------------------------------------------------------------- the contract, prepared
+cdef class _ContractView:
+    """A TensorContract's attributes and derived C tables, read once.
+
+    Like a prepared statement: the per-request checks index C arrays instead of looking up
+    attributes and building ``(dtype, layout, pp)`` tuples.  ``TensorContract`` is frozen, so
+    views of it are cached by identity (a strong reference keeps the id from being reused);
+    any other contract-like object gets a fresh view per call.
+    """
+
+    cdef object contract
+    cdef object dtypes, layouts, preprocess_ids, raw_preprocess_ids, index, specs
+    cdef object model_id, model_version
+    cdef bint dtype_ok[CAP_TABLE]
+    cdef bint layout_ok[CAP_TABLE]
+    # preprocess id -> bytes of int32 triples (dtype index, layout index, spec index), one per
+    # contract.index entry with that id; every accepted id is a key (maybe with b"")
+    cdef dict by_pp
+    # spec index -> bytes of int64 (lo, hi) pairs, or None when a bound does not fit int64
+    cdef list spec_dims
+
+    def __cinit__(self, contract):
+        self.contract = contract
+        self.dtypes = contract.dtypes
+        self.layouts = contract.layouts
+        self.preprocess_ids = contract.preprocess_ids
+        self.raw_preprocess_ids = contract.raw_preprocess_ids
+        self.index = contract.index
+        self.specs = contract.specs
+        self.model_id = contract.model_id
+        self.model_version = contract.model_version
+        for i in range(DTYPES.n):
+            self.dtype_ok[i] = _DTYPE_OBJS[i] in self.dtypes
+        for i in range(LAYOUTS.n):
+            self.layout_ok[i] = _LAYOUT_OBJS[i] in self.layouts
+        triples = {pp: [] for pp in self.preprocess_ids}
+        for (dtype, layout, pp), idx in self.index.items():
+            if pp in triples and dtype in _DTYPE_OBJS and layout in _LAYOUT_OBJS:
+                triples[pp].extend((_DTYPE_OBJS.index(dtype), _LAYOUT_OBJS.index(layout), idx))
+        self.by_pp = {pp: _array("i", t).tobytes() for pp, t in triples.items()}
+        self.spec_dims = []
+        for spec in self.specs:
+            bounds = [b for pair in spec.dims for b in pair]
+            exact = all(type(b) is int and -INT64_MAX - 1 <= b <= INT64_MAX for b in bounds)
+            self.spec_dims.append(_array("q", bounds).tobytes() if exact else None)
+
+
+#: contracts whose views are kept (one per task in practice); past it the cache starts over
+MAX_CACHED_CONTRACTS = 64
+cdef dict _views = {}
+cdef object _last_contract = None
+cdef _ContractView _last_view = None
+cdef object _TensorContract = _c.TensorContract
+
+
+cdef _ContractView _view(object contract):
+    global _last_contract, _last_view
+    if contract is _last_contract:
+        return _last_view
+    if type(contract) is not _TensorContract:
+        return _ContractView(contract)
+    view = _views.get(id(contract))
+    if view is None:
+        if len(_views) >= MAX_CACHED_CONTRACTS:
+            _views.clear()
+        view = _ContractView(contract)
+        _views[id(contract)] = view
+    _last_contract = contract
+    _last_view = view
+    return view
+
+
 # ---------------------------------------------------------------- step 2: raw route
-cdef int _check_model(desc_t* d, object contract) except -1:
+cdef int _check_model(desc_t* d, _ContractView c) except -1:
     cdef PyObject* v = d.vals[S_MODEL_ID]
-    if v != NULL:
-        want = contract.model_id
-        if <object>v != want:
-            raise _bad(KEY_MODEL_ID, f"{KEY_MODEL_ID} {_short(<object>v)} does not match the "
-                                     f"task's model {want!r} (the task routes, never the model id)")
+    if v != NULL and <object>v != c.model_id:
+        raise _bad(KEY_MODEL_ID, f"{KEY_MODEL_ID} {_short(<object>v)} does not match the "
+                                 f"task's model {c.model_id!r} (the task routes, never the model id)")
     v = d.vals[S_MODEL_VERSION]
-    if v != NULL:
-        want = contract.model_version
-        if <object>v != want:
-            raise _bad(KEY_MODEL_VERSION, f"{KEY_MODEL_VERSION} {_short(<object>v)} does not "
-                                          f"match the task's model version {want!r}")
+    if v != NULL and <object>v != c.model_version:
+        raise _bad(KEY_MODEL_VERSION, f"{KEY_MODEL_VERSION} {_short(<object>v)} does not "
+                                      f"match the task's model version {c.model_version!r}")
     return 0
 
 
-cdef int _check_raw(desc_t* d, object contract) except -1:
+cdef int _check_raw(desc_t* d, _ContractView c) except -1:
     cdef int i
     cdef PyObject* v
     for i in range(N_TENSOR_KEYS):
@@ -595,12 +669,10 @@ cdef int _check_raw(desc_t* d, object contract) except -1:
             key = _KEY_OBJS[TENSOR_SLOTS[i]]
             raise _bad(key, f"{key} is only valid with {KEY_INPUT_KIND}=tensor")
     v = d.vals[S_PP_ID]
-    if v != NULL:
-        accepted = contract.raw_preprocess_ids
-        if <object>v not in accepted:
-            raise _bad(KEY_PREPROCESS_ID, f"raw input is preprocessed with "
-                                          f"{_names(accepted)}, not {_short(<object>v)}")
-    return _check_model(d, contract)
+    if v != NULL and <object>v not in c.raw_preprocess_ids:
+        raise _bad(KEY_PREPROCESS_ID, f"raw input is preprocessed with "
+                                      f"{_names(c.raw_preprocess_ids)}, not {_short(<object>v)}")
+    return _check_model(d, c)
 
 
 # ---------------------------------------------------------------- step 3: tensor route
@@ -618,8 +690,8 @@ cdef tuple _shape_tuple(desc_t* d):
     return t
 
 
-cdef object _tensor_shape(desc_t* d, object contract):
-    """dtype, shape and byte length (SPEC checks 1 and 2); returns the dtype name."""
+cdef int _tensor_shape(desc_t* d, _ContractView c) except -1:
+    """dtype, shape and byte length (SPEC checks 1 and 2)."""
     cdef PyObject* v = d.vals[S_DTYPE]
     cdef Py_ssize_t n
     if v == NULL:
@@ -627,18 +699,17 @@ cdef object _tensor_shape(desc_t* d, object contract):
     d.dtype = _lookup(&DTYPES, v)
     if d.dtype < 0:
         raise _bad(KEY_DTYPE, f"unknown dtype {_short(<object>v)}; known: {_names(_DTYPES)}")
-    dtype = _DTYPE_OBJS[d.dtype]
-    if dtype not in contract.dtypes:
-        raise _bad(KEY_DTYPE, f"dtype {dtype} is not accepted by this task; accepted: "
-                              f"{_names(contract.dtypes)}")
+    if not c.dtype_ok[d.dtype]:
+        raise _bad(KEY_DTYPE, f"dtype {_DTYPE_OBJS[d.dtype]} is not accepted by this task; "
+                              f"accepted: {_names(c.dtypes)}")
     v = d.vals[S_SHAPE]
     if v == NULL:
         raise _bad(KEY_SHAPE, f"{KEY_SHAPE} is required for tensor input")
     n = PyUnicode_GET_LENGTH(v)
-    # a hostile length is refused here in O(1); a non-ASCII shape can only be an error
+    # a hostile length is refused here in O(1); a non-ASCII shape can only be an error.
+    # No GIL release: a <= 256-byte parse is cheaper than releasing and re-acquiring it.
     d.rank = -1
     if n <= MAX_SHAPE_CHARS and PyUnicode_IS_ASCII(v):
-        # no GIL release: a <=256-byte parse is cheaper than the release/re-acquire
         d.rank = _parse_shape(<const char*>PyUnicode_DATA(v), n, d.shape)
     if d.rank < 0:
         _c.parse_shape(<object>v)  # cold: raises with the contract's message
@@ -648,7 +719,26 @@ cdef object _tensor_shape(desc_t* d, object contract):
         _c.shape_nbytes(_shape_list(d), DTYPES.a[d.dtype])  # cold: raises
         raise InternalError("compiled byte-length check disagrees with contract.shape_nbytes",
                             KEY_SHAPE)
-    return dtype
+    return 0
+
+
+cdef int _check_layout(desc_t* d, _ContractView c) except -1:
+    """SPEC check 3: known, accepted, rank matches the shape."""
+    cdef PyObject* v = d.vals[S_LAYOUT]
+    if v == NULL:
+        raise _bad(KEY_LAYOUT, f"{KEY_LAYOUT} is required for tensor input; accepted: "
+                               f"{_names(c.layouts)}")
+    d.layout = _lookup(&LAYOUTS, v)
+    if d.layout < 0:
+        raise _bad(KEY_LAYOUT, f"unknown layout {_short(<object>v)}; known: {_names(_LAYOUTS)}")
+    layout = _LAYOUT_OBJS[d.layout]
+    if not c.layout_ok[d.layout]:
+        raise _bad(KEY_LAYOUT, f"layout {layout} is not accepted by this task; accepted: "
+                               f"{_names(c.layouts)}")
+    if LAYOUTS.a[d.layout] != d.rank:
+        raise _bad(KEY_LAYOUT, f"layout {layout} has rank {LAYOUTS.a[d.layout]} but the shape "
+                               f"{_shape_list(d)} has rank {d.rank}")
+    return 0
 
 
 cdef int _payload_matches(desc_t* d, object payload_nbytes) except -1:
@@ -660,90 +750,89 @@ cdef int _payload_matches(desc_t* d, object payload_nbytes) except -1:
     return not (payload_nbytes != d.nbytes)
 
 
-cdef inline bint _dim_ok(int64_t dim, object lo, object hi) except -1:
-    """``lo <= dim and (hi == UNBOUNDED or dim <= hi)`` -- C compare when the bounds fit."""
-    cdef int o1 = 0, o2 = 0
-    cdef long long clo, chi
-    if PyLong_CheckExact(<PyObject*>lo) and PyLong_CheckExact(<PyObject*>hi):
-        clo = PyLong_AsLongLongAndOverflow(lo, &o1)
-        chi = PyLong_AsLongLongAndOverflow(hi, &o2)
-        if o1 == 0 and o2 == 0:
-            return not (dim < clo or (chi != UNBOUNDED and dim > chi))
-    return not (dim < lo or (hi != UNBOUNDED and dim > hi))
+cdef int _find_spec(desc_t* d, bytes triples) noexcept:
+    """Spec index for (dtype, layout) among one preprocess id's signatures; -1 if none."""
+    cdef const int* t = <const int*><const char*>triples
+    cdef Py_ssize_t i, n = len(triples) // (3 * sizeof(int))
+    for i in range(n):
+        if t[3 * i] == d.dtype and t[3 * i + 1] == d.layout:
+            return t[3 * i + 2]
+    return -1
 
 
-cdef int _check_dims(desc_t* d, object spec_dims) except -1:
-    """The task's per-dimension constraints (SPEC check 9)."""
-    cdef int axis = 0
-    for lo, hi in spec_dims:
-        if axis >= d.rank:
-            break
-        if not _dim_ok(d.shape[axis], lo, hi):
-            want = str(lo) if lo == hi else (f"{lo} <= d" + ("" if hi == UNBOUNDED else f" <= {hi}"))
-            raise _bad(KEY_SHAPE, f"dimension {axis} of {_shape_list(d)} is {d.shape[axis]}; "
-                                  f"this task needs {want}")
-        axis += 1
+cdef inline int _first_bad_dim(desc_t* d, const int64_t* bounds) noexcept nogil:
+    """First axis outside its ``(lo, hi)`` pair, -1 when all hold (SPEC check 9)."""
+    cdef int axis
+    for axis in range(d.rank):
+        if d.shape[axis] < bounds[2 * axis] or (
+                bounds[2 * axis + 1] != UNBOUNDED and d.shape[axis] > bounds[2 * axis + 1]):
+            return axis
+    return -1
+
+
+cdef int _check_dims(desc_t* d, _ContractView c, int idx) except -1:
+    cdef object packed = c.spec_dims[idx]
+    cdef int axis = -1, i = 0
+    dims = c.specs[idx].dims
+    if packed is not None and len(<bytes>packed) == <Py_ssize_t>(2 * d.rank * sizeof(int64_t)):
+        axis = _first_bad_dim(d, <const int64_t*><const char*><bytes>packed)
+    else:  # bounds beyond int64 (or a duck-typed spec): compare as Python ints
+        for lo, hi in dims:
+            if i >= d.rank:
+                break
+            if d.shape[i] < lo or (hi != UNBOUNDED and d.shape[i] > hi):
+                axis = i
+                break
+            i += 1
+    if axis >= 0:
+        lo, hi = dims[axis]
+        want = str(lo) if lo == hi else (f"{lo} <= d" + ("" if hi == UNBOUNDED else f" <= {hi}"))
+        raise _bad(KEY_SHAPE, f"dimension {axis} of {_shape_list(d)} is {d.shape[axis]}; "
+                              f"this task needs {want}")
     return 0
 
 
-cdef Descriptor _check_tensor(desc_t* d, object payload_nbytes, object contract):
+cdef Descriptor _check_tensor(desc_t* d, object payload_nbytes, _ContractView c):
     cdef PyObject* v
     cdef int64_t batch_axis
-    # 1. dtype, 2. shape (+ byte length)
-    dtype = _tensor_shape(d, contract)
-    # 3. layout
-    v = d.vals[S_LAYOUT]
-    if v == NULL:
-        raise _bad(KEY_LAYOUT, f"{KEY_LAYOUT} is required for tensor input; accepted: "
-                               f"{_names(contract.layouts)}")
-    d.layout = _lookup(&LAYOUTS, v)
-    if d.layout < 0:
-        raise _bad(KEY_LAYOUT, f"unknown layout {_short(<object>v)}; known: {_names(_LAYOUTS)}")
-    layout = _LAYOUT_OBJS[d.layout]
-    if layout not in contract.layouts:
-        raise _bad(KEY_LAYOUT, f"layout {layout} is not accepted by this task; accepted: "
-                               f"{_names(contract.layouts)}")
-    if LAYOUTS.a[d.layout] != d.rank:
-        raise _bad(KEY_LAYOUT, f"layout {layout} has rank {LAYOUTS.a[d.layout]} but the shape "
-                               f"{_shape_list(d)} has rank {d.rank}")
-    # 4. payload length
-    if not _payload_matches(d, payload_nbytes):
-        raise _bad(FIELD_PAYLOAD, f"payload is {payload_nbytes} bytes but {dtype} "
-                                  f"{_shape_list(d)} needs exactly {d.nbytes}")
-    # 5. preprocess id
-    v = d.vals[S_PP_ID]
+    cdef int idx
+    _tensor_shape(d, c)                         # 1. dtype, 2. shape
+    _check_layout(d, c)                         # 3. layout
+    if not _payload_matches(d, payload_nbytes):  # 4. payload length
+        raise _bad(FIELD_PAYLOAD, f"payload is {payload_nbytes} bytes but "
+                                  f"{_DTYPE_OBJS[d.dtype]} {_shape_list(d)} needs exactly "
+                                  f"{d.nbytes}")
+    v = d.vals[S_PP_ID]                         # 5. preprocess id
     if v == NULL:
         raise _bad(KEY_PREPROCESS_ID, f"{KEY_PREPROCESS_ID} is required for tensor input; "
-                                      f"accepted: {_names(contract.preprocess_ids)}")
+                                      f"accepted: {_names(c.preprocess_ids)}")
     pp = <object>v
-    if pp not in contract.preprocess_ids:
+    triples = c.by_pp.get(pp)
+    if triples is None:
         raise _bad(KEY_PREPROCESS_ID, f"preprocess id {_short(pp)} is not accepted by this "
-                                      f"task; accepted: {_names(contract.preprocess_ids)}")
-    # 6. no payload batches
-    batch_axis = LAYOUTS.b[d.layout]
+                                      f"task; accepted: {_names(c.preprocess_ids)}")
+    batch_axis = LAYOUTS.b[d.layout]            # 6. no payload batches
     if batch_axis >= 0 and d.shape[batch_axis] != 1:
         raise _bad(KEY_SHAPE, f"the batch dimension of {_shape_list(d)} must be 1: send many "
                               f"inputs as many requests, batching is the runtime's job")
-    # 7. model id / version
-    _check_model(d, contract)
-    # 8. format / byte order
-    v = d.vals[S_FORMAT]
+    _check_model(d, c)                          # 7. model id / version
+    v = d.vals[S_FORMAT]                        # 8. format / byte order
     if v != NULL and not _equals(v, V_CONTIGUOUS):
         raise _bad(KEY_FORMAT, f"{KEY_FORMAT} must be 'contiguous', got {_short(<object>v)}")
     v = d.vals[S_BYTE_ORDER]
     if v != NULL and not _equals(v, V_LITTLE):
         raise _bad(KEY_BYTE_ORDER, f"{KEY_BYTE_ORDER} must be 'little', got {_short(<object>v)}")
-    # 9. the task's per-dimension constraints
-    idx = contract.index.get((dtype, layout, pp))
-    if idx is None:
-        raise _bad(KEY_PREPROCESS_ID, f"no tensor signature of this task has dtype={dtype} "
-                                      f"layout={layout} preprocess={pp}; accepted: "
-                                      f"{[s.describe() for s in contract.specs]}")
-    _check_dims(d, contract.specs[idx].dims)
+    idx = _find_spec(d, triples)                # 9. the task's per-dimension constraints
+    if idx < 0:
+        raise _bad(KEY_PREPROCESS_ID, f"no tensor signature of this task has "
+                                      f"dtype={_DTYPE_OBJS[d.dtype]} "
+                                      f"layout={_LAYOUT_OBJS[d.layout]} preprocess={pp}; "
+                                      f"accepted: {[s.describe() for s in c.specs]}")
+    _check_dims(d, c, idx)
     cdef Descriptor out = _new_descriptor()
-    out.dtype = dtype
+    out.dtype = _DTYPE_OBJS[d.dtype]
     out.shape = _shape_tuple(d)
-    out.layout = layout
+    out.layout = _LAYOUT_OBJS[d.layout]
     out.preprocess_id = pp
     out.nbytes = d.nbytes
     out.spec_index = idx
@@ -785,13 +874,13 @@ def parse_meta(meta, payload_nbytes, contract=_EMPTY_CONTRACT) -> Descriptor:
         return _new_descriptor()
     _request_keys(&d)
     if d.kind == KIND_RAW:
-        _check_raw(&d, contract)
+        _check_raw(&d, _view(contract))
         out = _new_descriptor()
         v = d.vals[S_PP_ID]
         if v != NULL:
             out.preprocess_id = <object>v
     else:
-        out = _check_tensor(&d, payload_nbytes, contract)
+        out = _check_tensor(&d, payload_nbytes, _view(contract))
     _fill_request_fields(out, &d)
     return out
 

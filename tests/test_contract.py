@@ -618,3 +618,36 @@ def test_hostile_values_only_raise_lumen_errors(impl, key, value, base):
         assert len(exc.message) < 2000  # never echoes a hostile value whole
     else:
         assert d.kind in ("raw", "tensor")
+
+
+# ------------------------------------------------------------------ contracts as arguments
+def test_duck_typed_contract_behaves_like_tensor_contract(impl):
+    duck = types.SimpleNamespace(**{k: getattr(IMAGE, k) for k in (
+        "specs", "model_id", "model_version", "raw_preprocess_ids", "dtypes", "layouts",
+        "preprocess_ids", "index")})
+    parse = impl.descriptor.parse_meta
+    assert parse(clip_meta(), CLIP_NBYTES, duck) == parse(clip_meta(), CLIP_NBYTES, IMAGE)
+    expect_error(impl, clip_meta(**{C.KEY_MODEL_ID: "x"}), CLIP_NBYTES, duck, C.KEY_MODEL_ID)
+    expect_error(impl, {C.KEY_PREPROCESS_ID: "x"}, 0, duck, C.KEY_PREPROCESS_ID)
+
+
+def test_many_contracts_in_turn(impl):
+    # more contracts than the compiled parser keeps prepared, each used twice in turn
+    contracts = [C.TensorContract(specs=(CLIP_SPEC,), model_id=f"m{i}") for i in range(80)]
+    for _ in range(2):
+        for i, contract in enumerate(contracts):
+            meta = clip_meta(**{C.KEY_MODEL_ID: f"m{i}", C.KEY_MODEL_VERSION: "1"})
+            assert impl.descriptor.parse_meta(meta, CLIP_NBYTES, contract).model_id == f"m{i}"
+            other = contracts[i - 1]
+            expect_error(impl, meta, CLIP_NBYTES, other, C.KEY_MODEL_ID)
+
+
+def test_first_matching_signature_wins(impl):
+    wide = C.TensorSpec("int64", "NL", {TOKENS_PP}, ((1, 1), (1, 8)))
+    narrow = C.TensorSpec("int64", "NL", {TOKENS_PP, "other_v1"}, ((1, 1), (1, 2)))
+    contract = C.TensorContract(specs=(wide, narrow))
+    meta = {C.KEY_INPUT_KIND: "tensor", C.KEY_DTYPE: "int64", C.KEY_SHAPE: "[1,5]",
+            C.KEY_LAYOUT: "NL", C.KEY_PREPROCESS_ID: TOKENS_PP}
+    assert impl.descriptor.parse_meta(meta, 40, contract).spec_index == 0
+    meta[C.KEY_PREPROCESS_ID] = "other_v1"
+    expect_error(impl, meta, 40, contract, C.KEY_SHAPE)  # only the narrow one names it
