@@ -4,11 +4,12 @@ metrics scraping, and the prepared default models in a temporary LUMEN_HOME (onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import httpx
 import numpy as np
@@ -127,15 +128,26 @@ def prepared_home(tmp_path_factory: Any) -> Optional[pathlib.Path]:
     return _PREPARED["home"]
 
 
-def default_runtime(home: pathlib.Path, **server: Any) -> Runtime:
-    """``Runtime.default()`` on the models prepared under ``home`` (LUMEN_HOME is set only
-    while the default task tables are resolved)."""
+@contextlib.contextmanager
+def lumen_home_env(home: pathlib.Path) -> Iterator[None]:
+    """LUMEN_HOME pointing at ``home`` for the block (default tasks resolve their models when
+    the tables are built and again when the tasks load)."""
     old = os.environ.get("LUMEN_HOME")
     os.environ["LUMEN_HOME"] = str(home)
     try:
-        return Runtime.default(server=server or None)
+        yield
     finally:
         if old is None:
             del os.environ["LUMEN_HOME"]
         else:
             os.environ["LUMEN_HOME"] = old
+
+
+def default_server(home: pathlib.Path, extra_tasks: Sequence[dict] = (), **server: Any) -> ServerThread:
+    """A started server with the built-in default tasks on the models prepared under ``home``
+    (plus ``extra_tasks`` tables)."""
+    from lumen_core.tasks import default_task_tables
+
+    with lumen_home_env(home):
+        cfg = {"server": server, "tasks": default_task_tables() + list(extra_tasks)}
+        return ServerThread(Runtime.from_dict(cfg))
