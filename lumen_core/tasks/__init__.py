@@ -6,6 +6,7 @@ import importlib
 
 BACKENDS = {
     "onnx": "lumen_core.tasks.onnx:OnnxBackend",
+    "text_embedding": "lumen_core.tasks.text_embedding:TextEmbeddingBackend",
     "image_embedding": "lumen_core.tasks.image_embedding:ImageEmbeddingBackend",
     "vad": "lumen_core.tasks.vad:VadBackend",
 }
@@ -35,5 +36,6 @@ def default_task_tables() -> list:
 
 #: "module:function" returning a default ``[[tasks]]`` table or None
 DEFAULT_TASK_PROVIDERS: list = [
+    "lumen_core.tasks.text_embedding:default_task_table",
     "lumen_core.tasks.vad:default_task_table",
 ]
