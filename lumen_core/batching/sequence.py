@@ -19,7 +19,9 @@ sees the state request i produced.  A lane forms a batch when it is free and eit
 sequence it holds has a request ready, the batch is full, or the oldest ready request has
 waited ``[tasks.sequence].max_queue_delay_us`` (0: at once).  With no free slot anywhere a new
 sequence waits in a FIFO backlog; the backlog is bounded by ``batching.max_queue_size``, which
-counts every queued request of the task (past it: ``Overloaded``).
+counts every queued request of the task (past it: ``Overloaded``), except that a sequence
+holding a slot may always queue one request, so the requests that end sequences and free slots
+are never locked out by a full backlog.
 
 Semantics chosen where Triton leaves room (documented for callers):
 
@@ -204,7 +206,10 @@ class SequenceBatcher:
             raise InvalidArgument(f"task {self.name!r} is stateful: every request needs "
                                   f"{KEY_SEQUENCE_ID} (and {KEY_SEQUENCE_START}=true on the first)",
                                   KEY_SEQUENCE_ID)
-        if self._pending >= self.max_queue:
+        seq = self._seqs.get(sid)
+        if self._pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+            # A sequence that holds a slot may always queue one request, so a full backlog
+            # can never block the requests (e.g. an end) that would free a slot for it.
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue} pending, "
                              f"{len(self._backlog)} sequences waiting for a slot); retry later",
                              None, OVERLOAD_RETRY_AFTER_S)
@@ -213,7 +218,6 @@ class SequenceBatcher:
             loop = self._loop = asyncio.get_running_loop()
         now = time.monotonic_ns()
         start = desc.sequence_start
-        seq = self._seqs.get(sid)
         if seq is None:
             if not start:
                 raise self._unknown(sid)
@@ -358,8 +362,13 @@ class SequenceBatcher:
         self._pending -= 1
         seq = entry.seq
         q = seq.queue
-        if entry.end and not any(e.state == QUEUED for e in q):
-            seq.open = True  # its end never ran and nothing follows: the sequence goes on
+        if entry.end:
+            for e in reversed(q):
+                if e is entry:  # its end never ran and nothing live follows: it goes on
+                    seq.open = True
+                    break
+                if e.state == QUEUED:
+                    break
         while q and q[0].state != QUEUED:
             q.popleft()
         if not q and seq.lane is not None:

@@ -75,6 +75,24 @@ class EngineInstance:
         feeds = {}
         for plan in self.spec.inputs:
             feeds.update(plan.assemble(items, self.arena, stats))
+        if any(arr.dtype.hasobject for arr in feeds.values()):
+            outs = self._run_plain(feeds)
+        else:
+            outs = self._run_bound(feeds, n)
+        self.stats["batches"] += 1
+        self.stats["items"] += n
+        for k, v in stats.items():
+            self.stats[k] = self.stats.get(k, 0) + v
+        return outs
+
+    def _run_plain(self, feeds: dict) -> dict:
+        """``session.run`` without IO binding: ORT cannot bind string tensors (e.g. a string
+        CORRID control of a sequence model)."""
+        names = [o.name for o in self.spec.outputs]
+        with self._lock:
+            return dict(zip(names, self.session.run(names, feeds), strict=True))
+
+    def _run_bound(self, feeds: dict, n: int) -> dict:
         with self._lock:
             io = self._binding
             io.clear_binding_inputs()
@@ -97,10 +115,6 @@ class EngineInstance:
                 names = [o.name for o in self.spec.outputs]
                 for name in unbound:
                     outs[name] = produced[names.index(name)]
-        self.stats["batches"] += 1
-        self.stats["items"] += n
-        for k, v in stats.items():
-            self.stats[k] = self.stats.get(k, 0) + v
         return outs
 
     def execute(self, items: Sequence[PreparedModelRequest]) -> list:
