@@ -13,6 +13,20 @@ a request costs one future and a deque append, not a task switch.
 
 Cancelled and expired requests are removed lazily (marked dead, skipped at batch formation) but
 leave the admission count at once, so ``max_queue_size`` counts only live requests.
+
+Length-aware formation (``max_batch_tokens > 0``, for ragged inputs such as token ids): a batch
+is padded to its longest item, so mixing a 200-token text into a batch of 15-token texts makes
+the whole batch pay for 200 tokens per row (and attention for 200^2).  Instead of length buckets
+in the signature (which split the queue into small per-bucket batches and still pad up to 2x
+inside a bucket) the batcher sorts the oldest ``LENGTH_WINDOW_FACTOR * max_batch_size`` live
+requests of the head's priority level by length when a worker frees up and takes a contiguous
+run of that order which contains the oldest request (so nothing starves and FIFO progress is
+kept), grown from it one neighbour at a time while the batch stays within ``max_batch_size``,
+the token budget ``n * max_len <= max_batch_tokens`` (text-embeddings-inference's knob: it bounds
+a batch's memory and run time), and each newcomer adds little padding beyond its own length
+(``PAD_TOLERANCE``, ``PAD_SLACK_TOKENS``).  On CPU a batch costs about its padded slots, so a
+long text that would make 31 short rows pay for its length runs in a batch of long texts
+instead, one batch later.
 """
 from __future__ import annotations
 
@@ -27,6 +41,13 @@ from ..errors import Cancelled, DeadlineExceeded, InternalError, LumenError, Ove
 QUEUED, RUNNING, DONE = 0, 1, 2
 #: Retry-After hint (seconds) sent with ``Overloaded``
 OVERLOAD_RETRY_AFTER_S = 1
+#: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
+LENGTH_WINDOW_FACTOR = 4
+#: a request joins a length-aware batch while the padded slots it adds beyond its own length
+#: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS`` (the slack: short texts cost about
+#: a fixed overhead each, so a few pad slots are cheaper than a batch of their own)
+PAD_TOLERANCE = 0.25
+PAD_SLACK_TOKENS = 16
 
 
 class Worker(Protocol):
@@ -96,6 +117,80 @@ class SignatureQueue:
         self.live -= len(out)
         return out
 
+    def take_by_length(self, n: int, max_tokens: int, window: int) -> list:
+        """Pop up to ``n`` live entries of similar length (see the module docstring).
+
+        Candidates are the oldest ``window`` live entries of the highest non-empty priority
+        level; the chosen ones are marked running in place (the deques drop them lazily, like
+        cancelled entries), so nothing is copied or rebuilt.
+        """
+        level = None
+        for lv in self.levels:
+            while lv and lv[0].state != QUEUED:
+                lv.popleft()
+            if lv:
+                level = lv
+                break
+        if level is None:
+            return []
+        cands = []
+        for e in level:
+            if e.state == QUEUED:
+                cands.append(e)
+                if len(cands) == window:
+                    break
+        head = cands[0]
+        # stable: equal lengths keep arrival order
+        cands.sort(key=_item_length)
+        lengths = [_item_length(e) for e in cands]
+        p = cands.index(head)
+        lo, hi = _length_window(lengths, p, n, max_tokens)
+        out = cands[lo:hi]
+        for e in out:
+            e.state = RUNNING  # the caller (_start) stamps dispatch time; deques skip it
+        self.live -= len(out)
+        return out
+
+
+def _item_length(entry: Entry) -> int:
+    return max(1, getattr(entry.item, "length", 0) or 0)
+
+
+def _length_window(lengths: Sequence[int], p: int, n: int, max_tokens: int) -> tuple:
+    """``(lo, hi)``: a slice of the ascending ``lengths`` around ``p`` (the oldest request).
+
+    Grown greedily from ``[p, p + 1)`` by the neighbour that adds the fewest padded slots
+    beyond its own length, while (a) the slice holds fewer than ``n`` items, (b) ``size *
+    max_len <= max_tokens`` and (c) that excess is at most ``PAD_TOLERANCE * length +
+    PAD_SLACK_TOKENS``: a request joins only if it costs the batch about what it would cost in
+    a batch of its own length.  The excess only grows further out, so the first refusal on a
+    side is final for that side.
+    """
+    m = len(lengths)
+    lo, hi = p, p + 1
+    top = lengths[p]
+    while hi - lo < n:
+        size = hi - lo
+        left = right = None
+        if lo > 0:
+            x = lengths[lo - 1]  # shorter: pads up to ``top``
+            excess = top - x
+            if excess <= PAD_TOLERANCE * x + PAD_SLACK_TOKENS and (size + 1) * top <= max_tokens:
+                left = excess
+        if hi < m:
+            x = lengths[hi]  # longer: every row already in pads up to ``x``
+            excess = size * (x - top)
+            if excess <= PAD_TOLERANCE * x + PAD_SLACK_TOKENS and (size + 1) * x <= max_tokens:
+                right = excess
+        if left is None and right is None:
+            break
+        if right is None or (left is not None and left <= right):
+            lo -= 1
+        else:
+            top = lengths[hi]
+            hi += 1
+    return lo, hi
+
 
 def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) -> list:
     """Run a batch; if the whole run fails, split it in halves and retry, so the error lands
@@ -118,7 +213,9 @@ class DynamicBatcher:
     """Per-task dynamic batcher over a pool of workers."""
 
     def __init__(self, name: str, config: BatchingConfig, workers: Sequence[Worker],
-                 on_batch: Optional[Callable[[int, int], None]] = None):
+                 on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0):
+        """``max_batch_tokens > 0`` turns on length-aware formation for items with ``.length``
+        (token budget per batch, padded slots counted); 0 keeps strict FIFO batches."""
         self.name = name
         self.config = config
         self.workers = list(workers)
@@ -134,6 +231,8 @@ class DynamicBatcher:
         self._delay_ns = config.max_queue_delay_us * 1000
         self._preferred = tuple(config.preferred_batch_sizes)
         self._levels = config.priority_levels
+        self._max_tokens = max(0, int(max_batch_tokens))
+        self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # -- public ---------------------------------------------------------------------------
@@ -250,7 +349,12 @@ class DynamicBatcher:
                 if wake_at:
                     self._arm_timer(wake_at)
                 return
-            self._start(best, best.take(self._batch_size(best.live)), now)
+            size = self._batch_size(best.live)
+            if self._max_tokens:
+                entries = best.take_by_length(size, self._max_tokens, max(size, self._window))
+            else:
+                entries = best.take(size)
+            self._start(best, entries, now)
 
     def _arm_timer(self, at_ns: int) -> None:
         loop = self._loop
@@ -288,7 +392,7 @@ class DynamicBatcher:
         n = len(entries)
         if self.on_batch is not None:
             self.on_batch(n, compute_us)
-        for e, res in zip(entries, results):
+        for e, res in zip(entries, results, strict=False):
             e.state = DONE
             if e.timer is not None:
                 e.timer.cancel()

@@ -7,6 +7,7 @@ it never sees queues, threads or ORT sessions.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -39,6 +40,9 @@ class TaskBackend:
     prepare_off_loop: bool = False
     #: True for stateful tasks served by the sequence batcher
     stateful: bool = False
+    #: raw payloads larger than this are prepared in a worker thread even when
+    #: ``prepare_off_loop`` is False: cheap inputs stay on the loop, huge ones cannot stall it
+    inline_prepare_max_bytes: int = sys.maxsize
 
     def __init__(self, config: TaskConfig):
         self.config = config
@@ -54,6 +58,11 @@ class TaskBackend:
     def warmup_requests(self) -> list:
         """Requests the runtime pushes through the whole path at start-up."""
         return []
+
+    def batching_options(self) -> dict:
+        """Extra keyword arguments for the task's ``DynamicBatcher`` (e.g. ``max_batch_tokens``
+        for ragged inputs); read once at load."""
+        return {}
 
     # -- request path -----------------------------------------------------------------------
     def prepare(self, req: InferRequest, desc: Descriptor, payload: memoryview) -> PreparedModelRequest:
