@@ -4,6 +4,7 @@ ONNX models; /v1/embeddings (also through the ``openai`` client) on the prepared
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import threading
 import httpx
 import numpy as np
 import onnx_models as M
+import openai
 import pytest
 import serve_support as S
 
@@ -330,3 +332,74 @@ def _to_toml(cfg: dict) -> str:
                 out += [f"{kk} = {val(vv)}" for kk, vv in v.items()]
     return "\n".join(out) + "\n"
 
+
+
+# -- /v1/embeddings on the prepared MiniLM ------------------------------------------------
+EMBED_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    srv = S.default_server(S.prepared_home(tmp_path_factory))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(fixtures_dir):
+    texts = json.loads((fixtures_dir / "minilm_reference.json").read_text())["texts"]
+    return texts, np.load(fixtures_dir / "minilm_reference_embeddings.npy")
+
+
+def test_embeddings_list_keeps_order_and_matches_the_reference(embed_server, reference):
+    texts, ref = reference
+    with httpx.Client(base_url=embed_server.url, timeout=60) as c:
+        r = c.post("/v1/embeddings", json={"model": "text_embed", "input": texts})
+        one = c.post("/v1/embeddings", json={"model": "text_embed", "input": texts[3]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "text_embed"
+    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    got = np.array([d["embedding"] for d in body["data"]], np.float32)
+    np.testing.assert_allclose(got, ref, atol=EMBED_TOLERANCE)
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] >= 2 * len(texts)  # [CLS]/[SEP] each
+    np.testing.assert_allclose(one.json()["data"][0]["embedding"], ref[3], atol=EMBED_TOLERANCE)
+
+
+def test_embeddings_base64_and_token_ids(embed_server, reference):
+    texts, ref = reference
+    with httpx.Client(base_url=embed_server.url, timeout=60) as c:
+        b64 = c.post("/v1/embeddings", json={"model": "text_embed", "input": [texts[2]],
+                                             "encoding_format": "base64"}).json()
+        vec = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4")
+        np.testing.assert_allclose(vec, ref[2], atol=EMBED_TOLERANCE)
+        # "hello world" as WordPiece ids ([CLS] hello world [SEP]): the tensor route
+        ids = c.post("/v1/embeddings", json={"model": "text_embed", "input": [101, 7592, 2088, 102]})
+    assert ids.status_code == 200, ids.text
+    np.testing.assert_allclose(ids.json()["data"][0]["embedding"], ref[2], atol=EMBED_TOLERANCE)
+    assert ids.json()["usage"]["prompt_tokens"] == 4
+
+
+def test_openai_client(embed_server, reference):
+    texts, ref = reference
+    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key="dummy", max_retries=0)
+    res = client.embeddings.create(model="text_embed", input=texts[:5])  # base64 on the wire
+    got = np.array([d.embedding for d in sorted(res.data, key=lambda d: d.index)], np.float32)
+    np.testing.assert_allclose(got, ref[:5], atol=EMBED_TOLERANCE)
+    single = client.embeddings.create(model="text_embed", input=texts[0], encoding_format="float")
+    np.testing.assert_allclose(single.data[0].embedding, ref[0], atol=EMBED_TOLERANCE)
+    assert [m.id for m in client.models.list().data] == ["text_embed", "vad"]
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no_such_task", input="x")
+
+
+def test_raw_text_infer_route(embed_server, reference):
+    texts, ref = reference
+    r = httpx.post(f"{embed_server.url}/v1/infer/text_embed", content=texts[4].encode(),
+                   headers={"Content-Type": "text/plain; charset=utf-8"}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["outputs"]["embedding"]["data"], ref[4], atol=EMBED_TOLERANCE)
+    bad = httpx.post(f"{embed_server.url}/v1/infer/text_embed", content=b"\x89PNG",
+                     headers={"Content-Type": "image/png"}, timeout=60)
+    assert bad.status_code == 415 and error_of(bad)["code"] == "unsupported_media_type"
