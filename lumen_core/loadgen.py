@@ -200,8 +200,8 @@ class Progress:
 
 
 # --------------------------------------------------------------------------- HTTP client
-class HttpError(Exception):
-    pass
+class HttpError(OSError):
+    """A target answered with something other than a good embeddings reply."""
 
 
 def embeddings_url(url: str) -> str:

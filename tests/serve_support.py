@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pathlib
 import threading
@@ -151,3 +152,19 @@ def default_server(home: pathlib.Path, extra_tasks: Sequence[dict] = (), **serve
     with lumen_home_env(home):
         cfg = {"server": server, "tasks": default_task_tables() + list(extra_tasks)}
         return ServerThread(Runtime.from_dict(cfg))
+
+
+def to_toml(cfg: dict) -> str:
+    """A config dict (as ``Runtime.from_dict`` takes) as TOML text, for ``lumen serve --config``."""
+    def val(v):
+        return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
+
+    out = ["[server]"] + [f"{k} = {val(v)}" for k, v in cfg["server"].items()]
+    for t in cfg["tasks"]:
+        out.append("\n[[tasks]]")
+        out += [f"{k} = {val(v)}" for k, v in t.items() if not isinstance(v, dict)]
+        for k, v in t.items():
+            if isinstance(v, dict):
+                out.append(f"[tasks.{k}]")
+                out += [f"{kk} = {val(vv)}" for kk, vv in v.items()]
+    return "\n".join(out) + "\n"

@@ -283,7 +283,7 @@ def test_sigterm_drains_in_flight_then_refuses_and_exits(tmp_path):
     cfg = S.onnx_config(tmp_path)
     cfg["tasks"][1]["batching"]["max_queue_delay_us"] = 1_500_000
     toml = tmp_path / "lumen.toml"
-    toml.write_text(_to_toml(cfg))
+    toml.write_text(S.to_toml(cfg))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "lumen_core.cli", "serve", "--config", str(toml),
                              "--http-port", "0", "--grpc-port", "0"],
@@ -316,22 +316,6 @@ def _ready_port(proc: subprocess.Popen) -> int:
             threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
             return int(line.split("http://127.0.0.1:")[1].split(",")[0].split()[0])
     raise AssertionError("server exited before it was ready:\n" + "".join(lines))
-
-
-def _to_toml(cfg: dict) -> str:
-    def val(v):
-        return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
-
-    out = ["[server]"] + [f"{k} = {val(v)}" for k, v in cfg["server"].items()]
-    for t in cfg["tasks"]:
-        out.append("\n[[tasks]]")
-        out += [f"{k} = {val(v)}" for k, v in t.items() if not isinstance(v, dict)]
-        for k, v in t.items():
-            if isinstance(v, dict):
-                out.append(f"[tasks.{k}]")
-                out += [f"{kk} = {val(vv)}" for kk, vv in v.items()]
-    return "\n".join(out) + "\n"
-
 
 
 # -- /v1/embeddings on the prepared MiniLM ------------------------------------------------

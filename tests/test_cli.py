@@ -1,0 +1,148 @@
+"""The ``lumen`` command: serve/infer/bench wiring, mime guessing, error messages, and the load
+generator's pieces (percentiles, progress lines, HTTP framing against a live server)."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import onnx_models as M
+import pytest
+import serve_support as S
+
+from lumen_core import cli, loadgen
+
+
+def run_cli(capsys, *argv: str) -> tuple:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    srv = S.default_server(S.prepared_home(tmp_path_factory))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(fixtures_dir):
+    texts = json.loads((fixtures_dir / "minilm_reference.json").read_text())["texts"]
+    return texts, np.load(fixtures_dir / "minilm_reference_embeddings.npy")
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("serve", "infer", "bench", "models"):
+        assert cmd in out
+
+
+def test_infer_npy_in_process_with_config(tmp_path, capsys):
+    cfg = S.onnx_config(tmp_path, slow=False)
+    (tmp_path / "lumen.toml").write_text(S.to_toml(cfg))
+    x = S.mlp_input(5)
+    np.save(tmp_path / "x.npy", x)
+    rc, out, _ = run_cli(capsys, "infer", "mlp", str(tmp_path / "x.npy"),
+                         "--config", str(tmp_path / "lumen.toml"),
+                         "--meta", "lumen.preprocess.id=none")
+    assert rc == 0
+    body = json.loads(out)
+    assert body["task"] == "mlp" and body["outputs"]["y"]["shape"] == [S.D_OUT]
+    np.testing.assert_allclose(body["outputs"]["y"]["data"], M.mlp_reference(x, d_out=S.D_OUT)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_infer_text_file_in_process_and_over_http(tmp_path, capsys, embed_server, reference,
+                                                  tmp_path_factory, monkeypatch):
+    texts, ref = reference
+    f = tmp_path / "hello.txt"
+    f.write_text(texts[2])
+    monkeypatch.setenv("LUMEN_HOME", str(S.prepared_home(tmp_path_factory)))
+    rc, out, _ = run_cli(capsys, "infer", "text_embed", str(f))
+    assert rc == 0
+    np.testing.assert_allclose(json.loads(out)["outputs"]["embedding"]["data"], ref[2], atol=1e-4)
+    rc, out, _ = run_cli(capsys, "infer", "text_embed", str(f), "--url", embed_server.url)
+    assert rc == 0
+    np.testing.assert_allclose(json.loads(out)["outputs"]["embedding"]["data"], ref[2], atol=1e-4)
+
+
+def test_infer_errors_are_one_line(tmp_path, capsys, embed_server):
+    odd = tmp_path / "payload.zzz"
+    odd.write_bytes(b"x")
+    rc, _, err = run_cli(capsys, "infer", "text_embed", str(odd), "--url", embed_server.url)
+    assert rc == cli.EXIT_USAGE and "--mime" in err
+    txt = tmp_path / "a.txt"
+    txt.write_text("hi")
+    rc, _, err = run_cli(capsys, "infer", "no_such_task", str(txt), "--url", embed_server.url)
+    assert rc == cli.EXIT_USAGE and "unknown task" in err and "Traceback" not in err
+
+
+def test_serve_without_prepared_models_says_what_to_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path / "empty"))
+    rc, _, err = run_cli(capsys, "serve", "--http-port", "0")
+    assert rc == cli.EXIT_USAGE and "lumen models prepare" in err
+
+
+def test_bench_against_a_live_server(tmp_path, capsys, embed_server):
+    out_json = tmp_path / "bench.json"
+    rc, out, err = run_cli(capsys, "bench", "--target", f"ours={embed_server.url}", "-c", "2", "4",
+                           "-n", "24", "--warmup", "4", "--json", str(out_json))
+    assert rc == 0, err
+    assert loadgen.TABLE_HEADER in out
+    rows = json.loads(out_json.read_text())
+    assert [(r["target"], r["concurrency"], r["requests"], r["errors"]) for r in rows] == [
+        ("ours", 2, 24, 0), ("ours", 4, 24, 0)]
+    for r in rows:
+        assert r["rps"] > 0 and r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
+    assert "(100%)" in err  # not a terminal: plain progress lines
+
+
+def test_bench_counts_errors_from_a_wrong_model(capsys, embed_server):
+    rc, _, err = run_cli(capsys, "bench", "--url", embed_server.url, "--model", "nope", "-c", "1",
+                         "-n", "2", "--warmup", "0")
+    assert rc == cli.EXIT_USAGE and "404" in err
+
+
+def test_bench_needs_a_target(capsys):
+    rc, _, err = run_cli(capsys, "bench", "-n", "1")
+    assert rc == cli.EXIT_USAGE and "--url" in err
+
+
+def test_percentile_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert loadgen.percentile(values, 50) == 50
+    assert loadgen.percentile(values, 99) == 99
+    assert loadgen.percentile(values, 100) == 100
+    assert loadgen.percentile([], 99) == 0.0
+    assert loadgen.percentile([7.0], 1) == 7.0
+
+
+def test_progress_plain_lines_when_not_a_terminal():
+    buf = io.StringIO()
+    p = loadgen.Progress("x c=1", 20, buf)
+    for done in range(0, 21, 5):
+        p.update(done)
+    p.close()
+    lines = buf.getvalue().splitlines()
+    assert [ln.split("(")[1].split(")")[0] for ln in lines] == [
+        "10%", "20%", "30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"]
+
+
+def test_embeddings_url_defaults_the_path():
+    assert loadgen.embeddings_url("http://h:1") == "http://h:1/v1/embeddings"
+    assert loadgen.embeddings_url("http://h:1/embeddings") == "http://h:1/embeddings"
+    with pytest.raises(ValueError):
+        loadgen.embeddings_url("https://h:1")
+
+
+def test_corpus_is_seeded_and_length_mixed():
+    a, b = loadgen.make_corpus(200, 1), loadgen.make_corpus(200, 1)
+    assert a == b and a != loadgen.make_corpus(200, 2)
+    words = [len(t.split()) for t in loadgen.make_corpus()]
+    assert len(words) == loadgen.DEFAULT_SIZE
+    assert sum(w <= 20 for w in words) >= 0.45 * len(words)
+    assert max(words) <= 200 and sum(w > 80 for w in words) >= 0.08 * len(words)
