@@ -9,7 +9,7 @@ is the runtime's efficiency under the same machine conditions.  The ideal's thre
 chosen by measuring 1 and 2 threads and keeping the faster (``--threads`` overrides).
 
     LUMEN_HOME=... python bench/bench_vad.py [--streams 256] [--chunks 200] [--threads 0]
-        [--route pcm|l16|tensor] [--instances 1] [--strategy direct|oldest] [--delay-us 0]
+        [--route pcm|l16|tensor] [--instances 1] [--strategy direct|oldest] [--delay-us 2000] [--util 1.0]
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ async def ours(audio: np.ndarray, threads: int, args) -> tuple:
                                    "max_queue_size": streams * 4},
                       "sequence": {"strategy": args.strategy,
                                    "max_candidate_sequences": per_lane,
-                                   "max_queue_delay_us": args.delay_us}}]}
+                                   "max_queue_delay_us": args.delay_us,
+                                   "minimum_slot_utilization": args.util}}]}
     if args.route == "tensor":
         def request(k: int, c: int, meta: dict) -> lc.InferRequest:
             x = audio[k, c * CHUNK:(c + 1) * CHUNK].reshape(1, CHUNK)
@@ -116,7 +117,9 @@ def main() -> None:
     ap.add_argument("--route", choices=("pcm", "l16", "tensor"), default="pcm")
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--strategy", choices=("direct", "oldest"), default="direct")
-    ap.add_argument("--delay-us", type=int, default=0)
+    ap.add_argument("--delay-us", type=int, default=2000,
+                    help="max_queue_delay_us (default: the built-in vad task's)")
+    ap.add_argument("--util", type=float, default=1.0, help="minimum_slot_utilization")
     ap.add_argument("--max-batch", type=int, default=0,
                     help="batching.max_batch_size (0: streams per instance)")
     ap.add_argument("--uvloop", action="store_true")
@@ -142,7 +145,7 @@ def main() -> None:
     cps, probs, mean_batch = asyncio.run(ours(audio, threads, args))
     err = float(np.abs(probs - ref).max())
     print(f"ours ({args.route}, {args.strategy}, {args.instances} instance(s) x {threads} thread(s), "
-          f"max batch {args.max_batch or 'all'}, delay {args.delay_us} us, extensions {all(native.using_extensions().values())}): "
+          f"max batch {args.max_batch or 'all'}, delay {args.delay_us} us, util {args.util}, extensions {all(native.using_extensions().values())}): "
           f"{cps:,.0f} chunks/s, mean batch {mean_batch:.1f}, max |p - ideal| {err:.1e}")
     print(f"ratio ours / ideal: {cps / ideal_cps:.3f}  (load average {os.getloadavg()[0]:.2f})")
 

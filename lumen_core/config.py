@@ -108,6 +108,9 @@ class SequenceConfig:
     max_sequence_idle_us: int = DEFAULT_MAX_SEQUENCE_IDLE_US
     max_candidate_sequences: int = 0  # 0: batching.max_batch_size
     max_queue_delay_us: int = 0
+    #: with a delay: form a batch early once this fraction of the lane's active sequences
+    #: (capped at max_batch_size) has a request ready (1.0: wait for all, up to the delay)
+    minimum_slot_utilization: float = 1.0
     state: tuple = ()
     control: tuple = ()
     constant: tuple = ()
@@ -315,6 +318,10 @@ def _parse_sequence(r: _Reader, batching: BatchingConfig, base_dir: Optional[str
                                       hi=MAX_SEQUENCE_SLOTS),
         max_queue_delay_us=r.get("max_queue_delay_us", int, 0, lo=0, hi=60_000_000),
     )
+    util = r.get("minimum_slot_utilization", object, 1.0)
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+        raise r.err("minimum_slot_utilization", f"must be a number in (0, 1], got {util!r}")
+    sc.minimum_slot_utilization = float(util)
     if sc.strategy == "oldest" and sc.max_candidate_sequences and \
             sc.max_candidate_sequences < batching.max_batch_size:
         raise r.err("max_candidate_sequences",

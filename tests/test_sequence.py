@@ -108,11 +108,12 @@ CONTROLS = [{"input_name": "START", "kind": "START", "dtype": "fp32"},
 
 
 def config(path, strategy="direct", max_batch_size=8, max_queue_size=256, idle_us=10_000_000,
-           candidates=0, delay_us=0, instances=1, corrid="uint64", initial="zeros") -> dict:
+           candidates=0, delay_us=0, instances=1, corrid="uint64", initial="zeros",
+           util=1.0) -> dict:
     controls = [dict(c) for c in CONTROLS]
     controls[3]["dtype"] = corrid
     seq = {"strategy": strategy, "max_sequence_idle_us": idle_us,
-           "max_queue_delay_us": delay_us,
+           "max_queue_delay_us": delay_us, "minimum_slot_utilization": util,
            "state": [{"input_name": "acc_in", "output_name": "acc_out", "dtype": "fp32",
                       "dims": [2, D], "batch_axis": 1, "initial": initial}],
            "control": controls}
@@ -239,6 +240,30 @@ def test_string_corrid(acc_path, tmp_path):
             return await rt.infer(req("stream-α", np.zeros(D), start=True))
 
     assert run(main()).outputs["corrid_out"] == "stream-α"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("util, waits", [(1.0, True), (0.5, False)])
+def test_lane_waits_for_its_sequences_up_to_the_delay(acc_path, strategy, util, waits):
+    cfg = config(acc_path, strategy, max_batch_size=4, delay_us=2_000_000, util=util)
+    x = np.ones(D, np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            # two sequences; the first start runs alone (only one sequence exists yet)
+            await rt.infer(req(1, x, start=True))
+            await asyncio.gather(rt.infer(req(2, x, start=True)), rt.infer(req(1, x)))
+            first = asyncio.ensure_future(rt.infer(req(1, x)))
+            await asyncio.sleep(0.05)
+            early = first.done()
+            second = await rt.infer(req(2, x))
+            return early, await first, second
+
+    early, first, second = run(main())
+    assert early is not waits
+    assert int(first.meta["lumen.batch.size"]) == (2 if waits else 1)
+    np.testing.assert_allclose(first.outputs["y"], 3 * x)
+    np.testing.assert_allclose(second.outputs["y"], 2 * x)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -435,6 +460,8 @@ def test_sequence_batch_slices_stay_aligned():
     ({"max_sequence_idle_us": 5}, "sequence.max_sequence_idle_us"),
     ({"strategy": "oldest", "max_candidate_sequences": 2}, "sequence.max_candidate_sequences"),
     ({"bogus": 1}, "sequence.bogus"),
+    ({"minimum_slot_utilization": 0}, "sequence.minimum_slot_utilization"),
+    ({"minimum_slot_utilization": "half"}, "sequence.minimum_slot_utilization"),
     ({"state": [{"output_name": "o", "dims": [2]}]}, "sequence.state[0].input_name"),
     ({"state": [{"input_name": "i", "output_name": "o", "dims": [-1]}]}, "sequence.state[0].dims"),
     ({"state": [{"input_name": "i", "output_name": "o", "dims": [2], "batch_axis": 2}]},

@@ -15,9 +15,12 @@ Strategies:
 
 Both: at most one request per sequence is in flight (a lane runs one batch at a time and a
 sequence lives on one lane), so order within a sequence is preserved and request i+1 always
-sees the state request i produced.  A lane forms a batch when it is free and either every
-sequence it holds has a request ready, the batch is full, or the oldest ready request has
-waited ``[tasks.sequence].max_queue_delay_us`` (0: at once).  With no free slot anywhere a new
+sees the state request i produced.  A lane forms a batch when it is free and either the batch
+is full, ``minimum_slot_utilization`` of the sequences it holds have a request ready (default
+1.0: all of them), or the oldest ready request has waited ``max_queue_delay_us`` (default 0:
+form a batch at once, whatever is ready).  Waiting for most streams of a closed loop makes
+full batches; a utilization of about 0.5 lets two halves alternate, so the event loop answers
+one half while the engine computes the other.  With no free slot anywhere a new
 sequence waits in a FIFO backlog; the backlog is bounded by ``batching.max_queue_size``, which
 counts every queued request of the task (past it: ``Overloaded``), except that a sequence
 holding a slot may always queue one request, so the requests that end sequences and free slots
@@ -163,6 +166,7 @@ class SequenceBatcher:
         self._idle_ns = seq.max_sequence_idle_us * 1000
         self._sweep_s = max(self._idle_ns // IDLE_SWEEPS_PER_TIMEOUT, MIN_SWEEP_INTERVAL_NS) / 1e9
         self._delay_ns = seq.max_queue_delay_us * 1000
+        self._min_util = seq.minimum_slot_utilization
         self._sig0: Any = None
         self._multi_sig = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -392,7 +396,8 @@ class SequenceBatcher:
             return
         ready = lane.ready
         n = len(ready)
-        if self._delay_ns and n < self.max_batch and n < lane.nseq:
+        if self._delay_ns and n < self.max_batch and n < self._min_util * min(lane.nseq,
+                                                                                self.max_batch):
             due = next(iter(ready)).ready_ns + self._delay_ns
             if due > time.monotonic_ns():
                 self._arm_timer(lane, due)
