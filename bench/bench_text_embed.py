@@ -1,0 +1,180 @@
+"""text_embed in process vs offline ONNX Runtime on the seeded length-mixed corpus.
+
+Modes, all on the same prepared all-MiniLM-L6-v2, ORT with 2 intra-op threads and spinning
+off, tokenization included everywhere (``Tokenizer.encode`` per text, one thread):
+
+* ``offline per text``: tokenize + ``session.run`` one text at a time;
+* ``offline sorted 32``: tokenize all, sort by token count, run batches of 32 (the ideal for
+  padding: the batcher cannot see the whole corpus at once);
+* ``offline blind 32``: batches of 32 in corpus order (reference: what padding costs);
+* ``in process``: ``Runtime.infer`` from 64 concurrent callers (raw ``text/plain`` route), the
+  default text_embed batching (max 32, length-aware formation).
+
+The offline best is the better of per text and sorted 32, measured in the same round.  Rounds
+alternate the modes so a neighbour's burst of load hits all of them; the table reports the
+best round of each mode and the ratio of bests.
+
+Run: ``python bench/bench_text_embed.py [--texts 2000] [--rounds 2]`` (needs
+``lumen models prepare``; ``--home`` or ``$LUMEN_HOME`` picks the models dir).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from corpus import DEFAULT_SEED, describe, make_corpus  # noqa: E402
+
+import lumen_core as lc  # noqa: E402
+from lumen_core import models  # noqa: E402
+from lumen_core.engine.ort import session_options  # noqa: E402
+from lumen_core.models import minilm  # noqa: E402
+
+CONCURRENCY = 64
+BATCH = 32
+INTRA_OP_THREADS = 2
+TARGET_RATIO = 0.95
+OUTPUT = "embedding"
+
+
+def offline_session(path: pathlib.Path) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), session_options(INTRA_OP_THREADS, False),
+                                providers=["CPUExecutionProvider"])
+
+
+def _run(sess: Any, rows: list) -> np.ndarray:
+    ids, mask = minilm.pad_batch(rows)
+    return sess.run([OUTPUT], {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: mask})[0]
+
+
+def per_text(sess: Any, tok: Any, texts: list) -> tuple:
+    out = np.empty((len(texts), minilm.EMBEDDING_DIM), np.float32)
+    for i, t in enumerate(texts):
+        out[i] = _run(sess, [tok.encode(t).ids])[0]
+    return out, 0.0
+
+
+def batched(sess: Any, tok: Any, texts: list, sort: bool) -> tuple:
+    ids = [tok.encode(t).ids for t in texts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i])) if sort else list(range(len(ids)))
+    out = np.empty((len(texts), minilm.EMBEDDING_DIM), np.float32)
+    real = slots = 0
+    for s in range(0, len(order), BATCH):
+        chunk = order[s:s + BATCH]
+        rows = [ids[i] for i in chunk]
+        out[chunk] = _run(sess, rows)
+        real += sum(len(r) for r in rows)
+        slots += len(rows) * max(len(r) for r in rows)
+    return out, (slots - real) / slots
+
+
+def in_process(rt: lc.Runtime, texts: list) -> tuple:
+    payloads = [t.encode("utf-8") for t in texts]
+    out = np.empty((len(texts), minilm.EMBEDDING_DIM), np.float32)
+    task = rt.tasks["text_embed"]
+    before = [dict(i.stats) for i in task.instances]
+
+    async def caller(next_index: list) -> None:
+        while next_index[0] < len(payloads):
+            i = next_index[0]
+            next_index[0] += 1
+            r = await rt.infer(lc.InferRequest(task="text_embed", payload=payloads[i],
+                                               payload_mime="text/plain"))
+            out[i] = r.outputs[OUTPUT]
+
+    async def main() -> None:
+        shared = [0]
+        await asyncio.gather(*[caller(shared) for _ in range(CONCURRENCY)])
+
+    asyncio.run_coroutine_threadsafe(main(), rt._loop).result()
+    def delta(key: str) -> int:
+        return sum(i.stats[key] - b[key] for i, b in zip(task.instances, before, strict=True))
+
+    real, slots, batches = delta("real_tokens"), delta("padded_tokens"), delta("batches")
+    in_process.mean_batch = len(texts) / max(1, batches)  # type: ignore[attr-defined]
+    return out, (slots - real) / slots
+
+
+def timed(fn: Callable[[], tuple]) -> tuple:
+    t0 = time.perf_counter()
+    out, pad = fn()
+    return time.perf_counter() - t0, out, pad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--texts", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--home", default=None, help="LUMEN_HOME with the prepared models")
+    ap.add_argument("--no-blind", action="store_true", help="skip the slow length-blind mode")
+    args = ap.parse_args()
+    if args.home:
+        os.environ["LUMEN_HOME"] = args.home
+    directory = models.require_model(models.MINILM)
+    path = directory / models.MODEL_FILE
+    tok = minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
+    texts = make_corpus(args.texts, args.seed)
+    print(f"corpus: {describe(texts, tok)}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cpus; "
+          f"ORT {INTRA_OP_THREADS} intra-op threads, spinning off; {CONCURRENCY} callers")
+
+    sess = offline_session(path)
+    _run(sess, [tok.encode(texts[0]).ids])
+    rt = lc.Runtime.from_dict({"tasks": [{
+        "name": "text_embed", "backend": "text_embedding", "model": str(path),
+        "intra_op_threads": INTRA_OP_THREADS, "allow_spinning": False,
+        "batching": {"max_batch_size": BATCH, "max_queue_size": 4 * CONCURRENCY}}]})
+    rt.start_background()
+    modes: dict = {
+        "offline per text": lambda: per_text(sess, tok, texts),
+        "offline sorted 32": lambda: batched(sess, tok, texts, True),
+        "in process (64 callers)": lambda: in_process(rt, texts),
+    }
+    if not args.no_blind:
+        modes["offline blind 32"] = lambda: batched(sess, tok, texts, False)
+    best: dict = {}
+    pads: dict = {}
+    outs: dict = {}
+    try:
+        for r in range(args.rounds):
+            row = []
+            for name, fn in modes.items():
+                dt, out, pad = timed(fn)
+                rate = len(texts) / dt
+                best[name] = max(best.get(name, 0.0), rate)
+                pads[name] = pad
+                outs[name] = out
+                row.append(f"{name} {rate:.1f}")
+            offline = max(best["offline per text"], best["offline sorted 32"])
+            print(f"round {r + 1}: " + ", ".join(row) + f" texts/s; load {os.getloadavg()[0]:.2f}")
+        in_pad = rt.tasks["text_embed"].padding_ratio
+    finally:
+        rt.stop_background()
+    diff = float(np.abs(outs["in process (64 callers)"] - outs["offline sorted 32"]).max())
+    offline = max(best["offline per text"], best["offline sorted 32"])
+    print()
+    print("| mode | texts/s (best round) | vs offline best | padding |")
+    print("|---|---|---|---|")
+    for name in modes:
+        extra = ""
+        if name.startswith("in process"):
+            extra = f" (mean batch {in_process.mean_batch:.1f})"  # type: ignore[attr-defined]
+        print(f"| {name} | {best[name]:.1f} | {best[name] / offline:.3f} | {pads[name]:.3f}{extra} |")
+    ratio = best["in process (64 callers)"] / offline
+    print(f"\nin process / offline best = {ratio:.3f} (target >= {TARGET_RATIO}); "
+          f"task padding_ratio over the run {in_pad:.3f}; max |in process - offline| = {diff:.1e}; "
+          f"load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
