@@ -49,3 +49,12 @@ def fixtures_dir() -> pathlib.Path:
     if not FIXTURES.is_dir():
         pytest.fail(f"shared fixtures not found at {FIXTURES} (set LUMEN_SHARED)")
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def prepared_home(tmp_path_factory) -> pathlib.Path:
+    """A LUMEN_HOME with the default models prepared once per session (task and server tests
+    share it; the cache lives in ``serve_support`` so its helpers reuse the same directory)."""
+    from serve_support import prepared_home as _prepared_home
+
+    return _prepared_home(tmp_path_factory)
