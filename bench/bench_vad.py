@@ -9,7 +9,7 @@ is the runtime's efficiency under the same machine conditions.  The ideal's thre
 chosen by measuring 1 and 2 threads and keeping the faster (``--threads`` overrides).
 
     LUMEN_HOME=... python bench/bench_vad.py [--streams 256] [--chunks 200] [--threads 0]
-        [--route pcm|l16|tensor] [--instances 1] [--strategy direct|oldest] [--delay-us 2000] [--util 1.0]
+        [--route pcm|l16|tensor] [--instances 1] [--strategy direct|oldest] [--delay-us 2000] [--util 0.5]
 """
 from __future__ import annotations
 
@@ -106,6 +106,9 @@ async def ours(audio: np.ndarray, threads: int, args) -> tuple:
         t0 = time.perf_counter()
         await asyncio.gather(*[stream(k) for k in range(streams)])
         dt = time.perf_counter() - t0
+    if os.environ.get("BENCH_VAD_SIZES"):
+        vals, counts = np.unique(sizes, return_counts=True)
+        print("batch sizes (size: requests):", dict(zip(vals.tolist(), counts.tolist(), strict=True)))
     return streams * chunks / dt, probs, float(sizes.mean())
 
 
@@ -119,7 +122,8 @@ def main() -> None:
     ap.add_argument("--strategy", choices=("direct", "oldest"), default="direct")
     ap.add_argument("--delay-us", type=int, default=2000,
                     help="max_queue_delay_us (default: the built-in vad task's)")
-    ap.add_argument("--util", type=float, default=1.0, help="minimum_slot_utilization")
+    ap.add_argument("--util", type=float, default=0.5,
+                    help="minimum_slot_utilization (default: the built-in vad task's)")
     ap.add_argument("--max-batch", type=int, default=0,
                     help="batching.max_batch_size (0: streams per instance)")
     ap.add_argument("--uvloop", action="store_true")

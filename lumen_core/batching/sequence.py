@@ -18,7 +18,9 @@ sequence lives on one lane), so order within a sequence is preserved and request
 sees the state request i produced.  A lane forms a batch when it is free and either the batch
 is full, ``minimum_slot_utilization`` of the sequences it holds have a request ready (default
 1.0: all of them), or the oldest ready request has waited ``max_queue_delay_us`` (default 0:
-form a batch at once, whatever is ready).  Waiting for most streams of a closed loop makes
+form a batch at once, whatever is ready) *since the lane became free*: time spent behind a
+running batch does not count, otherwise a request that arrived during a long batch would
+always leave alone right after it and a closed loop would lock into batches of 1 and N-1.  Waiting for most streams of a closed loop makes
 full batches; a utilization of about 0.5 lets two halves alternate, so the event loop answers
 one half while the engine computes the other.  With no free slot anywhere a new
 sequence waits in a FIFO backlog; the backlog is bounded by ``batching.max_queue_size``, which
@@ -113,7 +115,8 @@ class _Sequence:
 class _Lane:
     """One engine instance: its slots, the sequences it holds and which of them are ready."""
 
-    __slots__ = ("engine", "index", "free", "nseq", "ready", "busy", "store", "timer", "timer_at")
+    __slots__ = ("engine", "index", "free", "nseq", "ready", "busy", "free_ns", "store", "timer",
+                 "timer_at")
 
     def __init__(self, engine: Any, index: int, capacity: int, plans: Sequence[Any]):
         self.engine = engine
@@ -122,6 +125,7 @@ class _Lane:
         self.nseq = 0
         self.ready: dict = {}  # _Sequence -> None, in the order they became ready
         self.busy = False
+        self.free_ns = 0  # when the lane last finished a batch
         self.store = SlotStore(capacity, plans)
         self.timer: Optional[asyncio.TimerHandle] = None
         self.timer_at = 0.0
@@ -398,7 +402,7 @@ class SequenceBatcher:
         n = len(ready)
         if self._delay_ns and n < self.max_batch and n < self._min_util * min(lane.nseq,
                                                                                 self.max_batch):
-            due = next(iter(ready)).ready_ns + self._delay_ns
+            due = max(next(iter(ready)).ready_ns, lane.free_ns) + self._delay_ns
             if due > time.monotonic_ns():
                 self._arm_timer(lane, due)
                 return
@@ -482,6 +486,7 @@ class SequenceBatcher:
     def _finish(self, lane: _Lane, seqs: list, entries: list, fut: asyncio.Future) -> None:
         self._running -= 1
         lane.busy = False
+        lane.free_ns = time.monotonic_ns()
         try:
             results, compute_us = fut.result()
         except BaseException as exc:  # noqa: BLE001 - a broken worker must not lose callers
@@ -490,7 +495,7 @@ class SequenceBatcher:
         n = len(entries)
         if self.on_batch is not None:
             self.on_batch(n, compute_us)
-        now = time.monotonic_ns()
+        now = lane.free_ns
         ready = lane.ready
         for s, e, res in zip(seqs, entries, results, strict=True):
             s.running = False

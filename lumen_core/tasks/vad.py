@@ -57,8 +57,11 @@ WARMUP_SEQUENCE_ID = "lumen-warmup"
 DEFAULT_MAX_BATCH_SIZE = 256
 DEFAULT_MAX_QUEUE_SIZE = 4096
 DEFAULT_IDLE_US = 10_000_000
-#: a free lane waits up to this long for every stream it holds to send its next chunk
+#: a free lane waits up to this long for half the streams it holds to send their next chunk;
+#: half (not all) lets two groups of streams alternate, so answering one group on the event
+#: loop overlaps with the model computing the other (bench/README.md, "vad (in process)")
 DEFAULT_QUEUE_DELAY_US = 2000
+DEFAULT_SLOT_UTILIZATION = 0.5
 ITEM_SHAPE = (CHUNK_SAMPLES,)
 #: distinct validated mime strings remembered for the fast path (clients reuse one or two)
 MAX_CACHED_MIMES = 64
@@ -206,6 +209,7 @@ def default_task_table() -> Optional[dict]:
             "strategy": "direct",
             "max_sequence_idle_us": DEFAULT_IDLE_US,
             "max_queue_delay_us": DEFAULT_QUEUE_DELAY_US,
+            "minimum_slot_utilization": DEFAULT_SLOT_UTILIZATION,
             "state": [{"input_name": STATE, "output_name": STATE_OUT, "dtype": "fp32",
                        "dims": list(STATE_DIMS), "batch_axis": STATE_BATCH_AXIS,
                        "initial": "zeros"}],
