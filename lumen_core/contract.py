@@ -86,12 +86,8 @@ DTYPES: dict[str, np.dtype] = {
 DTYPE_SIZES: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
 #: numpy dtype -> our name (for ``for_tensor_array`` and the generic onnx backend)
 DTYPE_NAMES: dict[np.dtype, str] = {dt.newbyteorder("="): name for name, dt in DTYPES.items()}
-#: ONNX tensor element types ("tensor(float)") -> our name
-ONNX_TYPE_NAMES = {
-    "tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(uint8)": "uint8",
-    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8",
-    "tensor(bool)": "bool",
-}
+#: ONNX ``TensorProto`` element type (stable enum values) -> our name
+ONNX_ELEM_TYPES = {1: "fp32", 10: "fp16", 2: "uint8", 7: "int64", 6: "int32", 3: "int8", 9: "bool"}
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ class Task:
         self.backend = backend
         self.instances = instances
         self.batcher = batcher
+        b = config.batching
+        # resolved once: the per-request policy check reads plain attributes
+        self.priority_levels = b.priority_levels
+        self.default_priority = b.default_priority_level or b.priority_levels
+        self.default_timeout_ms = b.default_timeout_ms
 
     @property
     def padding_ratio(self) -> float:
@@ -123,10 +128,12 @@ class Runtime:
         if backend.stateful:
             from .batching.sequence import SequenceBatcher
 
-            batcher = SequenceBatcher(tc.name, tc, instances, backend)
+            batcher = SequenceBatcher(tc.name, tc, instances, backend,
+                                      on_batch=lambda n, us, _t=tc.name: self.observer.batch(_t, n, us))
         else:
             batcher = DynamicBatcher(tc.name, tc.batching, instances,
-                                     on_batch=lambda n, us, _t=tc.name: self.observer.batch(_t, n, us))
+                                     on_batch=lambda n, us, _t=tc.name: self.observer.batch(_t, n, us),
+                                     **backend.batching_options())
         return Task(tc, backend, instances, batcher)
 
     async def _warmup(self, task: Task) -> None:
@@ -188,7 +195,7 @@ class Runtime:
             route = desc.kind
             priority, timeout_ms = self._policy(task, desc)
             try:
-                if backend.prepare_off_loop:
+                if backend.prepare_off_loop or payload.nbytes > backend.inline_prepare_max_bytes:
                     prepared = await asyncio.to_thread(backend.prepare, req, desc, payload)
                 else:
                     prepared = backend.prepare(req, desc, payload)
@@ -219,12 +226,12 @@ class Runtime:
 
     @staticmethod
     def _policy(task: Task, desc) -> tuple:
-        b = task.config.batching
-        priority = desc.priority or b.default_priority_level or b.priority_levels
-        if priority > b.priority_levels:
-            raise InvalidArgument(f"lumen.priority must be 1..{b.priority_levels} for task "
+        """(priority, timeout_ms) of a request: its own values within the task's limits."""
+        priority = desc.priority or task.default_priority
+        if priority > task.priority_levels:
+            raise InvalidArgument(f"lumen.priority must be 1..{task.priority_levels} for task "
                                   f"{task.config.name!r}, got {priority}", "lumen.priority")
-        timeout_ms = b.default_timeout_ms
+        timeout_ms = task.default_timeout_ms
         if desc.timeout_ms:
             # a request may only tighten the task's deadline, never extend it
             timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
