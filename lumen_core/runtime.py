@@ -207,7 +207,13 @@ class Runtime:
             if backend.stateful:
                 res = await task.batcher.infer(prepared, desc, priority, timeout_ms)
             else:
-                res = await task.batcher.infer(prepared, priority, timeout_ms)
+                # submit + await inline (one coroutine frame less per request than infer())
+                entry = task.batcher.submit(prepared, priority, timeout_ms)
+                try:
+                    res = await entry.future
+                except asyncio.CancelledError:
+                    task.batcher.cancel(entry)
+                    raise
         except LumenError as exc:
             self.observer.request(task.config.name, route, exc.code,
                                   (time.perf_counter_ns() - t0) // 1000)
