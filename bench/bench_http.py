@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SYSTEMS))
     ap.add_argument("--home", default=None, help="LUMEN_HOME (default: $LUMEN_HOME or ~/.cache/lumen)")
     ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--plot", default=None, help="throughput/latency vs concurrency PNG (matplotlib)")
     args = ap.parse_args()
     home = pathlib.Path(args.home) if args.home else models.lumen_home()
     models.prepare(home=home)
@@ -180,6 +181,8 @@ def main() -> None:
             peer = {r["concurrency"]: r for r in rows}.get(top)
             if system != "lumen" and peer and peer["rps"]:
                 print(f"at c={top}: lumen / {system} = {ours['rps'] / peer['rps']:.2f}")
+    if args.plot:
+        loadgen.plot([loadgen.BenchResult(**r) for rows in results.values() for r in rows], args.plot)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"offline": offline, "results": results,
                                                         "load": load_avg()}, indent=1))

@@ -387,3 +387,11 @@ def test_raw_text_infer_route(embed_server, reference):
     bad = httpx.post(f"{embed_server.url}/v1/infer/text_embed", content=b"\x89PNG",
                      headers={"Content-Type": "image/png"}, timeout=60)
     assert bad.status_code == 415 and error_of(bad)["code"] == "unsupported_media_type"
+
+
+def test_embeddings_list_with_a_bad_item_fails_with_its_error(embed_server):
+    """One bad item (a token id outside the vocabulary) fails the call with its error; the others
+    run and are discarded (OpenAI semantics: a call succeeds or fails as a whole)."""
+    with httpx.Client(base_url=embed_server.url, timeout=60) as c:
+        r = c.post("/v1/embeddings", json={"model": "text_embed", "input": ["ok", [101, 10 ** 9, 102]]})
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_argument"

@@ -277,8 +277,13 @@ class HttpApp:
             if len(reqs) == 1:
                 results = [await self._until_done_or_gone(request, infer(reqs[0]))]
             else:
+                # every item's outcome is collected (no orphaned failures); the first error in
+                # index order answers the call, as one bad input fails an OpenAI request
                 results = await self._until_done_or_gone(
-                    request, asyncio.gather(*(infer(r) for r in reqs)))
+                    request, asyncio.gather(*(infer(r) for r in reqs), return_exceptions=True))
+                for res in results:
+                    if isinstance(res, BaseException):
+                        raise res
         except TaskNotFound as exc:
             raise TaskNotFound(exc.message, "model") from None
         data = []
