@@ -55,6 +55,8 @@ QUEUE_DELAY_US = 2000
 #: encoder width (patch-embedding channels) and embedding size
 WIDTH, D_OUT = 64, 512
 LIMIT = 50_000_000
+#: timings of the encoder alone per round (each is short, so one neighbour's burst would skew it)
+CEILING_TRIES = 3
 
 
 def pictures() -> list:
@@ -144,7 +146,8 @@ async def main(args) -> None:
             for rs, _ in runs.values():  # warm every path once
                 await drive(rt, rs, args.callers, args.callers)
             for _ in range(args.rounds):
-                top = max(top, ceiling.rate(args.requests))  # takes its turn in every round
+                for _ in range(CEILING_TRIES):  # takes its turn in every round; short, so best-of
+                    top = max(top, ceiling.rate(args.requests))
                 for name, (rs, off_loop) in runs.items():
                     backend.prepare_off_loop = off_loop
                     got = await drive(rt, rs, args.callers, args.requests)
