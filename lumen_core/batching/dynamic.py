@@ -44,10 +44,12 @@ OVERLOAD_RETRY_AFTER_S = 1
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
 LENGTH_WINDOW_FACTOR = 4
 #: a request joins a length-aware batch while the padded slots it adds beyond its own length
-#: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS`` (the slack: short texts cost about
-#: a fixed overhead each, so a few pad slots are cheaper than a batch of their own)
-PAD_TOLERANCE = 0.25
-PAD_SLACK_TOKENS = 16
+#: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS``.  On CPU a batch costs about its
+#: padded slots and batching buys little beyond that (bench/README.md, text_embed: 0/4 beat
+#: 0.1/8 and 0.25/16 on the length-mixed corpus), so only near-equal lengths share a batch; a
+#: GPU, where rows are nearly free, would want a larger tolerance.
+PAD_TOLERANCE = 0.0
+PAD_SLACK_TOKENS = 4
 
 
 class Worker(Protocol):
