@@ -2,6 +2,7 @@
 
 This module only re-exports the public API.
 """
+from .contract import TensorContract, TensorSpec  # noqa: F401
 from .errors import (  # noqa: F401
     Cancelled,
     DeadlineExceeded,
@@ -14,7 +15,6 @@ from .errors import (  # noqa: F401
     Unavailable,
     UnsupportedMediaType,
 )
-from .contract import TensorContract, TensorSpec  # noqa: F401
 from .request import (  # noqa: F401
     InferRequest,
     InferRequestBuilder,

@@ -61,6 +61,8 @@ RESERVED_PREFIX = "lumen."
 RESP_BATCH_SIZE = "lumen.batch.size"
 RESP_QUEUE_US = "lumen.queue_us"
 RESP_COMPUTE_US = "lumen.compute_us"
+#: the input's token count (ragged inputs); the OpenAI-compatible ``usage`` sums it
+RESP_TOKENS = "lumen.tokens"
 
 # --------------------------------------------------------------------------- limits
 MAX_META_VALUE_CHARS = 1024  # any lumen.* value; bounds the work on hostile input
@@ -494,7 +496,7 @@ def _check_tensor(d: Descriptor, get, payload_nbytes: int, contract: TensorContr
         raise _bad(KEY_PREPROCESS_ID, f"no tensor signature of this task has dtype={dtype} "
                                       f"layout={layout} preprocess={pp}; accepted: "
                                       f"{[s.describe() for s in contract.specs]}")
-    for axis, ((lo, hi), dim) in enumerate(zip(contract.specs[idx].dims, shape)):
+    for axis, ((lo, hi), dim) in enumerate(zip(contract.specs[idx].dims, shape, strict=True)):
         if dim < lo or (hi != UNBOUNDED and dim > hi):
             want = str(lo) if lo == hi else (f"{lo} <= d" + ("" if hi == UNBOUNDED else f" <= {hi}"))
             raise _bad(KEY_SHAPE, f"dimension {axis} of {list(shape)} is {dim}; "

@@ -16,10 +16,15 @@ from typing import Any, Mapping, Optional
 from . import native
 from .batching.dynamic import DynamicBatcher
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import RESP_BATCH_SIZE, RESP_COMPUTE_US, RESP_QUEUE_US
+from .contract import RESP_BATCH_SIZE, RESP_COMPUTE_US, RESP_QUEUE_US, RESP_TOKENS
 from .engine.ort import make_instances
 from .errors import (
-    InternalError, InvalidArgument, LumenError, PayloadTooLarge, TaskNotFound, Unavailable,
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    PayloadTooLarge,
+    TaskNotFound,
+    Unavailable,
 )
 from .request import InferRequest, InferResponse
 from .tasks import backend_class, default_task_tables
@@ -29,9 +34,6 @@ log = logging.getLogger("lumen")
 
 #: seconds ``infer_sync`` waits before giving up on a wedged runtime (requests have deadlines)
 SYNC_WAIT_S = None
-#: response meta key: the input's token count, for tasks with ragged (token) inputs; the
-#: OpenAI-compatible ``usage`` of /v1/embeddings sums it
-RESP_TOKENS = "lumen.tokens"
 
 
 class Observer:

@@ -263,7 +263,7 @@ def test_failing_item_fails_alone_after_split():
         await asyncio.sleep(0)
         gate.set()
         res = await asyncio.gather(first, *futs, return_exceptions=True)
-        for i, r in zip([0] + list(range(10, 18)), res):
+        for i, r in zip([0] + list(range(10, 18)), res, strict=True):
             if i == 13:
                 assert isinstance(r, InternalError) and "model failed" in r.message
             else:

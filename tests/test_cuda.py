@@ -20,8 +20,9 @@ try:
 except cupy.cuda.runtime.CUDARuntimeError:
     pytest.skip("no CUDA driver", allow_module_level=True)
 
-import lumen_core as lc  # noqa: E402
 import onnx_models as M  # noqa: E402
+
+import lumen_core as lc  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

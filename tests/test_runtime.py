@@ -4,11 +4,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import onnx_models as M
 import pytest
-from onnx import TensorProto
 
 import lumen_core as lc
-import onnx_models as M
 from lumen_core.config import ConfigError
 
 
@@ -102,7 +101,7 @@ def test_signatures_never_mix_and_shapes_batch_separately(model_dir):
             return await asyncio.gather(*[rt.infer(r) for r in reqs])
 
     res = asyncio.run(main())
-    for a, r in zip(arrays, res):
+    for a, r in zip(arrays, res, strict=True):
         np.testing.assert_allclose(r.outputs["y"], a[0] * 2)
 
 

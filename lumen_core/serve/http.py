@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..contract import DTYPE_NAMES
+from ..contract import DTYPE_NAMES, RESP_TOKENS
 from ..errors import (
     InternalError,
     InvalidArgument,
@@ -45,7 +45,6 @@ from ..errors import (
     UnsupportedMediaType,
 )
 from ..request import InferRequest
-from ..runtime import RESP_TOKENS
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
 

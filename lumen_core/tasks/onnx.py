@@ -13,7 +13,12 @@ import numpy as np
 
 from ..config import ConfigError
 from ..contract import (
-    DEFAULT_LAYOUT_FOR_RANK, DTYPES, LAYOUTS, ONNX_ELEM_TYPES, UNBOUNDED, TensorContract,
+    DEFAULT_LAYOUT_FOR_RANK,
+    DTYPES,
+    LAYOUTS,
+    ONNX_ELEM_TYPES,
+    UNBOUNDED,
+    TensorContract,
     TensorSpec,
 )
 from ..engine.plan import DenseInput, ModelSpec, OutputSpec, PreparedModelRequest
