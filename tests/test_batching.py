@@ -313,3 +313,23 @@ def test_worker_returning_wrong_count_is_an_internal_error_not_a_hang():
         with pytest.raises(InternalError):
             await asyncio.wait_for(b.infer(Item(1)), 5)
     asyncio.run(main())
+
+
+def test_request_cancelled_after_its_batch_formed_never_reaches_the_model():
+    async def main():
+        w = FakeWorker()
+        blocker = threading.Event()
+        w.executor.submit(blocker.wait, 10)  # the worker thread is busy with something else
+        b = DynamicBatcher("t", cfg(max_batch_size=4), [w])
+        victim = asyncio.ensure_future(b.infer(Item(42)))
+        await asyncio.sleep(0.01)
+        assert b.in_flight == 1 and b.pending == 0  # formed, handed over, not yet running
+        keep = asyncio.ensure_future(b.infer(Item(7)))
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        blocker.set()
+        assert (await keep).value == 14
+        await b.drain()
+        assert w.seen() == [7]
+    asyncio.run(main())

@@ -379,8 +379,7 @@ class DynamicBatcher:
             e.dispatch_ns = now
         worker = self._free.pop()
         self._running += 1
-        items = [e.item for e in entries]
-        fut = self._loop.run_in_executor(worker.executor, _timed_run, worker.execute, items)
+        fut = self._loop.run_in_executor(worker.executor, _timed_run, worker.execute, entries)
         fut.add_done_callback(lambda f: self._finish(worker, entries, f))
 
     def _finish(self, worker: Worker, entries: list, fut: asyncio.Future) -> None:
@@ -414,7 +413,18 @@ class DynamicBatcher:
             self._idle.set()
 
 
-def _timed_run(execute: Callable, items: list) -> tuple:
+def _timed_run(execute: Callable, entries: list) -> tuple:
+    """Worker-thread side of a batch: run the entries whose callers still wait.
+
+    An entry that expired or was cancelled between batch formation and the worker picking the
+    batch up (its future is done) is left out, so it never reaches the model; its result slot
+    is None (``_finish`` skips done futures).
+    """
     t0 = time.perf_counter_ns()
-    results = run_split(execute, items)
+    live = [e for e in entries if not e.future.done()]
+    if len(live) == len(entries):
+        results = run_split(execute, [e.item for e in entries])
+    else:
+        ran = iter(run_split(execute, [e.item for e in live]) if live else ())
+        results = [next(ran) if e in live else None for e in entries]
     return results, (time.perf_counter_ns() - t0) // 1000
