@@ -57,8 +57,10 @@ def single_call_us(path: str, xs: np.ndarray, threads: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-async def ours(path: str, xs: np.ndarray, callers: int, batch: int, threads: int) -> tuple:
+async def ours(path: str, xs: np.ndarray, callers: int, batch: int, threads: int,
+               instances: int = 1) -> tuple:
     cfg = {"tasks": [{"name": "mlp", "backend": "onnx", "model": path, "intra_op_threads": threads,
+                      "instances": instances,
                       "batching": {"max_batch_size": batch, "max_queue_delay_us": 0,
                                    "max_queue_size": callers * 2}}]}
     reqs = [lc.new_infer_request("mlp").for_tensor_array(xs[i:i + 1], "NC", "none").build()
