@@ -211,41 +211,61 @@ def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) ->
         return run_split(execute, items[:mid]) + run_split(execute, items[mid:])
 
 
-class DynamicBatcher:
+class BatcherLifecycle:
+    """Admission counters and draining, shared by the dynamic and the sequence batcher."""
+
+    def __init__(self) -> None:
+        self._pending = 0  # live queued requests (admission control)
+        self._running = 0  # batches in flight
+        self._closed = False
+        self._idle: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    @property
+    def pending(self) -> int:
+        """Queued (not yet running) requests."""
+        return self._pending
+
+    @property
+    def in_flight(self) -> int:
+        """Batches running now."""
+        return self._running
+
+    async def drain(self) -> None:
+        """Stop admitting, then wait until every queued and running request has finished."""
+        self._closed = True
+        while self._pending or self._running:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    def _maybe_idle(self) -> None:
+        if self._idle is not None and not self._pending and not self._running:
+            self._idle.set()
+
+
+class DynamicBatcher(BatcherLifecycle):
     """Per-task dynamic batcher over a pool of workers."""
 
     def __init__(self, name: str, config: BatchingConfig, workers: Sequence[Worker],
                  on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0):
         """``max_batch_tokens > 0`` turns on length-aware formation for items with ``.length``
         (token budget per batch, padded slots counted); 0 keeps strict FIFO batches."""
+        super().__init__()
         self.name = name
         self.config = config
         self.workers = list(workers)
         self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
         self._free = list(reversed(self.workers))
         self._queues: dict = {}
-        self._pending = 0  # live queued requests (admission control)
-        self._running = 0  # batches in flight
-        self._closed = False
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = 0.0
-        self._idle: Optional[asyncio.Event] = None
         self._delay_ns = config.max_queue_delay_us * 1000
         self._preferred = tuple(config.preferred_batch_sizes)
         self._levels = config.priority_levels
         self._max_tokens = max(0, int(max_batch_tokens))
         self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # -- public ---------------------------------------------------------------------------
-    @property
-    def pending(self) -> int:
-        return self._pending
-
-    @property
-    def in_flight(self) -> int:
-        return self._running
-
     def submit(self, item: Any, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit ``item`` (must have ``.signature``); raise at once when closed or full."""
         if self._closed:
@@ -285,13 +305,6 @@ class DynamicBatcher:
             entry.future.set_exception(Cancelled("the request was cancelled by its caller"))
         if entry.timer is not None:
             entry.timer.cancel()
-
-    async def drain(self) -> None:
-        """Stop admitting, then wait until every queued and running request has finished."""
-        self._closed = True
-        while self._pending or self._running:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
 
     # -- policy ---------------------------------------------------------------------------
     def _kill(self, entry: Entry, q: Optional[SignatureQueue]) -> None:
@@ -407,10 +420,6 @@ class DynamicBatcher:
                                                 compute_us))
         self._dispatch()
         self._maybe_idle()
-
-    def _maybe_idle(self) -> None:
-        if self._idle is not None and not self._pending and not self._running:
-            self._idle.set()
 
 
 def _timed_run(execute: Callable, entries: list) -> tuple:

@@ -67,7 +67,16 @@ from ..errors import (
     Overloaded,
     Unavailable,
 )
-from .dynamic import DONE, OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, BatchResult, Entry, run_split
+from .dynamic import (
+    DONE,
+    OVERLOAD_RETRY_AFTER_S,
+    QUEUED,
+    RUNNING,
+    BatcherLifecycle,
+    BatchResult,
+    Entry,
+    run_split,
+)
 
 #: how many ended / idled-out ids are remembered for a precise error message
 MAX_REMEMBERED_IDS = 4096
@@ -131,7 +140,7 @@ class _Lane:
         self.timer_at = 0.0
 
 
-class SequenceBatcher:
+class SequenceBatcher(BatcherLifecycle):
     """Per-task sequence batcher over the task's engine instances (see the module docstring).
 
     Public surface as :class:`~lumen_core.batching.dynamic.DynamicBatcher`: ``infer``,
@@ -140,6 +149,7 @@ class SequenceBatcher:
 
     def __init__(self, name: str, config: TaskConfig, instances: Sequence[Any], backend: Any,
                  on_batch: Optional[Callable[[int, int], None]] = None):
+        super().__init__()
         self.name = name
         self.config = config
         self.backend = backend
@@ -162,10 +172,6 @@ class SequenceBatcher:
         self._seqs: dict = {}
         self._backlog: deque = deque()
         self._gone: OrderedDict = OrderedDict()  # sid -> ENDED | IDLED
-        self._pending = 0
-        self._running = 0
-        self._closed = False
-        self._idle: Optional[asyncio.Event] = None
         self._sweep: Optional[asyncio.TimerHandle] = None
         self._idle_ns = seq.max_sequence_idle_us * 1000
         self._sweep_s = max(self._idle_ns // IDLE_SWEEPS_PER_TIMEOUT, MIN_SWEEP_INTERVAL_NS) / 1e9
@@ -173,19 +179,8 @@ class SequenceBatcher:
         self._min_util = seq.minimum_slot_utilization
         self._sig0: Any = None
         self._multi_sig = False
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # -- public ---------------------------------------------------------------------------
-    @property
-    def pending(self) -> int:
-        """Queued (not yet running) requests, backlog included."""
-        return self._pending
-
-    @property
-    def in_flight(self) -> int:
-        """Batches running now."""
-        return self._running
-
     @property
     def active_sequences(self) -> int:
         """Sequences holding a slot."""
@@ -270,11 +265,9 @@ class SequenceBatcher:
             entry.timer = None
 
     async def drain(self) -> None:
-        """Stop admitting, then wait until every queued and running request has finished."""
-        self._closed = True
-        while self._pending or self._running:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
+        """Stop admitting, wait for every queued (backlog included) and running request, then
+        stop the idle sweep and the lanes' delay timers."""
+        await super().drain()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
@@ -517,7 +510,3 @@ class SequenceBatcher:
                 self._release(s, ENDED)
         self._dispatch(lane)
         self._maybe_idle()
-
-    def _maybe_idle(self) -> None:
-        if self._idle is not None and not self._pending and not self._running:
-            self._idle.set()
