@@ -242,6 +242,32 @@ class BatcherLifecycle:
         if self._idle is not None and not self._pending and not self._running:
             self._idle.set()
 
+    def _outcome(self, fut: asyncio.Future, n: int) -> tuple:
+        """(results, compute_us) of a finished batch; a broken worker fails every item."""
+        try:
+            results, compute_us = fut.result()
+        except BaseException as exc:  # noqa: BLE001 - a broken worker must not lose callers
+            err = exc if isinstance(exc, LumenError) else InternalError(f"worker failed: {exc}")
+            results, compute_us = [err] * n, 0
+        if self.on_batch is not None:
+            self.on_batch(n, compute_us)
+        return results, compute_us
+
+    @staticmethod
+    def _resolve(e: "Entry", res: Any, n: int, compute_us: int) -> None:
+        """Hand one item's result (or error) to its caller, unless it already gave up."""
+        e.state = DONE
+        if e.timer is not None:
+            e.timer.cancel()
+            e.timer = None
+        if e.future.done():
+            return
+        if isinstance(res, LumenError):
+            e.future.set_exception(res)
+        else:
+            e.future.set_result(BatchResult(res, n, (e.dispatch_ns - e.arrival_ns) // 1000,
+                                            compute_us))
+
 
 class DynamicBatcher(BatcherLifecycle):
     """Per-task dynamic batcher over a pool of workers."""
@@ -398,26 +424,10 @@ class DynamicBatcher(BatcherLifecycle):
     def _finish(self, worker: Worker, entries: list, fut: asyncio.Future) -> None:
         self._running -= 1
         self._free.append(worker)
-        try:
-            results, compute_us = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - a broken worker must not lose callers
-            err = exc if isinstance(exc, LumenError) else InternalError(f"worker failed: {exc}")
-            results, compute_us = [err] * len(entries), 0
         n = len(entries)
-        if self.on_batch is not None:
-            self.on_batch(n, compute_us)
-        for e, res in zip(entries, results, strict=False):
-            e.state = DONE
-            if e.timer is not None:
-                e.timer.cancel()
-                e.timer = None
-            if e.future.done():
-                continue
-            if isinstance(res, LumenError):
-                e.future.set_exception(res)
-            else:
-                e.future.set_result(BatchResult(res, n, (e.dispatch_ns - e.arrival_ns) // 1000,
-                                                compute_us))
+        results, compute_us = self._outcome(fut, n)
+        for e, res in zip(entries, results, strict=True):
+            self._resolve(e, res, n, compute_us)
         self._dispatch()
         self._maybe_idle()
 

@@ -61,9 +61,7 @@ from ..engine.state import SequenceBatch, SlotStore, StatefulPlan, corrid_kind
 from ..errors import (
     Cancelled,
     DeadlineExceeded,
-    InternalError,
     InvalidArgument,
-    LumenError,
     Overloaded,
     Unavailable,
 )
@@ -480,29 +478,14 @@ class SequenceBatcher(BatcherLifecycle):
         self._running -= 1
         lane.busy = False
         lane.free_ns = time.monotonic_ns()
-        try:
-            results, compute_us = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - a broken worker must not lose callers
-            err = exc if isinstance(exc, LumenError) else InternalError(f"worker failed: {exc}")
-            results, compute_us = [err] * len(entries), 0
         n = len(entries)
-        if self.on_batch is not None:
-            self.on_batch(n, compute_us)
+        results, compute_us = self._outcome(fut, n)
         now = lane.free_ns
         ready = lane.ready
         for s, e, res in zip(seqs, entries, results, strict=True):
             s.running = False
             s.last_ns = now
-            e.state = DONE
-            if e.timer is not None:
-                e.timer.cancel()
-                e.timer = None
-            if not e.future.done():
-                if isinstance(res, LumenError):
-                    e.future.set_exception(res)
-                else:
-                    e.future.set_result(BatchResult(res, n, (e.dispatch_ns - e.arrival_ns) // 1000,
-                                                    compute_us))
+            self._resolve(e, res, n, compute_us)
             if s.queue:
                 s.ready_ns = now
                 ready[s] = None

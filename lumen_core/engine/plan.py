@@ -7,6 +7,7 @@ control inputs) are new plan classes with an ``assemble`` method, not engine cha
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -35,7 +36,7 @@ class PreparedModelRequest:
         self.context = context
 
 
-class InputPlan:
+class InputPlan(abc.ABC):
     """Base of plan entries: ``assemble`` returns ``{input_name: ndarray}`` for one batch.
 
     ``stats`` is a per-batch dict the entry may add counters to (e.g. real / padded tokens).
@@ -43,8 +44,9 @@ class InputPlan:
 
     name: str
 
+    @abc.abstractmethod
     def assemble(self, items: Sequence[PreparedModelRequest], arena, stats: dict) -> dict:
-        raise NotImplementedError  # abstract: every plan class overrides it
+        """Build this entry's model inputs for ``items`` (one batch)."""
 
 
 @dataclass(frozen=True)

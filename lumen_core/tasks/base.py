@@ -7,6 +7,7 @@ it never sees queues, threads or ORT sessions.
 """
 from __future__ import annotations
 
+import abc
 import sys
 from typing import Any, Optional, Sequence
 
@@ -31,7 +32,7 @@ def mime_type(mime: str) -> tuple:
     return base.strip().lower(), params
 
 
-class TaskBackend:
+class TaskBackend(abc.ABC):
     """Base class of task backends.  Subclasses set ``raw_mimes`` and implement the hooks."""
 
     #: accepted raw mime types (base types, lower case); empty: no raw route
@@ -51,9 +52,9 @@ class TaskBackend:
         self.model: Optional[ModelSpec] = None
 
     # -- lifecycle --------------------------------------------------------------------------
+    @abc.abstractmethod
     def load(self) -> ModelSpec:
         """Resolve model files, read model metadata, set ``self.contract``; return the plan."""
-        raise NotImplementedError  # abstract
 
     def warmup_requests(self) -> list:
         """Requests the runtime pushes through the whole path at start-up."""
@@ -81,11 +82,13 @@ class TaskBackend:
 
     def prepare_raw(self, req: InferRequest, desc: Descriptor, payload: memoryview, mime: str,
                     params: dict) -> PreparedModelRequest:
-        raise NotImplementedError  # only backends with raw_mimes override it
+        raise InternalError(f"backend {type(self).__name__} declares raw mimes "
+                            f"{self.raw_mimes} but does not implement prepare_raw")
 
+    @abc.abstractmethod
     def prepare_tensor(self, req: InferRequest, desc: Descriptor,
                        payload: memoryview) -> PreparedModelRequest:
-        raise NotImplementedError  # abstract
+        """Turn a validated tensor (``desc``) into a prepared request."""
 
     def postprocess(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:
         """Per item: ``{name: ndarray}`` or a LumenError.  Runs in the engine's worker thread.
