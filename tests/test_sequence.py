@@ -511,3 +511,33 @@ def test_model_lacking_a_declared_input_is_a_config_error(acc_path):
     with pytest.raises(ConfigError) as ei:
         run(main())
     assert "acc_typo" in str(ei.value) and ei.value.key == "tasks[0].sequence"
+
+
+class FailingAccumulatorBackend(AccumulatorBackend):
+    """The accumulator whose run fails for any request with a NaN in ``x`` (fault injection)."""
+
+    def postprocess(self, outputs: dict, items) -> list:
+        if any(np.isnan(np.frombuffer(it.tensors[0], np.float32)).any() for it in items):
+            raise RuntimeError("poisoned input")
+        return super().postprocess(outputs, items)
+
+
+def test_failed_start_leaves_the_next_request_on_the_initial_state(acc_path, monkeypatch):
+    # The slot still holds the previous sequence's final state; a sequence whose start request
+    # fails in the model must not inherit it: its next request begins from the initial state.
+    monkeypatch.setitem(tasks.BACKENDS, "failing_acc", f"{__name__}:FailingAccumulatorBackend")
+    cfg = config(acc_path, max_batch_size=1)
+    cfg["tasks"][0]["backend"] = "failing_acc"
+    x = np.ones(D, np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            await rt.infer(req(1, 5 * x, start=True))
+            await rt.infer(req(1, 5 * x, end=True))  # slot 0 now holds 10 * x
+            with pytest.raises(lc.InternalError):
+                await rt.infer(req(2, np.full(D, np.nan, np.float32), start=True))
+            return await rt.infer(req(2, x))
+
+    r = run(main())
+    np.testing.assert_allclose(r.outputs["y"], x)
+    assert float(r.outputs["start_out"]) == 1.0

@@ -41,7 +41,8 @@ Semantics chosen where Triton leaves room (documented for callers):
   cancelled ``end`` request re-opens the sequence.  A request that expires or is cancelled
   *while its batch runs* has reached the model: the state advances, the caller gets the error.
 - If the model fails for a request (after split-and-retry isolates it), that request's state
-  update is dropped: the sequence continues from the state before it.
+  update is dropped: the sequence continues from the state before it (after a failed start
+  request: from the initial state, never from the slot's previous occupant).
 - ``lumen.priority`` is accepted but does not reorder sequences (Triton has no priorities in
   its sequence batcher either).
 """
@@ -62,6 +63,7 @@ from ..errors import (
     Cancelled,
     DeadlineExceeded,
     InvalidArgument,
+    LumenError,
     Overloaded,
     Unavailable,
 )
@@ -457,7 +459,7 @@ class SequenceBatcher(BatcherLifecycle):
         lane.busy = True
         batch = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
         fut = self._loop.run_in_executor(lane.engine.executor, self._run, lane.engine, batch)
-        fut.add_done_callback(partial(self._finish, lane, seqs, entries))
+        fut.add_done_callback(partial(self._finish, lane, seqs, entries, start))
 
     # -- worker thread --------------------------------------------------------------------
     def _execute(self, engine: Any, batch: SequenceBatch) -> list:
@@ -474,7 +476,8 @@ class SequenceBatcher(BatcherLifecycle):
         return results, (time.perf_counter_ns() - t0) // 1000
 
     # -- completion (event loop) ----------------------------------------------------------
-    def _finish(self, lane: _Lane, seqs: list, entries: list, fut: asyncio.Future) -> None:
+    def _finish(self, lane: _Lane, seqs: list, entries: list, starts: np.ndarray,
+                fut: asyncio.Future) -> None:
         self._running -= 1
         lane.busy = False
         lane.free_ns = time.monotonic_ns()
@@ -482,9 +485,13 @@ class SequenceBatcher(BatcherLifecycle):
         results, compute_us = self._outcome(fut, n)
         now = lane.free_ns
         ready = lane.ready
-        for s, e, res in zip(seqs, entries, results, strict=True):
+        for s, e, res, started in zip(seqs, entries, results, starts, strict=True):
             s.running = False
             s.last_ns = now
+            if started and isinstance(res, LumenError):
+                # a failed run committed no state: the slot may still hold the previous
+                # sequence's (or the pre-restart) state, so the next request starts afresh
+                s.fresh = True
             self._resolve(e, res, n, compute_us)
             if s.queue:
                 s.ready_ns = now
