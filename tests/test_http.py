@@ -20,6 +20,7 @@ import openai
 import pytest
 import serve_support as S
 
+from lumen_core.request import InferResponse
 from lumen_core.runtime import Runtime
 from lumen_core.serve.http import HttpApp
 
@@ -186,6 +187,44 @@ def test_embeddings_input_errors(client):
     # a task without a raw text route says so (tensor-only generic model)
     r = client.post("/v1/embeddings", json={"model": "mlp", "input": "hi"})
     assert r.status_code == 400 and error_of(r)["field"] == "lumen.input.kind"
+
+
+def test_hostile_bodies_and_headers_answer_400_not_500(client):
+    """Deeply nested JSON (the decoder raises RecursionError) is the caller's fault: 400,
+    never a 500."""
+    deep = b"[" * 3000  # under MAX_PAYLOAD, deeper than the JSON decoder's recursion limit
+    r = client.post("/v1/embeddings", content=deep, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and error_of(r)["field"] == "body"
+
+
+def test_bad_content_length_digits_in_process():
+    """A Content-Length of non-ASCII digits (``str.isdigit`` accepts '\u00b2') is a 400 on the
+    raw ASGI app (no HTTP parser in front of it to reject the header first)."""
+    class _NoRuntime:
+        class config:
+            class server:
+                max_payload_bytes = S.MAX_PAYLOAD
+
+    app = HttpApp(_NoRuntime())
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://lumen") as c:
+            return await c.post("/v1/infer/mlp", content=b"xx",
+                                headers={"Content-Length": "\u00b2".encode("latin-1")})
+
+    r = asyncio.run(run())
+    assert r.status_code == 400 and error_of(r)["field"] == "Content-Length"
+
+
+def test_raw_tensor_reply_of_an_empty_output():
+    """A zero-size output (e.g. no detections) is sent as an empty body, not a 500."""
+    resp = InferResponse("cid", "t", {"boxes": np.zeros((0, 4), np.float32)}, {})
+    reply = HttpApp._tensor_reply(resp, None)
+    assert reply.status_code == 200 and reply.body == b""
+    assert reply.headers["Lumen-Tensor-Shape"] == "[0,4]"
+    full = HttpApp._tensor_reply(InferResponse("c", "t", {"y": np.arange(3, dtype=">f4")}, {}), None)
+    assert np.frombuffer(full.body, "<f4").tolist() == [0.0, 1.0, 2.0]
 
 
 def test_429_with_retry_after_then_504_for_the_queued(server, client):

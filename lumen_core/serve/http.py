@@ -155,7 +155,7 @@ class HttpApp:
         limit = self.max_body
         declared = request.headers.get("content-length")
         if declared is not None:
-            if not declared.isdigit():
+            if not (declared.isascii() and declared.isdigit()):  # isdigit alone takes '\u00b2'
                 raise InvalidArgument(f"bad Content-Length header {declared[:40]!r}", "Content-Length")
             if int(declared) > limit:
                 raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "
@@ -253,7 +253,9 @@ class HttpApp:
                    "Lumen-Output": name, "X-Correlation-Id": resp.correlation_id}
         for k, v in resp.meta.items():
             headers["Lumen-Meta-" + k] = v
-        return Response(memoryview(arr).cast("B"), headers=headers, media_type=OCTET_STREAM)
+        # a uint8 view, not memoryview.cast: cast refuses a zero-size array (an empty output)
+        return Response(memoryview(arr.reshape(-1).view(np.uint8)), headers=headers,
+                        media_type=OCTET_STREAM)
 
     async def embeddings(self, request: Request) -> Response:
         self._check_open()
@@ -267,6 +269,8 @@ class HttpApp:
             obj = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"the body is not valid JSON: {exc}", "body") from None
+        except RecursionError:  # the decoder recurses once per nesting level
+            raise InvalidArgument("the body's JSON is nested too deeply", "body") from None
         model, items, fmt = self._parse_embeddings(obj)
         cid = request.headers.get("x-correlation-id", "")
         reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "")
