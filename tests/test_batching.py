@@ -333,3 +333,22 @@ def test_request_cancelled_after_its_batch_formed_never_reaches_the_model():
         await b.drain()
         assert w.seen() == [7]
     asyncio.run(main())
+
+
+def test_concurrent_drains_all_return():
+    # two shutdown paths (e.g. a server's lifespan and an explicit stop) may drain at once;
+    # each must wake when the work is done, not only the last one to start waiting
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=1), [w])
+        futs = [asyncio.ensure_future(b.infer(Item(i))) for i in range(3)]
+        await wait_started(w)
+        first = asyncio.ensure_future(b.drain())
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(b.drain())
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        assert [r.value for r in await asyncio.gather(*futs)] == [0, 2, 4]
+    asyncio.run(main())

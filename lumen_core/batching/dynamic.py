@@ -235,7 +235,10 @@ class BatcherLifecycle:
         """Stop admitting, then wait until every queued and running request has finished."""
         self._closed = True
         while self._pending or self._running:
-            self._idle = asyncio.Event()
+            # one event shared by every concurrent drainer (a fresh one per caller would
+            # leave all but the last waiting forever)
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
             await self._idle.wait()
 
     def _maybe_idle(self) -> None:
