@@ -101,6 +101,7 @@ class Runtime:
     async def start(self) -> None:
         if self.ready:
             return
+        self._closing = False  # a stopped runtime may be started again
         self._loop = asyncio.get_running_loop()
         try:
             for tc in self.config.tasks:

@@ -257,3 +257,18 @@ def test_config_file_and_load_errors(tmp_path, model_dir):
             assert r.outputs["y"].shape == (8,)
 
     asyncio.run(main())
+
+
+def test_runtime_serves_again_after_a_stop_and_restart(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx")]}
+    x = np.random.default_rng(6).standard_normal(16).astype(np.float32)
+
+    async def main():
+        rt = lc.Runtime.from_dict(cfg)
+        async with rt:
+            await rt.infer(mlp_req(x))
+        async with rt:  # a second start serves again instead of refusing as "shutting down"
+            return await rt.infer(mlp_req(x))
+
+    r = asyncio.run(main())
+    np.testing.assert_allclose(r.outputs["y"], M.mlp_reference(x[None])[0], atol=1e-5)
