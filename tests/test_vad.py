@@ -172,6 +172,34 @@ def test_raw_input_errors(model_path, payload, mime, err, field):
     assert e.field == field
 
 
+def test_non_finite_samples_are_refused_and_do_not_poison_the_stream(model_path, reference):
+    """A NaN or inf sample (f32 raw or tensor route) is InvalidArgument, never fed to the model:
+    Silero answers a NaN chunk with a finite probability and its state stays corrupted, so every
+    later chunk of the stream would silently be wrong."""
+    audio, probs = reference
+    chunks = audio[0].reshape(-1, CHUNK)
+
+    async def main():
+        async with lc.Runtime.from_dict(vad_config(model_path)) as rt:
+            out, fields = [], []
+            for i, chunk in enumerate(chunks):
+                if i in (3, 4):
+                    bad = chunk.copy()
+                    bad[100] = np.nan if i == 3 else np.inf
+                    for route in ("f32", "tensor"):
+                        with pytest.raises(lc.InvalidArgument) as ei:
+                            await rt.infer(chunk_request(bad, route, "nan", False, False))
+                        fields.append(ei.value.field)
+                res = await rt.infer(chunk_request(chunk, "f32", "nan", i == 0,
+                                                   i == len(chunks) - 1))
+                out.append(float(res.outputs["speech_prob"][0]))
+            return np.array(out), fields
+
+    got, fields = run(main())
+    assert fields == ["payload"] * 4
+    np.testing.assert_allclose(got, probs[0], atol=TOLERANCE)
+
+
 def test_tensor_and_sequence_errors(model_path):
     async def main():
         async with lc.Runtime.from_dict(vad_config(model_path)) as rt:

@@ -21,6 +21,7 @@ Output: ``speech_prob`` fp32 ``[1]``, the probability that the chunk holds speec
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -170,7 +171,23 @@ class VadBackend(TaskBackend):
     def _prepare_f32(self, payload: memoryview) -> PreparedModelRequest:
         if payload.nbytes != CHUNK_SAMPLES * 4:
             raise self._size_error(payload, 4, "float32")
-        return PreparedModelRequest(self.signature, (payload,), ITEM_SHAPE)
+        return PreparedModelRequest(self.signature, (self._finite(payload),), ITEM_SHAPE)
+
+    @staticmethod
+    def _finite(payload: memoryview) -> memoryview:
+        """Refuse NaN / inf samples: Silero answers them with a finite probability and keeps a
+        corrupted state, so every later chunk of the stream would silently be wrong.
+
+        Fast path: ``x . x`` is finite for every real chunk (about 1 us); only when it is not
+        (a NaN / inf, or samples beyond ~1e19) is each sample checked."""
+        samples = np.frombuffer(payload, dtype="<f4")
+        if not math.isfinite(samples.dot(samples)):
+            finite = np.isfinite(samples)
+            if not finite.all():
+                pos = int(np.argmin(finite))
+                raise InvalidArgument(f"sample {pos} is {samples[pos]}; audio samples must be "
+                                      f"finite", "payload")
+        return payload
 
     def _size_error(self, payload: memoryview, width: int, what: str) -> InvalidArgument:
         return InvalidArgument(
@@ -179,7 +196,7 @@ class VadBackend(TaskBackend):
             f"{payload.nbytes} bytes", "payload")
 
     def prepare_tensor(self, req: InferRequest, desc, payload: memoryview) -> PreparedModelRequest:
-        return PreparedModelRequest(self.signature, (payload,), ITEM_SHAPE)
+        return PreparedModelRequest(self.signature, (self._finite(payload),), ITEM_SHAPE)
 
     def postprocess(self, outputs: dict, items) -> list:
         return split_outputs({OUTPUT_NAME: outputs[PROB_OUT]}, len(items))
