@@ -217,6 +217,15 @@ def test_bad_content_length_digits_in_process():
     assert r.status_code == 400 and error_of(r)["field"] == "Content-Length"
 
 
+def test_unknown_route_and_wrong_method_answer_the_json_error_shape(client):
+    """SPEC 6: all HTTP errors are ``{"error": {...}}``, also the router's own 404 / 405."""
+    r = client.get("/v2/nothing-here")
+    assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+    r = client.get("/v1/embeddings")
+    assert r.status_code == 405 and error_of(r)["code"] == "invalid_argument"
+    assert r.headers["allow"] == "POST"
+
+
 def test_raw_tensor_reply_of_an_empty_output():
     """A zero-size output (e.g. no detections) is sent as an empty body, not a 500."""
     resp = InferResponse("cid", "t", {"boxes": np.zeros((0, 4), np.float32)}, {})

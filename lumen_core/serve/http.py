@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import numpy as np
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -61,6 +62,11 @@ EMBEDDING_OUTPUT = "embedding"
 #: header that picks one output for a raw tensor reply when a task has several
 OUTPUT_HEADER = "lumen-output"
 ENCODING_FORMATS = ("float", "base64")
+#: the most characters of a request path quoted back in a routing error
+MAX_PATH_ECHO = 200
+#: what a routing error suggests instead
+ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, GET /v1/tasks, "
+               "/v1/models, /healthz, /readyz, /metrics")
 #: token-id inputs to /v1/embeddings go through the tensor route with this dtype and layout
 TOKEN_DTYPE, TOKEN_LAYOUT = "int64", "NL"
 
@@ -88,6 +94,15 @@ def error_response(exc: LumenError) -> Response:
     elif isinstance(exc, PayloadTooLarge):
         headers["Connection"] = "close"
     return json_response({"error": exc.to_dict()}, exc.http_status, headers)
+
+
+async def routing_error(request: Request, exc: HTTPException) -> Response:
+    """The router's own 404 / 405 in the JSON error shape every other error has (SPEC 6)."""
+    code = TaskNotFound.code if exc.status_code == 404 else InvalidArgument.code
+    path = request.url.path[:MAX_PATH_ECHO]
+    msg = f"{exc.detail}: {request.method} {path}; {ROUTES_HINT}"
+    return json_response({"error": {"code": code, "message": msg, "field": None}},
+                         exc.status_code, exc.headers)
 
 
 def dtype_name(arr: np.ndarray) -> str:
@@ -123,7 +138,7 @@ class HttpApp:
             Route("/healthz", ep("/healthz", self.healthz), methods=["GET"]),
             Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
             Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: routing_error})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.app(scope, receive, send)
