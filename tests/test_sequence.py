@@ -541,3 +541,27 @@ def test_failed_start_leaves_the_next_request_on_the_initial_state(acc_path, mon
     r = run(main())
     np.testing.assert_allclose(r.outputs["y"], x)
     assert float(r.outputs["start_out"]) == 1.0
+
+
+def test_cancelled_restart_after_an_end_leaves_the_sequence_ended(acc_path):
+    # end, then a restart of the same id that goes away: the sequence stays ended, so a
+    # request without start is refused instead of continuing the ended sequence's state
+    cfg = config(acc_path, max_batch_size=1)
+    x = np.ones(D, np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            await rt.infer(req(1, x, start=True))
+            end = asyncio.ensure_future(rt.infer(req(1, x, end=True)))
+            restart = asyncio.ensure_future(rt.infer(req(1, x, start=True)))
+            while batcher(rt).pending + batcher(rt).in_flight < 2 and not end.done():
+                await asyncio.sleep(0)
+            restart.cancel()
+            await end
+            with pytest.raises(asyncio.CancelledError):
+                await restart
+            with pytest.raises(lc.InvalidArgument, match="ended"):
+                await rt.infer(req(1, x))
+            assert batcher(rt).active_sequences == 0  # the slot is free again
+
+    run(main())

@@ -38,7 +38,8 @@ Semantics chosen where Triton leaves room (documented for callers):
 - A cancelled or expired *queued* request is dropped without touching the state: the next
   request continues from the state left by the last request that ran.  When it was the
   sequence's first (start) request, the next one still begins from the initial state.  A
-  cancelled ``end`` request re-opens the sequence.  A request that expires or is cancelled
+  cancelled ``end`` request re-opens the sequence; a cancelled restart of an ended id leaves
+  it ended (its slot is freed).  A request that expires or is cancelled
   *while its batch runs* has reached the model: the state advances, the caller gets the error.
 - If the model fails for a request (after split-and-retry isolates it), that request's state
   update is dropped: the sequence continues from the state before it (after a failed start
@@ -92,7 +93,7 @@ ENDED, IDLED = "ended", "idled"
 class SeqEntry(Entry):
     """A queued request of a sequence."""
 
-    __slots__ = ("seq", "start", "end")
+    __slots__ = ("seq", "start", "end", "was_open")
 
     def __init__(self, item: Any, future: asyncio.Future, arrival_ns: int, seq: "_Sequence",
                  start: bool, end: bool):
@@ -100,6 +101,7 @@ class SeqEntry(Entry):
         self.seq = seq
         self.start = start
         self.end = end
+        self.was_open = True  # the sequence's ``open`` flag before this request was accepted
 
 
 class _Sequence:
@@ -234,6 +236,7 @@ class SequenceBatcher(BatcherLifecycle):
             raise InvalidArgument(f"sequence {sid!r} has ended (its end request was accepted); "
                                   f"begin a new one with {KEY_SEQUENCE_START}=true",
                                   KEY_SEQUENCE_START)
+        was_open = seq.open
         seq.open = not desc.sequence_end
         sig = item.signature
         if self._sig0 is None:
@@ -241,6 +244,7 @@ class SequenceBatcher(BatcherLifecycle):
         elif not self._multi_sig and sig != self._sig0:
             self._multi_sig = True
         entry = SeqEntry(item, loop.create_future(), now, seq, start, desc.sequence_end)
+        entry.was_open = was_open
         seq.queue.append(entry)
         seq.last_ns = now
         self._pending += 1
@@ -363,17 +367,22 @@ class SequenceBatcher(BatcherLifecycle):
         self._pending -= 1
         seq = entry.seq
         q = seq.queue
-        if entry.end:
+        if entry.end or entry.start:
             for e in reversed(q):
-                if e is entry:  # its end never ran and nothing live follows: it goes on
-                    seq.open = True
-                    break
+                if e is entry:  # it never ran and nothing live follows: undo its effect on
+                    seq.open = entry.was_open  # ``open`` (a cancelled end re-opens, a
+                    break                      # cancelled restart after an end re-closes)
                 if e.state == QUEUED:
                     break
         while q and q[0].state != QUEUED:
             q.popleft()
-        if not q and seq.lane is not None:
-            seq.lane.ready.pop(seq, None)
+        lane = seq.lane
+        if not q and lane is not None:
+            lane.ready.pop(seq, None)
+        if not q and not seq.open and not seq.running:
+            self._release(seq, ENDED)  # its end already ran: free the slot now
+            if lane is not None and not lane.busy:
+                self._dispatch(lane)
         self._maybe_idle()
 
     def _expire(self, entry: SeqEntry, timeout_ms: int) -> None:
