@@ -264,7 +264,14 @@ class Runtime:
                                         name="lumen-runtime", daemon=True)
         self._thread.start()
         started.wait()
-        asyncio.run_coroutine_threadsafe(self.start(), loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(self.start(), loop).result()
+        except BaseException:
+            # no ``__exit__`` follows a failed ``__enter__``: end the loop thread here
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join()
+            self._thread = None
+            raise
 
     def _serve_loop(self, loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
         asyncio.set_event_loop(loop)

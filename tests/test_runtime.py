@@ -272,3 +272,15 @@ def test_runtime_serves_again_after_a_stop_and_restart(model_dir):
 
     r = asyncio.run(main())
     np.testing.assert_allclose(r.outputs["y"], M.mlp_reference(x[None])[0], atol=1e-5)
+
+
+def test_failed_background_start_leaves_no_loop_thread(tmp_path):
+    import threading
+
+    cfg = {"tasks": [task("mlp", tmp_path / "missing.onnx")]}
+    rt = lc.Runtime.from_dict(cfg)
+    with pytest.raises(ConfigError):  # the model file is missing
+        with rt:
+            pass
+    assert rt._thread is None
+    assert not [t for t in threading.enumerate() if t.name == "lumen-runtime"]
