@@ -276,6 +276,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.errors == 0 for r in results) else 1
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type for counts that must be positive (0 clients or texts cannot run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the tasks over HTTP (+ OpenAI embeddings) and gRPC",
                        description="Serve a runtime over HTTP and gRPC until SIGTERM/SIGINT, "
@@ -322,12 +333,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="also measure the runtime in this process (no HTTP), for reference")
     p.add_argument("--config", metavar="TOML", help="runtime config for --in-process")
     p.add_argument("--model", default=DEFAULT_TASK, help=f"the 'model' field: the task (default {DEFAULT_TASK})")
-    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY),
+    p.add_argument("-c", "--concurrency", type=_at_least_one, nargs="+", default=list(DEFAULT_CONCURRENCY),
                    metavar="N", help="concurrent clients, one run each (default: 16 64)")
     p.add_argument("-n", "--count", type=int, default=0,
                    help="requests per run (default: the corpus size)")
     p.add_argument("--warmup", type=int, default=64, help="untimed requests before each run")
-    p.add_argument("--corpus-size", type=int, default=DEFAULT_SIZE)
+    p.add_argument("--corpus-size", type=_at_least_one, default=DEFAULT_SIZE)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="PNG", help="draw throughput/latency vs concurrency (matplotlib)")

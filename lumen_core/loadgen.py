@@ -244,11 +244,17 @@ class Connection:
         if self.writer is None:
             await self._open()
         try:
-            return await self._exchange(body)
-        except (ConnectionError, asyncio.IncompleteReadError):
+            try:
+                return await self._exchange(body)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                self.close()
+                await self._open()
+                return await self._exchange(body)
+        except BaseException:
+            # an abandoned exchange (timeout, cancel, bad framing) may leave its reply in flight:
+            # reusing the socket would hand that stale reply to the next request
             self.close()
-            await self._open()
-            return await self._exchange(body)
+            raise
 
     async def _exchange(self, body: bytes) -> tuple:
         writer, reader = self.writer, self.reader

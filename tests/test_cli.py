@@ -2,6 +2,7 @@
 generator's pieces (percentiles, progress lines, HTTP framing against a live server)."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 
@@ -110,6 +111,50 @@ def test_bench_counts_errors_from_a_wrong_model(capsys, embed_server):
 def test_bench_needs_a_target(capsys):
     rc, _, err = run_cli(capsys, "bench", "-n", "1")
     assert rc == cli.EXIT_USAGE and "--url" in err
+
+
+@pytest.mark.parametrize("flag", ["-c", "--corpus-size"])
+def test_bench_rejects_a_zero_count_flag_with_a_usage_error(capsys, flag):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--url", "http://127.0.0.1:1", flag, "0"])
+    assert exc.value.code == cli.EXIT_USAGE and "must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_connection_is_not_reused_after_a_timed_out_request():
+    """A request the load generator gave up on leaves its reply in flight on the socket; the
+    next request must get its own reply, not that stale one (so it opens a new connection)."""
+    first_delay_s = 0.5
+
+    async def run() -> list:
+        served = {"n": 0}
+
+        async def handle(reader, writer):
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                    body = await reader.readexactly(length)
+                    served["n"] += 1
+                    if served["n"] == 1:
+                        await asyncio.sleep(first_delay_s)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = loadgen.Connection(f"http://127.0.0.1:{port}/v1/embeddings")
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(conn.post(b"first"), first_delay_s / 5)
+            replies = [await conn.post(b"second"), await conn.post(b"third")]
+        finally:
+            conn.close()
+            server.close()
+        return replies
+
+    assert asyncio.run(run()) == [(200, b"second"), (200, b"third")]
 
 
 def test_percentile_nearest_rank():
