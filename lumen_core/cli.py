@@ -216,7 +216,10 @@ def _infer_http(args: argparse.Namespace, payload: bytes, mime: str, meta: dict)
         try:
             err = json.loads(exc.read())["error"]
         except (ValueError, KeyError, TypeError):
-            raise OSError(f"{url}: HTTP {exc.code}") from None
+            err = None
+        if not (isinstance(err, dict) and isinstance(err.get("code"), str)):
+            # not Lumen's error shape (a proxy, another server): say what came back
+            raise OSError(f"{url}: HTTP {exc.code} {exc.reason}") from None
         raise from_code(err.get("code", "internal"), err.get("message", ""), err.get("field")) from None
     sys.stdout.write(body.decode("utf-8") + "\n")
     return EXIT_OK

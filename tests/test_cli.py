@@ -82,6 +82,37 @@ def test_infer_errors_are_one_line(tmp_path, capsys, embed_server):
     assert rc == cli.EXIT_USAGE and "unknown task" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("reply", [b'{"error": "no such route"}', b'{"error": {"code": 7}}', b"[1]"])
+def test_infer_url_against_a_foreign_error_body_is_one_line(tmp_path, capsys, reply):
+    """A server that is not Lumen (or a proxy in front of it) answers an error in another
+    JSON shape: still one line naming the status, never a traceback."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's handler name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(502)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    txt = tmp_path / "a.txt"
+    txt.write_text("hi")
+    try:
+        rc, _, err = run_cli(capsys, "infer", "t", str(txt), "--url",
+                             f"http://127.0.0.1:{srv.server_address[1]}")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert rc == cli.EXIT_USAGE and "502" in err and "Traceback" not in err
+
+
 def test_serve_without_prepared_models_says_what_to_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path / "empty"))
     rc, _, err = run_cli(capsys, "serve", "--http-port", "0")
