@@ -183,6 +183,7 @@ def test_many_concurrent_mixed_length_callers_get_their_own_vectors(rt, prepared
     (raw("x", "text/plain; charset=base64"), lc.UnsupportedMediaType, "payload_mime"),
     (raw("x", "text/plain; charset=" + "u" * 200), lc.UnsupportedMediaType, "payload_mime"),
     (raw(b"+2AA-", "text/plain; charset=utf-7"), lc.InvalidArgument, "payload"),
+    (raw("x", "text/plain; charset=utf\x008"), lc.UnsupportedMediaType, "payload_mime"),
     (tensor([101, 30522, 102]), lc.InvalidArgument, "payload"),
     (tensor([101, 7592, -1, 102]), lc.InvalidArgument, "payload"),
     (tensor(np.zeros((1, 0))), lc.InvalidArgument, "lumen.tensor.shape"),
@@ -192,7 +193,7 @@ def test_many_concurrent_mixed_length_callers_get_their_own_vectors(rt, prepared
     (tensor([101, 102], pp="clip_image_openai_v1"), lc.InvalidArgument, "lumen.preprocess.id"),
     (tensor([101, 102], layout="NC"), lc.InvalidArgument, "lumen.tensor.layout"),
 ], ids=["bad-utf8", "bad-utf8-bom", "image-mime", "json-mime", "unknown-charset",
-        "bytes-codec", "huge-charset", "lone-surrogate", "oov-id", "negative-id", "L=0", "L=257",
+        "bytes-codec", "huge-charset", "lone-surrogate", "nul-charset", "oov-id", "negative-id", "L=0", "L=257",
         "fp32", "int32", "preprocess-id", "layout"])
 def test_each_bad_request_gets_its_specific_error(rt, req, cls, field):
     with pytest.raises(cls) as info:

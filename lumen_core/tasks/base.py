@@ -73,6 +73,10 @@ class TaskBackend(abc.ABC):
             raise InvalidArgument(
                 f"task {self.name!r} has no raw route; send a tensor with lumen.input.kind=tensor",
                 "lumen.input.kind")
+        if req.payload_mime is not None and not isinstance(req.payload_mime, str):
+            raise UnsupportedMediaType(f"payload_mime must be a string such as "
+                                       f"{self.raw_mimes[0]!r}, got "
+                                       f"{type(req.payload_mime).__name__}", "payload_mime")
         base, params = mime_type(req.payload_mime)
         if base not in self.raw_mimes:
             raise UnsupportedMediaType(

@@ -84,7 +84,7 @@ def codec_for(charset: Optional[str]) -> str:
     if 0 < len(charset) <= MAX_CHARSET_CHARS:
         try:
             info = codecs.lookup(charset)
-        except LookupError:
+        except (LookupError, ValueError):  # ValueError: a NUL in the name
             info = None
     if info is None or not getattr(info, "_is_text_encoding", True):
         shown = charset if len(charset) <= MAX_CHARSET_CHARS else charset[:MAX_CHARSET_CHARS] + "..."

@@ -130,7 +130,7 @@ class VadBackend(TaskBackend):
     def prepare(self, req: InferRequest, desc, payload: memoryview) -> PreparedModelRequest:
         """Streams repeat one mime string per chunk: after the first chunk, a validated mime
         skips the parse (32 ms chunks make per-request costs count)."""
-        if desc.kind == "raw":
+        if desc.kind == "raw" and isinstance(req.payload_mime, str):
             fast = self._mime_cache.get(req.payload_mime)
             if fast is not None:
                 return fast(payload)
