@@ -507,7 +507,10 @@ cdef object _collect(desc_t* d, object meta):
             _take(d, k, v)
         return meta
     keep = []
-    for key, value in meta.items():
+    items = getattr(meta, "items", None)
+    if items is None:
+        raise _bad(None, f"meta must be a mapping of str to str, got {type(meta).__name__}")
+    for key, value in items():
         keep.append(value)
         _take(d, <PyObject*>key, <PyObject*>value)
     return keep

@@ -340,7 +340,10 @@ def parse_meta(meta: Optional[Mapping], payload_nbytes: int,
     """Validate ``meta`` against ``contract`` (pure-Python twin of the compiled parser)."""
     vals: dict = {}
     if meta:
-        for key, value in meta.items():
+        items = getattr(meta, "items", None)
+        if items is None:
+            raise _bad(None, f"meta must be a mapping of str to str, got {type(meta).__name__}")
+        for key, value in items():
             if not isinstance(key, str):
                 raise _bad(None, f"meta keys must be strings, got {type(key).__name__}")
             if not key.startswith(RESERVED_PREFIX):

@@ -149,6 +149,15 @@ def test_request_keys_on_raw_route(impl):
 
 
 # ------------------------------------------------------------------ step 0: the meta itself
+@pytest.mark.parametrize("meta", [[(C.KEY_INPUT_KIND, "raw")], "lumen.input.kind", 5,
+                                  {C.KEY_INPUT_KIND: "raw"}.keys()])
+def test_meta_that_is_not_a_mapping(impl, meta):
+    """``Runtime.infer`` passes ``req.meta`` as given: a non-mapping is the caller's error."""
+    err = expect_error(impl, meta, 0, IMAGE, None)
+    assert type(meta).__name__ in err.message and impl.descriptor.parse_meta(
+        [], 0, IMAGE) == C.Descriptor()  # an empty container is no meta at all, as before
+
+
 def test_non_str_key(impl):
     err = expect_error(impl, {1: "x", C.KEY_PRIORITY: "1"}, 0, IMAGE, None)
     assert "int" in err.message
