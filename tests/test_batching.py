@@ -352,3 +352,14 @@ def test_concurrent_drains_all_return():
         await asyncio.wait_for(asyncio.gather(first, second), 5)
         assert [r.value for r in await asyncio.gather(*futs)] == [0, 2, 4]
     asyncio.run(main())
+
+
+def test_a_failing_batch_observer_does_not_strand_callers():
+    def observer(n, us):
+        raise RuntimeError("metrics bug")
+
+    async def main():
+        b = DynamicBatcher("t", cfg(max_batch_size=4), [FakeWorker()], on_batch=observer)
+        res = await asyncio.wait_for(asyncio.gather(*[b.infer(Item(i)) for i in range(6)]), 5)
+        assert [r.value for r in res] == [0, 2, 4, 6, 8, 10]
+    asyncio.run(main())

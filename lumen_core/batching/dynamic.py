@@ -31,12 +31,15 @@ instead, one batch later.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..config import BatchingConfig
 from ..errors import Cancelled, DeadlineExceeded, InternalError, LumenError, Overloaded, Unavailable
+
+log = logging.getLogger("lumen.batching")
 
 QUEUED, RUNNING, DONE = 0, 1, 2
 #: Retry-After hint (seconds) sent with ``Overloaded``
@@ -253,7 +256,10 @@ class BatcherLifecycle:
             err = exc if isinstance(exc, LumenError) else InternalError(f"worker failed: {exc}")
             results, compute_us = [err] * n, 0
         if self.on_batch is not None:
-            self.on_batch(n, compute_us)
+            try:
+                self.on_batch(n, compute_us)
+            except Exception:  # a metrics bug must never strand the batch's callers
+                log.exception("batch observer failed")
         return results, compute_us
 
     @staticmethod
