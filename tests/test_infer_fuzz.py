@@ -63,7 +63,11 @@ def _payloads(sizes: list, heads: list) -> st.SearchStrategy:
     """Random bytes, of random or route-typical sizes, sometimes with a format's magic bytes."""
     sized = st.sampled_from(sizes).flatmap(lambda n: st.binary(min_size=n, max_size=n))
     headed = st.tuples(st.sampled_from(heads), st.binary(max_size=256)).map(lambda t: t[0] + t[1])
-    return st.one_of(st.binary(max_size=300), sized, headed)
+    raw = st.one_of(st.binary(max_size=300), sized, headed)
+    # the same bytes as any buffer a caller may hand over (SPEC 1: any C-contiguous buffer)
+    kinds = st.sampled_from([bytes, bytearray, memoryview, lambda b: np.frombuffer(b, np.uint8),
+                             lambda b: np.frombuffer(b[:len(b) // 4 * 4], "<f4").reshape(1, -1)])
+    return st.tuples(raw, kinds).map(lambda t: t[1](t[0]))
 
 
 def _check_served(runtime: lc.Runtime, req: lc.InferRequest, good: lc.InferRequest) -> None:
