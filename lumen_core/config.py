@@ -34,6 +34,15 @@ CONSTANT_DTYPES = ("fp32", "fp16", "int64", "int32", "int8", "uint8", "bool")
 MAX_STATE_RANK = 8
 
 
+#: [tasks.batching] keys the sequence batcher does not use, and what to do instead
+SEQUENCE_UNUSED_BATCHING_KEYS = {
+    "max_queue_delay_us": "set sequence.max_queue_delay_us",
+    "preferred_batch_sizes": "a sequence batch holds one request per ready sequence",
+    "priority_levels": "requests of a sequence run in order; priorities do not apply",
+    "default_priority_level": "requests of a sequence run in order; priorities do not apply",
+}
+
+
 class ConfigError(ValueError):
     """A configuration problem: ``source: key: problem``."""
 
@@ -379,6 +388,12 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     cfg.options = r.get("options", dict, {})
     if "sequence" in r.table:
         cfg.sequence = _parse_sequence(r.sub("sequence"), cfg.batching, base_dir)
+        batching = r.table.get("batching", {})
+        for name, instead in SEQUENCE_UNUSED_BATCHING_KEYS.items():
+            if name in batching:
+                raise ConfigError(source, f"{key}.batching.{name}",
+                                  f"is not used by a stateful task (it has [tasks.sequence]); "
+                                  f"{instead}")
     else:
         r.used.add("sequence")
     r.finish()

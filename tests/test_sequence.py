@@ -491,6 +491,17 @@ def test_config_errors_name_the_key(patch, key):
     assert ei.value.source == "lumen.toml" and ei.value.key == f"tasks[0].{key}"
 
 
+@pytest.mark.parametrize("name", ["max_queue_delay_us", "preferred_batch_sizes",
+                                  "priority_levels", "default_priority_level"])
+def test_batching_keys_a_stateful_task_ignores_are_config_errors(name):
+    value = [2] if name == "preferred_batch_sizes" else 1
+    table = {"name": "t", "backend": "accumulator",
+             "batching": {"max_batch_size": 4, name: value}, "sequence": {}}
+    with pytest.raises(ConfigError) as ei:
+        parse_task(table, "lumen.toml", "tasks[0]")
+    assert ei.value.key == f"tasks[0].batching.{name}" and "stateful" in ei.value.problem
+
+
 def test_constant_config_parses_scalar_and_broadcast():
     tc = parse_task({"name": "t", "backend": "vad", "sequence": {"constant": [
         {"input_name": "sr", "dtype": "int64", "value": 16000},
