@@ -443,3 +443,25 @@ def test_embeddings_list_with_a_bad_item_fails_with_its_error(embed_server):
     with httpx.Client(base_url=embed_server.url, timeout=60) as c:
         r = c.post("/v1/embeddings", json={"model": "text_embed", "input": ["ok", [101, 10 ** 9, 102]]})
     assert r.status_code == 400 and error_of(r)["code"] == "invalid_argument"
+
+
+def test_a_busy_http_port_stops_the_runtime_it_started(tmp_path):
+    from lumen_core.serve.server import LumenServer
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
+
+    async def main():
+        srv = LumenServer(rt, host="127.0.0.1", http_port=port, grpc_port=0)
+        with pytest.raises(OSError):
+            await srv.start()
+        assert not rt.ready and rt.tasks == {}  # sessions and worker threads released
+        assert srv.grpc is not None and srv.grpc._server is None  # gRPC stopped too
+
+    try:
+        asyncio.run(main())
+    finally:
+        busy.close()

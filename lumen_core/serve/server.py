@@ -90,6 +90,17 @@ class LumenServer:
     async def start(self) -> None:
         rt = self.runtime
         await rt.start()
+        try:
+            await self._start_front()
+        except BaseException:
+            # a port that cannot be bound must not leave the runtime or gRPC running
+            if self.grpc is not None:
+                await self.grpc.stop(0)
+            await rt.stop()
+            raise
+
+    async def _start_front(self) -> None:
+        rt = self.runtime
         rt.observer = self.observer
         max_payload = rt.config.server.max_payload_bytes
         if self.grpc_port is not None:
@@ -127,7 +138,10 @@ class LumenServer:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
-                await self._serve_task
+                try:
+                    await self._serve_task
+                except Exception:  # the runtime must still drain and stop
+                    log.exception("the HTTP server failed while stopping")
         if grpc_stop is not None:
             await grpc_stop
         await self.runtime.stop()
