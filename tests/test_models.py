@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lumen_core import cli, models
+from lumen_core.models import _files as files
 from lumen_core.models import minilm, silero
 
 FIXTURE_TOLERANCE = 1e-4
@@ -125,7 +126,8 @@ def test_require_model_names_the_command(tmp_path):
     ids=["minilm", "silero"],
 )
 def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(module, "locate_package_dir", lambda _module: None)
+    # the package lookup (shared by both models) finds nothing
+    monkeypatch.setattr(files, "locate_package_dir", lambda _module: None)
     name = module.MODEL_ID
     with pytest.raises(models.ModelMissingError) as info:
         models.prepare([name], home=tmp_path)

@@ -16,6 +16,7 @@ and takes back slot *numbers*.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -71,12 +72,13 @@ class SlotStore:
 class StatefulPlan(InputPlan):
     """A plan entry that reads per-slot state and writes it back after a successful run."""
 
+    @abc.abstractmethod
     def new_store(self, capacity: int) -> np.ndarray:
-        raise NotImplementedError  # abstract
+        """The per-slot store this entry keeps for ``capacity`` slots."""
 
+    @abc.abstractmethod
     def commit(self, batch: SequenceBatch, outputs: dict) -> None:
         """After a successful run: write this batch's new state into its slots."""
-        raise NotImplementedError  # abstract
 
 
 def _axis_index(axis: int, index: Any) -> tuple:

