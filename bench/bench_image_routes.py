@@ -40,7 +40,7 @@ import onnx_models as M  # noqa: E402
 
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402
-from lumen_core.engine.ort import session_options  # noqa: E402
+from lumen_core.engine.session import session_options  # noqa: E402
 from lumen_core.tasks import imaging  # noqa: E402
 from lumen_core.tasks.imaging import CLIP_PREPROCESS_ID, CLIP_UINT8_PREPROCESS_ID  # noqa: E402
 

@@ -24,7 +24,7 @@ import onnx_models as M  # noqa: E402
 
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402
-from lumen_core.engine.ort import session_options  # noqa: E402
+from lumen_core.engine.session import session_options  # noqa: E402
 
 D_IN, D_HIDDEN, D_OUT = 768, 1536, 384  # ~0.1 ms per single call on this machine class
 

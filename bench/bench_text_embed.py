@@ -38,7 +38,7 @@ from corpus import DEFAULT_SEED, describe, make_corpus  # noqa: E402
 import lumen_core as lc  # noqa: E402
 from lumen_core import models  # noqa: E402
 from lumen_core.batching import dynamic  # noqa: E402
-from lumen_core.engine.ort import session_options  # noqa: E402
+from lumen_core.engine.session import session_options  # noqa: E402
 from lumen_core.models import minilm  # noqa: E402
 
 CONCURRENCY = 64

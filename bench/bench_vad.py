@@ -22,7 +22,7 @@ import numpy as np
 
 import lumen_core as lc
 from lumen_core import native
-from lumen_core.engine.ort import session_options
+from lumen_core.engine.session import session_options
 from lumen_core.models import MODEL_FILE, SILERO_VAD, require_model, silero
 
 CHUNK = silero.CHUNK_SAMPLES

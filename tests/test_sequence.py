@@ -68,7 +68,7 @@ class AccumulatorBackend(TaskBackend):
     stateful = True
 
     def load(self) -> ModelSpec:
-        from lumen_core.tasks.onnx import read_io
+        from lumen_core.engine.session import read_io
 
         cfg = self.config
         ins, outs = read_io(cfg.model)

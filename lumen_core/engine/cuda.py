@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InternalError, Unavailable
-from .ort import session_options
+from .session import session_options
 from .plan import ModelSpec, PreparedModelRequest
 
 PINNED_GROWTH = 2  # capacity multiplier when a pinned or device buffer must grow

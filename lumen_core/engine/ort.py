@@ -11,7 +11,6 @@ The engine knows nothing of tasks: it executes a :class:`ModelSpec`.
 """
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
@@ -21,29 +20,7 @@ import numpy as np
 from ..errors import InternalError
 from .buffers import BufferArena
 from .plan import ModelSpec, PreparedModelRequest
-
-SPIN_KEY = "session.intra_op.allow_spinning"
-
-
-def default_intra_op_threads(instances: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, instances))
-
-
-def session_options(intra_op_threads: int, allow_spinning: bool, extra: Optional[dict] = None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = intra_op_threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry(SPIN_KEY, "1" if allow_spinning else "0")
-    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    for k, v in (extra or {}).items():
-        so.add_session_config_entry(k, str(v))
-    so.log_severity_level = 4  # model errors reach the caller as InternalError; keep stderr clean
-    return so
-
+from .session import default_intra_op_threads, session_options
 
 class EngineInstance:
     """One ORT session + its worker thread + its input arena (CPU)."""

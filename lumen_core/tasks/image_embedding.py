@@ -59,9 +59,11 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from ..batching.signature import signature
 from ..config import ConfigError, TaskConfig
 from ..contract import Descriptor, TensorContract, TensorSpec
 from ..engine.plan import ImageInput, ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.session import read_io
 from ..errors import InternalError
 from ..request import InferRequest, new_infer_request
 from .base import TaskBackend, split_outputs
@@ -75,7 +77,6 @@ from .imaging import (
     decode_image,
     resize_center_crop,
 )
-from .onnx import read_io
 
 #: name of the returned output
 OUTPUT_NAME = "embedding"
@@ -188,8 +189,8 @@ class ImageEmbeddingBackend(TaskBackend):
         item_shape = (CHANNELS, size, size)
         base = (self.name, self.model_id, cfg.model_version, "fp32", item_shape, "NCHW")
         self._item_shape = item_shape
-        self._sig = base + (r.preprocess_id,)
-        self._sig_uint8 = base + (r.uint8_id,)
+        self._sig = signature(*base, r.preprocess_id)
+        self._sig_uint8 = signature(*base, r.uint8_id)
         self.model = ModelSpec(
             cfg.model,
             [ImageInput(in_name, tuple(r.mean), tuple(r.std), size, size)],

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from ..batching.signature import signature
 from ..config import ConfigError
 from ..contract import (
     DEFAULT_LAYOUT_FOR_RANK,
@@ -22,31 +23,13 @@ from ..contract import (
     TensorSpec,
 )
 from ..engine.plan import DenseInput, ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.session import read_io
 from ..request import new_infer_request
 from .base import TaskBackend
 
 DEFAULT_PREPROCESS_ID = "none"
-
-
-def read_io(path: str) -> tuple:
-    """(inputs, outputs) of an ONNX file as ``[(name, dtype_name, dims)]``; dims hold ints for
-    fixed sizes and None for symbolic ones.  Initializers are not inputs."""
-    import onnx
-
-    model = onnx.load(path, load_external_data=False)
-    inits = {i.name for i in model.graph.initializer}
-
-    def conv(values):
-        out = []
-        for v in values:
-            if v.name in inits:
-                continue
-            tt = v.type.tensor_type
-            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
-            out.append((v.name, ONNX_ELEM_TYPES.get(tt.elem_type, f"onnx-type-{tt.elem_type}"), dims))
-        return out
-
-    return conv(model.graph.input), conv(model.graph.output)
+#: distinct (dtype, item shape, preprocess id) signatures remembered per task
+MAX_CACHED_SIGNATURES = 256
 
 
 class OnnxBackend(TaskBackend):
@@ -85,6 +68,7 @@ class OnnxBackend(TaskBackend):
                               "unknown option for backend 'onnx' (known: layout, preprocess_ids, max_dim)")
         spec_dims = ((1, 1),) + tuple((d, d) if d else (1, max_dim) for d in dims[1:])
         self.input_name = in_name
+        self._signatures: dict = {}
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         self.contract = TensorContract(
             specs=(TensorSpec(dtype, layout, frozenset(pps), spec_dims),),
@@ -98,8 +82,12 @@ class OnnxBackend(TaskBackend):
 
     def prepare_tensor(self, req, desc, payload) -> PreparedModelRequest:
         item_shape = desc.shape[1:]
-        sig = (self.name, self.model_id, self.config.model_version, desc.dtype, item_shape,
-               desc.layout, desc.preprocess_id)
+        sig = self._signatures.get((desc.dtype, item_shape, desc.preprocess_id))
+        if sig is None:
+            sig = signature(self.name, self.model_id, self.config.model_version, desc.dtype,
+                            item_shape, desc.layout, desc.preprocess_id)
+            if len(self._signatures) < MAX_CACHED_SIGNATURES:
+                self._signatures[(desc.dtype, item_shape, desc.preprocess_id)] = sig
         return PreparedModelRequest(sig, (payload,), item_shape)
 
     def warmup_requests(self) -> list:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..batching.signature import signature
 from ..config import ConfigError
 from ..contract import TensorContract, TensorSpec
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
@@ -131,8 +132,8 @@ class TextEmbeddingBackend(TaskBackend):
                               f"max_seq_length, max_batch_tokens)")
         self._load_tokenizer(tok_path)
         self.model_id = cfg.model_id or _default_model_id()
-        self._signature = (self.name, self.model_id, cfg.model_version, TOKEN_DTYPE, LAYOUT,
-                           PREPROCESS_ID)
+        self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
+                                    None, LAYOUT, PREPROCESS_ID)
         self.contract = TensorContract(
             specs=(TensorSpec(TOKEN_DTYPE, LAYOUT, frozenset({PREPROCESS_ID}),
                               ((1, 1), (1, self.max_seq_length))),),

@@ -26,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..batching.signature import signature
 from ..config import ConfigError, ConstantConfig, SequenceConfig, StateConfig
 from ..contract import (
     KEY_SEQUENCE_END,
@@ -35,6 +36,7 @@ from ..contract import (
     TensorSpec,
 )
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.session import read_io
 from ..engine.state import ContextInput, check_model_io, sequence_plans
 from ..errors import InvalidArgument, UnsupportedMediaType
 from ..request import InferRequest
@@ -84,8 +86,6 @@ class VadBackend(TaskBackend):
         self._mime_cache: dict = {}  # payload_mime string -> validated prepare function
 
     def load(self) -> ModelSpec:
-        from .onnx import read_io
-
         cfg = self.config
         path = cfg.model
         if not path:
@@ -113,8 +113,8 @@ class VadBackend(TaskBackend):
             raise ConfigError(cfg.source, f"{cfg.key}.model", f"{path} is not a Silero VAD v5 "
                                                               f"model (no {missing})")
         self.model_id = cfg.model_id or "silero-vad"
-        self.signature = (self.name, self.model_id, cfg.model_version, "fp32", (CHUNK_SAMPLES,),
-                          "NL", PREPROCESS_ID)
+        self.signature = signature(self.name, self.model_id, cfg.model_version, "fp32",
+                                   ITEM_SHAPE, "NL", PREPROCESS_ID)
         self.contract = TensorContract(
             specs=(TensorSpec("fp32", "NL", frozenset({PREPROCESS_ID}), ((1, 1), (CHUNK_SAMPLES,
                                                                                    CHUNK_SAMPLES))),),
