@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InternalError, Unavailable
-from .session import session_options
 from .plan import ModelSpec, PreparedModelRequest
+from .session import session_options
 
 PINNED_GROWTH = 2  # capacity multiplier when a pinned or device buffer must grow
 

@@ -22,6 +22,7 @@ from .buffers import BufferArena
 from .plan import ModelSpec, PreparedModelRequest
 from .session import default_intra_op_threads, session_options
 
+
 class EngineInstance:
     """One ORT session + its worker thread + its input arena (CPU)."""
 

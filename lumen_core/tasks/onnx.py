@@ -17,7 +17,6 @@ from ..contract import (
     DEFAULT_LAYOUT_FOR_RANK,
     DTYPES,
     LAYOUTS,
-    ONNX_ELEM_TYPES,
     UNBOUNDED,
     TensorContract,
     TensorSpec,
