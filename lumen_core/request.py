@@ -78,12 +78,67 @@ class TensorDescriptor:
         return meta
 
 
-@dataclass
+class ResponseStats:
+    """Typed per-response figures: batch size, queue and compute time, token count.
+
+    Transports read these as ints; the ``lumen.*`` response meta strings are derived from them
+    only when someone asks for ``InferResponse.meta`` (most callers never do).
+    """
+
+    __slots__ = ("batch_size", "queue_us", "compute_us", "tokens")
+
+    def __init__(self, batch_size: int = 0, queue_us: int = 0, compute_us: int = 0,
+                 tokens: int = 0):
+        self.batch_size = batch_size
+        self.queue_us = queue_us
+        self.compute_us = compute_us
+        self.tokens = tokens
+
+    def to_meta(self) -> Dict[str, str]:
+        meta = {C.RESP_BATCH_SIZE: str(self.batch_size), C.RESP_QUEUE_US: str(self.queue_us),
+                C.RESP_COMPUTE_US: str(self.compute_us)}
+        if self.tokens:
+            meta[C.RESP_TOKENS] = str(self.tokens)
+        return meta
+
+    def __repr__(self) -> str:
+        return (f"ResponseStats(batch_size={self.batch_size}, queue_us={self.queue_us}, "
+                f"compute_us={self.compute_us}, tokens={self.tokens})")
+
+
 class InferResponse:
-    correlation_id: str
-    task: str
-    outputs: Dict[str, np.ndarray]
-    meta: Dict[str, str]
+    """One request's outputs.  ``meta`` (``dict[str, str]``, SPEC section 1) holds the
+    ``lumen.*`` response keys built from ``stats`` on first access, plus any explicit entries."""
+
+    __slots__ = ("correlation_id", "task", "outputs", "stats", "_meta")
+
+    def __init__(self, correlation_id: str, task: str, outputs: Dict[str, np.ndarray],
+                 meta: Optional[Dict[str, str]] = None, stats: Optional[ResponseStats] = None):
+        self.correlation_id = correlation_id
+        self.task = task
+        self.outputs = outputs
+        self.stats = stats
+        self._meta = meta
+
+    @property
+    def meta(self) -> Dict[str, str]:
+        meta = self._meta
+        if meta is None or (self.stats is not None and C.RESP_BATCH_SIZE not in meta):
+            built = self.stats.to_meta() if self.stats is not None else {}
+            if meta:
+                built.update(meta)
+            meta = self._meta = built
+        return meta
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InferResponse):
+            return NotImplemented
+        return (self.correlation_id, self.task, self.outputs, self.meta) == (
+            other.correlation_id, other.task, other.outputs, other.meta)
+
+    def __repr__(self) -> str:
+        return (f"InferResponse(correlation_id={self.correlation_id!r}, task={self.task!r}, "
+                f"outputs={sorted(self.outputs)}, meta={self.meta!r})")
 
 
 class InferRequestBuilder:

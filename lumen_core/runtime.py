@@ -13,10 +13,12 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
+import numpy as np
+
 from . import native
 from .batching.dynamic import DynamicBatcher
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import RESP_BATCH_SIZE, RESP_COMPUTE_US, RESP_QUEUE_US, RESP_TOKENS
+from .contract import TensorContract
 from .engine.ort import make_instances
 from .errors import (
     InternalError,
@@ -26,7 +28,7 @@ from .errors import (
     TaskNotFound,
     Unavailable,
 )
-from .request import InferRequest, InferResponse
+from .request import InferRequest, InferResponse, ResponseStats, new_infer_request
 from .tasks import backend_class, default_task_tables
 from .tasks.base import TaskBackend
 
@@ -34,6 +36,10 @@ log = logging.getLogger("lumen")
 
 #: seconds ``infer_sync`` waits before giving up on a wedged runtime (requests have deadlines)
 SYNC_WAIT_S = None
+#: the tensor form of token ids (``token_ids_request``)
+TOKEN_DTYPE, TOKEN_LAYOUT = "int64", "NL"
+#: the mime of ``str`` payloads (``text_request``)
+TEXT_MIME = "text/plain; charset=utf-8"
 
 
 class Observer:
@@ -184,21 +190,12 @@ class Runtime:
         route = "raw"
         try:
             backend = task.backend
-            try:
-                payload = memoryview(req.payload)
-            except TypeError:
-                raise InvalidArgument(f"payload must be a bytes-like buffer, got "
-                                      f"{type(req.payload).__name__}", "payload") from None
-            if not payload.c_contiguous:
-                raise InvalidArgument("payload buffer must be C-contiguous", "payload")
-            if payload.nbytes > self._max_payload:
-                raise PayloadTooLarge(f"payload is {payload.nbytes} bytes; the limit is "
-                                      f"{self._max_payload} (server.max_payload_bytes)", "payload")
-            desc = native.descriptor.parse_meta(req.meta, payload.nbytes, backend.contract)
+            payload, nbytes = self._payload(req.payload, backend)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
             route = desc.kind
             priority, timeout_ms = self._policy(task, desc)
             try:
-                if backend.prepare_off_loop or payload.nbytes > backend.inline_prepare_max_bytes:
+                if backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes:
                     prepared = await asyncio.to_thread(backend.prepare, req, desc, payload)
                 else:
                     prepared = backend.prepare(req, desc, payload)
@@ -227,11 +224,30 @@ class Runtime:
             raise
         self.observer.request(task.config.name, route, "ok", (time.perf_counter_ns() - t0) // 1000,
                               res.queue_us, res.compute_us)
-        meta = {RESP_BATCH_SIZE: str(res.batch_size), RESP_QUEUE_US: str(res.queue_us),
-                RESP_COMPUTE_US: str(res.compute_us)}
-        if prepared.length:
-            meta[RESP_TOKENS] = str(prepared.length)
-        return InferResponse(req.correlation_id, req.task, res.value, meta)
+        stats = ResponseStats(res.batch_size, res.queue_us, res.compute_us, prepared.length)
+        return InferResponse(req.correlation_id, req.task, res.value, None, stats)
+
+    def _payload(self, payload: Any, backend: TaskBackend) -> tuple:
+        """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
+        that takes text (its size counted in code points: each is at least one byte)."""
+        if type(payload) is str:
+            if not backend.accepts_text:
+                raise InvalidArgument(f"task {backend.name!r} does not take a str payload; send "
+                                      f"bytes", "payload")
+            n = len(payload)
+        else:
+            try:
+                payload = memoryview(payload)
+            except TypeError:
+                raise InvalidArgument(f"payload must be a bytes-like buffer, got "
+                                      f"{type(payload).__name__}", "payload") from None
+            if not payload.c_contiguous:
+                raise InvalidArgument("payload buffer must be C-contiguous", "payload")
+            n = payload.nbytes
+        if n > self._max_payload:
+            raise PayloadTooLarge(f"payload is {n} bytes; the limit is {self._max_payload} "
+                                  f"(server.max_payload_bytes)", "payload")
+        return payload, n
 
     @staticmethod
     def _policy(task: Task, desc) -> tuple:
@@ -301,5 +317,55 @@ class Runtime:
             raise RuntimeError("infer_sync called on the runtime's own event loop; use `await rt.infer(req)`")
         return asyncio.run_coroutine_threadsafe(self.infer(req), loop).result(SYNC_WAIT_S)
 
-    def describe(self) -> dict:
+    # -- queries: what transports may ask (they never reach into tasks or backends) ----------
+    def task_names(self) -> list:
+        """The loaded tasks, sorted."""
+        return sorted(self.tasks)
+
+    def has_task(self, name: str) -> bool:
+        return name in self.tasks
+
+    def _task(self, name: str) -> Task:
+        task = self.tasks.get(name)
+        if task is None:
+            raise TaskNotFound(f"unknown task {name!r}; this runtime serves "
+                               f"{', '.join(sorted(self.tasks)) or 'no tasks'}", "task")
+        return task
+
+    def contract(self, task: str) -> TensorContract:
+        """The tensor contract of ``task`` (dtypes, layouts, shapes, preprocess ids)."""
+        return self._task(task).backend.contract
+
+    def describe(self, task: Optional[str] = None) -> dict:
+        """``{task: description}`` of every task, or the description of one."""
+        if task is not None:
+            return self._task(task).backend.describe()
         return {name: t.backend.describe() for name, t in self.tasks.items()}
+
+    @staticmethod
+    def extensions() -> dict:
+        """Compiled module name -> True when the compiled twin is in use."""
+        return native.using_extensions()
+
+    def token_ids_request(self, task: str, ids: Any, correlation_id: str = "",
+                          field: str = "payload") -> InferRequest:
+        """A tensor-route request carrying token ids, under the preprocess id ``task``
+        declares for int64 ``[1, L]`` ``NL`` input; ``InvalidArgument`` (``field``) when the
+        task takes no token ids or an id does not fit in int64."""
+        for spec in self.contract(task).specs:
+            if spec.dtype == TOKEN_DTYPE and spec.layout == TOKEN_LAYOUT and spec.preprocess_ids:
+                try:
+                    arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+                except (OverflowError, TypeError, ValueError):
+                    raise InvalidArgument("token ids must be integers that fit in int64",
+                                          field) from None
+                return (new_infer_request(task)
+                        .for_tensor_array(arr, TOKEN_LAYOUT, sorted(spec.preprocess_ids)[0])
+                        .with_correlation_id(correlation_id).build())
+        raise InvalidArgument(f"task {task!r} does not take token ids; send text", field)
+
+    @staticmethod
+    def text_request(task: str, text: str, correlation_id: str = "") -> InferRequest:
+        """A raw ``text/plain`` request whose payload is the ``str`` itself: a task that takes
+        text reads it without an encode / decode round trip."""
+        return InferRequest(task, text, TEXT_MIME, {}, correlation_id)

@@ -44,6 +44,8 @@ class TaskBackend(abc.ABC):
     #: raw payloads larger than this are prepared in a worker thread even when
     #: ``prepare_off_loop`` is False: cheap inputs stay on the loop, huge ones cannot stall it
     inline_prepare_max_bytes: int = sys.maxsize
+    #: True: the raw route also takes the payload as a ``str`` (text tasks; no encode/decode)
+    accepts_text: bool = False
 
     def __init__(self, config: TaskConfig):
         self.config = config

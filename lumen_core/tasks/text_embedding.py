@@ -100,6 +100,7 @@ def codec_for(charset: Optional[str]) -> str:
 class TextEmbeddingBackend(TaskBackend):
     raw_mimes = (TEXT_MIME,)
     inline_prepare_max_bytes = INLINE_PREPARE_MAX_BYTES
+    accepts_text = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -197,19 +198,25 @@ class TextEmbeddingBackend(TaskBackend):
     # -- request path -----------------------------------------------------------------------
     def prepare_raw(self, req, desc, payload: memoryview, mime: str,
                     params: dict) -> PreparedModelRequest:
-        codec = codec_for(params.get("charset"))
-        try:
-            text = str(payload, codec)
-        except UnicodeDecodeError as exc:
-            raise InvalidArgument(
-                f"payload is not valid {codec} text: bytes {exc.start}..{exc.end - 1} ({exc.reason}); "
-                f"send {codec} or name the right charset in payload_mime", "payload") from None
-        off_loop = payload.nbytes > self.inline_prepare_max_bytes
+        if type(payload) is str:  # in-process / JSON callers: already text
+            text = payload
+            off_loop = len(text) > self.inline_prepare_max_bytes
+        else:
+            codec = codec_for(params.get("charset"))
+            try:
+                text = str(payload, codec)
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(
+                    f"payload is not valid {codec} text: bytes {exc.start}..{exc.end - 1} "
+                    f"({exc.reason}); send {codec} or name the right charset in payload_mime",
+                    "payload") from None
+            off_loop = payload.nbytes > self.inline_prepare_max_bytes
         try:
             ids = self._token_ids(text, off_loop)
         except TypeError:  # tokenizers refuses str with lone surrogates (e.g. from utf-7)
-            raise InvalidArgument(f"payload decodes ({codec}) to text with unpaired surrogate "
-                                  f"code points, which is not text", "payload") from None
+            how = "is" if type(payload) is str else f"decodes ({codec}) to"
+            raise InvalidArgument(f"payload {how} text with unpaired surrogate code points, "
+                                  f"which is not text", "payload") from None
         arr = np.array(ids, dtype=np.int64)
         return PreparedModelRequest(self._signature, (arr,), (), len(ids))
 
