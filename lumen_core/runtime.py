@@ -11,12 +11,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from . import native
 from .batching.dynamic import DynamicBatcher
+from .batching.runner import BatchRunner
+from .batching.sequence import SequenceBatcher
 from .config import LumenConfig, TaskConfig, load_config, parse_config
 from .contract import TensorContract
 from .engine.ort import make_instances
@@ -43,7 +45,8 @@ TEXT_MIME = "text/plain; charset=utf-8"
 
 
 class Observer:
-    """Metrics hooks; the serve layer installs a Prometheus implementation.  No-ops here."""
+    """Metrics hooks; the serve layer installs a Prometheus implementation.  No-ops here (and
+    with this base class installed the runtime skips the calls and their timing entirely)."""
 
     def request(self, task: str, route: str, code: str, e2e_us: int,
                 queue_us: int = 0, compute_us: int = 0) -> None:
@@ -54,15 +57,18 @@ class Observer:
 
 
 class Task:
-    """A loaded task: its backend, engine instances and batcher."""
+    """A loaded task: its backend, engine instances, their runners and the batcher."""
 
-    def __init__(self, config: TaskConfig, backend: TaskBackend, instances: list, batcher: Any):
+    def __init__(self, config: TaskConfig, backend: TaskBackend, instances: list, runners: list,
+                 batcher: Any):
         self.config = config
         self.backend = backend
         self.instances = instances
+        self.runners = runners
         self.batcher = batcher
         b = config.batching
         # resolved once: the per-request policy check reads plain attributes
+        self.name = config.name
         self.priority_levels = b.priority_levels
         self.default_priority = b.default_priority_level or b.priority_levels
         self.default_timeout_ms = b.default_timeout_ms
@@ -70,21 +76,43 @@ class Task:
     @property
     def padding_ratio(self) -> float:
         """Padded / all token slots over the task's life (0 for non-ragged tasks)."""
-        real = sum(i.stats.get("real_tokens", 0) for i in self.instances)
-        total = sum(i.stats.get("padded_tokens", 0) for i in self.instances)
+        real = sum(r.stats.get("real_tokens", 0) for r in self.runners)
+        total = sum(r.stats.get("padded_tokens", 0) for r in self.runners)
         return (total - real) / total if total else 0.0
+
+    def policy(self, desc: Any) -> tuple:
+        """(priority, timeout_ms) of a request: its own values within the task's limits."""
+        priority = desc.priority or self.default_priority
+        if priority > self.priority_levels:
+            raise InvalidArgument(f"lumen.priority must be 1..{self.priority_levels} for task "
+                                  f"{self.name!r}, got {priority}", "lumen.priority")
+        timeout_ms = self.default_timeout_ms
+        if desc.timeout_ms:
+            # a request may only tighten the task's deadline, never extend it
+            timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
+        return priority, timeout_ms
 
 
 class Runtime:
     def __init__(self, config: LumenConfig):
         self.config = config
         self.tasks: dict = {}
-        self.observer: Observer = Observer()
+        self._observer: Observer = Observer()
+        self._observe = None  # observer.request when a real observer is installed
         self.ready = False
         self._closing = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._max_payload = config.server.max_payload_bytes
+
+    @property
+    def observer(self) -> Observer:
+        return self._observer
+
+    @observer.setter
+    def observer(self, obs: Observer) -> None:
+        self._observer = obs
+        self._observe = None if type(obs) is Observer else obs.request
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -111,7 +139,8 @@ class Runtime:
         self._loop = asyncio.get_running_loop()
         try:
             for tc in self.config.tasks:
-                self.tasks[tc.name] = await asyncio.to_thread(self._load_task, tc)
+                task = self.tasks[tc.name] = await asyncio.to_thread(self._load_task, tc)
+                task.batcher.start(self._loop)
             for task in self.tasks.values():
                 await self._warmup(task)
         except BaseException:
@@ -133,22 +162,29 @@ class Runtime:
         backend = cls(tc)
         spec = backend.load()
         instances = make_instances(spec, tc.name, tc.device, tc.instances, tc.intra_op_threads,
-                                   tc.allow_spinning, backend.postprocess)
+                                   tc.allow_spinning)
+        runners = [BatchRunner(inst, backend.postprocess) for inst in instances]
+        on_batch = self._batch_observer(tc.name)
         if backend.stateful:
-            from .batching.sequence import SequenceBatcher
-
-            batcher = SequenceBatcher(tc.name, tc, instances, backend,
-                                      on_batch=lambda n, us, _t=tc.name: self.observer.batch(_t, n, us))
+            batcher: Any = SequenceBatcher(tc.name, tc.batching,
+                                           getattr(backend, "sequence", None) or tc.sequence,
+                                           runners, on_batch=on_batch)
         else:
-            batcher = DynamicBatcher(tc.name, tc.batching, instances,
-                                     on_batch=lambda n, us, _t=tc.name: self.observer.batch(_t, n, us),
+            batcher = DynamicBatcher(tc.name, tc.batching, runners, on_batch=on_batch,
                                      **backend.batching_options())
-        return Task(tc, backend, instances, batcher)
+        return Task(tc, backend, instances, runners, batcher)
+
+    def _batch_observer(self, name: str):
+        def on_batch(n: int, compute_us: int) -> None:
+            obs = self._observer
+            if type(obs) is not Observer:
+                obs.batch(name, n, compute_us)
+        return on_batch
 
     async def _warmup(self, task: Task) -> None:
         for req in task.backend.warmup_requests():
             try:
-                await self._infer(task, req)
+                await self.infer(req)
             except LumenError as exc:
                 raise InternalError(f"warm-up of task {task.config.name!r} failed: {exc}") from exc
 
@@ -162,8 +198,9 @@ class Runtime:
 
     async def _close_tasks(self) -> None:
         for task in self.tasks.values():
-            for inst in task.instances:
-                await asyncio.to_thread(inst.close)
+            await task.batcher.close()
+            for runner in task.runners:
+                await asyncio.to_thread(runner.close)
         self.tasks = {}
 
     async def __aenter__(self) -> "Runtime":
@@ -174,58 +211,62 @@ class Runtime:
         await self.stop()
 
     # -- inference ------------------------------------------------------------------------
-    async def infer(self, req: InferRequest) -> InferResponse:
-        task = self.tasks.get(req.task)
+    def _route(self, name: str) -> Task:
+        task = self.tasks.get(name)
         if task is None:
             if self._closing or not self.ready:
                 raise Unavailable("the runtime is not running (starting or shutting down)")
-            raise TaskNotFound(f"unknown task {req.task!r}; this runtime serves "
+            raise TaskNotFound(f"unknown task {name!r}; this runtime serves "
                                f"{', '.join(sorted(self.tasks)) or 'no tasks'}", "task")
         if self._closing:
             raise Unavailable("the runtime is shutting down; not accepting requests")
-        return await self._infer(task, req)
+        return task
 
-    async def _infer(self, task: Task, req: InferRequest) -> InferResponse:
-        t0 = time.perf_counter_ns()
+    async def infer(self, req: InferRequest) -> InferResponse:
+        """Run one request: route by task, validate, prepare, queue, await its batch."""
+        task = self.tasks.get(req.task)
+        if task is None or self._closing:
+            task = self._route(req.task)
+        observe = self._observe
+        t0 = time.perf_counter_ns() if observe is not None else 0
         route = "raw"
         try:
-            backend = task.backend
-            payload, nbytes = self._payload(req.payload, backend)
-            desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
+            desc, prepared = self._validate(task, req)
+            if prepared is None:  # heavy input: prepared in a worker thread
+                prepared = await asyncio.to_thread(self._prepare, task, req, desc)
             route = desc.kind
-            priority, timeout_ms = self._policy(task, desc)
+            priority, timeout_ms = task.policy(desc)
+            batcher = task.batcher
+            entry = batcher.submit(prepared, desc, priority, timeout_ms)
             try:
-                if backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes:
-                    prepared = await asyncio.to_thread(backend.prepare, req, desc, payload)
-                else:
-                    prepared = backend.prepare(req, desc, payload)
-            except LumenError:
+                value = await entry.waiter
+            except asyncio.CancelledError:
+                batcher.cancel(entry)
                 raise
-            except Exception as exc:  # a backend bug on odd input must not escape as a crash
-                log.exception("task %s: prepare failed", task.config.name)
-                raise InternalError(f"task {task.config.name!r} failed to prepare the input: {exc}") from exc
-            if backend.stateful:
-                res = await task.batcher.infer(prepared, desc, priority, timeout_ms)
-            else:
-                # submit + await inline (one coroutine frame less per request than infer())
-                entry = task.batcher.submit(prepared, priority, timeout_ms)
-                try:
-                    res = await entry.future
-                except asyncio.CancelledError:
-                    task.batcher.cancel(entry)
-                    raise
         except LumenError as exc:
-            self.observer.request(task.config.name, route, exc.code,
-                                  (time.perf_counter_ns() - t0) // 1000)
+            if observe is not None:
+                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
             raise
         except asyncio.CancelledError:
-            self.observer.request(task.config.name, route, "cancelled",
-                                  (time.perf_counter_ns() - t0) // 1000)
+            if observe is not None:
+                observe(task.name, route, "cancelled", (time.perf_counter_ns() - t0) // 1000)
             raise
-        self.observer.request(task.config.name, route, "ok", (time.perf_counter_ns() - t0) // 1000,
-                              res.queue_us, res.compute_us)
-        stats = ResponseStats(res.batch_size, res.queue_us, res.compute_us, prepared.length)
-        return InferResponse(req.correlation_id, req.task, res.value, None, stats)
+        queue_us = entry.queue_us
+        if observe is not None:
+            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000, queue_us,
+                    entry.compute_us)
+        return InferResponse(req.correlation_id, req.task, value, None,
+                             ResponseStats(entry.batch_size, queue_us, entry.compute_us,
+                                           prepared.length))
+
+    def _validate(self, task: Task, req: InferRequest) -> tuple:
+        """(descriptor, prepared request or None when it must be prepared off the loop)."""
+        backend = task.backend
+        payload, nbytes = self._payload(req.payload, backend)
+        desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
+        if backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes:
+            return desc, None
+        return desc, self._prepare(task, req, desc, payload)
 
     def _payload(self, payload: Any, backend: TaskBackend) -> tuple:
         """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
@@ -249,18 +290,84 @@ class Runtime:
                                   f"(server.max_payload_bytes)", "payload")
         return payload, n
 
-    @staticmethod
-    def _policy(task: Task, desc) -> tuple:
-        """(priority, timeout_ms) of a request: its own values within the task's limits."""
-        priority = desc.priority or task.default_priority
-        if priority > task.priority_levels:
-            raise InvalidArgument(f"lumen.priority must be 1..{task.priority_levels} for task "
-                                  f"{task.config.name!r}, got {priority}", "lumen.priority")
-        timeout_ms = task.default_timeout_ms
-        if desc.timeout_ms:
-            # a request may only tighten the task's deadline, never extend it
-            timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
-        return priority, timeout_ms
+    def _prepare(self, task: Task, req: InferRequest, desc: Any, payload: Any = None) -> Any:
+        if payload is None:
+            payload = req.payload if type(req.payload) is str else memoryview(req.payload)
+        try:
+            return task.backend.prepare(req, desc, payload)
+        except LumenError:
+            raise
+        except Exception as exc:  # a backend bug on odd input must not escape as a crash
+            log.exception("task %s: prepare failed", task.name)
+            raise InternalError(f"task {task.name!r} failed to prepare the input: {exc}") from exc
+
+    async def infer_many(self, requests: Sequence[InferRequest]) -> list:
+        """Run many requests as one group; return, in order, each one's ``InferResponse`` or
+        its ``LumenError`` (an invalid item fails alone; the others still run).
+
+        Every item is still its own request for validation, deadlines, errors and metrics,
+        but the group is admitted per task as a unit (it fits the queue or every item of that
+        task gets the same ``Overloaded``) and costs one future and one wake-up per task, not
+        one per item.  Cancelling the call cancels every item still queued.
+        """
+        out: list = [None] * len(requests)
+        observe = self._observe
+        t0 = time.perf_counter_ns() if observe is not None else 0
+        per_task: dict = {}
+        for i, req in enumerate(requests):
+            route = "raw"
+            task = None
+            try:
+                task = self._route(req.task) if isinstance(req, InferRequest) else None
+                if task is None:
+                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
+                                          f"InferRequest", "requests")
+                desc, prepared = self._validate(task, req)
+                if prepared is None:
+                    prepared = await asyncio.to_thread(self._prepare, task, req, desc)
+                route = desc.kind
+                priority, timeout_ms = task.policy(desc)
+            except LumenError as exc:
+                out[i] = exc
+                if observe is not None and task is not None:
+                    observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
+                continue
+            per_task.setdefault(task.name, (task, []))[1].append(
+                (i, route, prepared, (prepared, desc, priority, timeout_ms)))
+        submitted: list = []
+        for task, items in per_task.values():
+            try:
+                group, entries = task.batcher.submit_many([it[3] for it in items])
+            except LumenError as exc:
+                for i, route, _p, _s in items:
+                    out[i] = exc
+                    if observe is not None:
+                        observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
+                continue
+            submitted.append((task, items, group, entries))
+        try:
+            for _t, _items, group, _e in submitted:
+                await group.future
+        except asyncio.CancelledError:
+            for task, _items, _g, entries in submitted:
+                task.batcher.cancel_group(entries)
+            raise
+        for task, items, _g, entries in submitted:
+            for (i, route, prepared, _spec), e in zip(items, entries, strict=True):
+                res = e.outcome
+                if isinstance(res, LumenError):
+                    out[i] = res
+                    code = res.code
+                else:
+                    req = requests[i]
+                    out[i] = InferResponse(req.correlation_id, req.task, res, None,
+                                           ResponseStats(e.batch_size, e.queue_us, e.compute_us,
+                                                         prepared.length))
+                    code = "ok"
+                if observe is not None:
+                    observe(task.name, route, code, (time.perf_counter_ns() - t0) // 1000,
+                            e.queue_us, e.compute_us)
+        return out
 
     # -- synchronous use ------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -316,6 +423,24 @@ class Runtime:
         if running is loop:
             raise RuntimeError("infer_sync called on the runtime's own event loop; use `await rt.infer(req)`")
         return asyncio.run_coroutine_threadsafe(self.infer(req), loop).result(SYNC_WAIT_S)
+
+    def infer_many_sync(self, requests: Sequence[InferRequest]) -> list:
+        """Blocking ``infer_many`` for threads other than the runtime's loop."""
+        loop = self._sync_loop()
+        return asyncio.run_coroutine_threadsafe(self.infer_many(requests), loop).result(SYNC_WAIT_S)
+
+    def _sync_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None or not self.ready:
+            raise Unavailable("start the runtime first (`with rt:` or `async with rt:`)")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError("a *_sync method was called on the runtime's own event loop; "
+                               "await the async method instead")
+        return loop
 
     # -- queries: what transports may ask (they never reach into tasks or backends) ----------
     def task_names(self) -> list:

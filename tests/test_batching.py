@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -150,7 +151,7 @@ def test_cancel_entry_directly_reports_cancelled():
         entry = b.submit(Item(3))
         b.cancel(entry)
         with pytest.raises(Cancelled):
-            await entry.future
+            await entry.waiter
         gate.set()
         await first
         assert 3 not in w.seen()
@@ -315,23 +316,27 @@ def test_worker_returning_wrong_count_is_an_internal_error_not_a_hang():
     asyncio.run(main())
 
 
-def test_request_cancelled_after_its_batch_formed_never_reaches_the_model():
+def test_request_past_its_deadline_never_runs_even_when_its_timer_is_late():
+    # the worker forms batches in its own thread: a request whose deadline passed while the
+    # loop was too busy to fire its timer must still be refused at formation, never run
     async def main():
-        w = FakeWorker()
-        blocker = threading.Event()
-        w.executor.submit(blocker.wait, 10)  # the worker thread is busy with something else
+        gate = threading.Event()
+        w = FakeWorker(gate)
         b = DynamicBatcher("t", cfg(max_batch_size=4), [w])
-        victim = asyncio.ensure_future(b.infer(Item(42)))
-        await asyncio.sleep(0.01)
-        assert b.in_flight == 1 and b.pending == 0  # formed, handed over, not yet running
+        first = asyncio.ensure_future(b.infer(Item(0)))
+        await wait_started(w)
+        victim = asyncio.ensure_future(b.infer(Item(42), timeout_ms=1))
         keep = asyncio.ensure_future(b.infer(Item(7)))
-        victim.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(0)  # both queued behind the running batch
+        time.sleep(0.02)  # the loop is busy: the 1 ms timer cannot fire
+        w.started.clear()
+        gate.set()
+        await asyncio.to_thread(w.started.wait, 10)  # the worker formed and ran the next batch
+        with pytest.raises(DeadlineExceeded, match="in the queue"):
             await victim
-        blocker.set()
-        assert (await keep).value == 14
+        assert (await keep).value == 14 and (await first).value == 0
         await b.drain()
-        assert w.seen() == [7]
+        assert w.seen() == [0, 7]
     asyncio.run(main())
 
 

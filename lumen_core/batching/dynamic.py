@@ -6,13 +6,16 @@ execution signature, each queue holding one FIFO per priority level.  Queue *pol
 happens only when an engine worker is free: under load batches grow by themselves, under light
 load a lone request runs at once (``max_queue_delay_us = 0``) or after at most the delay.
 
-Everything runs on the event loop thread except ``Worker.execute``, which runs in the worker's
-own thread (ONNX Runtime releases the GIL).  There is no scheduler task: dispatch is a plain
-function called when a request arrives, when a worker frees up and when a delay timer fires, so
-a request costs one future and a deque append, not a task switch.
+The policy (admission, deadlines, cancellation, delivery) is ``policy.py``'s; this module only
+forms batches.  Formation runs in the engine workers' own threads (``runner.Worker``): a worker
+that finishes a batch takes its next one at once under the batcher's lock, so the engine never
+waits for the event loop.  A request costs the loop one future and a deque append under that
+lock; an idle worker is woken only when one is waiting.
 
 Cancelled and expired requests are removed lazily (marked dead, skipped at batch formation) but
-leave the admission count at once, so ``max_queue_size`` counts only live requests.
+leave the admission count at once, so ``max_queue_size`` counts only live requests; formation
+also refuses any request whose deadline has passed, even if its loop timer has not fired yet,
+so no request ever runs after its deadline.
 
 Length-aware formation (``max_batch_tokens > 0``, for ragged inputs such as token ids): a batch
 is padded to its longest item, so mixing a 200-token text into a batch of 15-token texts makes
@@ -31,19 +34,15 @@ instead, one batch later.
 from __future__ import annotations
 
 import asyncio
-import logging
+import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..config import BatchingConfig
-from ..errors import Cancelled, DeadlineExceeded, InternalError, LumenError, Overloaded, Unavailable
+from .policy import QUEUED, RUNNING, UNSET, Entry, Group, QueuePolicy
+from .runner import Batch, CompletionQueue, Runner, Worker, run_split
 
-log = logging.getLogger("lumen.batching")
-
-QUEUED, RUNNING, DONE = 0, 1, 2
-#: Retry-After hint (seconds) sent with ``Overloaded``
-OVERLOAD_RETRY_AFTER_S = 1
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
 LENGTH_WINDOW_FACTOR = 4
 #: a request joins a length-aware batch while the padded slots it adds beyond its own length
@@ -55,32 +54,8 @@ PAD_TOLERANCE = 0.0
 PAD_SLACK_TOKENS = 4
 
 
-class Worker(Protocol):
-    """One engine instance as the batcher sees it."""
-
-    executor: Any  # a concurrent.futures.Executor with one thread
-
-    def execute(self, items: Sequence[Any]) -> list:
-        """Run one batch; return one result (or LumenError) per item, in order."""
-
-
-class Entry:
-    """A queued request: the item, its caller's future, and its timing."""
-
-    __slots__ = ("item", "future", "priority", "arrival_ns", "dispatch_ns", "timer", "state")
-
-    def __init__(self, item: Any, future: asyncio.Future, priority: int, arrival_ns: int):
-        self.item = item
-        self.future = future
-        self.priority = priority
-        self.arrival_ns = arrival_ns
-        self.dispatch_ns = 0
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.state = QUEUED
-
-
 class BatchResult:
-    """What a caller's future resolves to."""
+    """What ``DynamicBatcher.infer`` returns (in-process callers of a bare batcher)."""
 
     __slots__ = ("value", "batch_size", "queue_us", "compute_us")
 
@@ -90,9 +65,28 @@ class BatchResult:
         self.queue_us = queue_us
         self.compute_us = compute_us
 
+    @classmethod
+    def of(cls, e: Entry) -> "BatchResult":
+        return cls(e.outcome, e.batch_size, e.queue_us, e.compute_us)
+
+
+class DynEntry(Entry):
+    """A dynamic-batcher entry: its signature queue and absolute deadline (0: none)."""
+
+    __slots__ = ("queue", "deadline_ns")
+
+    def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
+                 queue: "SignatureQueue", deadline_ns: int):
+        super().__init__(item, waiter, priority, arrival_ns)
+        self.queue = queue
+        self.deadline_ns = deadline_ns
+
 
 class SignatureQueue:
-    """Requests of one execution signature: one FIFO per priority level (index 0 = highest)."""
+    """Requests of one execution signature: one FIFO per priority level (index 0 = highest).
+
+    Only touched under the batcher's lock.
+    """
 
     __slots__ = ("signature", "levels", "live")
 
@@ -109,20 +103,25 @@ class SignatureQueue:
                 return level[0]
         return None
 
-    def take(self, n: int) -> list:
-        """Pop up to ``n`` live entries, highest priority first, FIFO within a level."""
+    def take(self, n: int, batcher: "DynamicBatcher", now: int) -> list:
+        """Pop up to ``n`` live entries, highest priority first, FIFO within a level; an
+        entry past its deadline is killed instead (its loop timer answers the caller)."""
         out: list = []
         for level in self.levels:
             while level and len(out) < n:
                 e = level.popleft()
                 if e.state == QUEUED:
-                    out.append(e)
+                    if e.deadline_ns and e.deadline_ns <= now:
+                        batcher._kill(e)
+                    else:
+                        out.append(e)
             if len(out) == n:
                 break
         self.live -= len(out)
         return out
 
-    def take_by_length(self, n: int, max_tokens: int, window: int) -> list:
+    def take_by_length(self, n: int, max_tokens: int, window: int, batcher: "DynamicBatcher",
+                       now: int) -> list:
         """Pop up to ``n`` live entries of similar length (see the module docstring).
 
         Candidates are the oldest ``window`` live entries of the highest non-empty priority
@@ -141,9 +140,14 @@ class SignatureQueue:
         cands = []
         for e in level:
             if e.state == QUEUED:
+                if e.deadline_ns and e.deadline_ns <= now:
+                    batcher._kill(e)
+                    continue
                 cands.append(e)
                 if len(cands) == window:
                     break
+        if not cands:
+            return []
         head = cands[0]
         # stable: equal lengths keep arrival order
         cands.sort(key=_item_length)
@@ -152,14 +156,13 @@ class SignatureQueue:
         lo, hi = _length_window(lengths, p, n, max_tokens)
         out = cands[lo:hi]
         for e in out:
-            e.state = RUNNING  # the caller (_start) stamps dispatch time; deques skip it
+            e.state = RUNNING  # the deques skip it from now on
         self.live -= len(out)
         return out
 
 
 def _item_length(entry: Entry) -> int:
     return max(1, getattr(entry.item, "length", 0) or 0)
-
 
 def _length_window(lengths: Sequence[int], p: int, n: int, max_tokens: int) -> tuple:
     """``(lo, hi)``: a slice of the ascending ``lengths`` around ``p`` (the oldest request).
@@ -197,188 +200,176 @@ def _length_window(lengths: Sequence[int], p: int, n: int, max_tokens: int) -> t
     return lo, hi
 
 
-def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) -> list:
-    """Run a batch; if the whole run fails, split it in halves and retry, so the error lands
-    only on the item(s) that cause it and every other item still gets its result."""
-    try:
-        results = execute(items)
-        if len(results) != len(items):
-            raise InternalError(f"worker returned {len(results)} results for {len(items)} items")
-        return results
-    except Exception as exc:  # noqa: BLE001 - any model failure is isolated, never propagated
-        if len(items) == 1:
-            if isinstance(exc, LumenError):
-                return [exc]
-            return [InternalError(f"model execution failed for this input: {exc}")]
-        mid = len(items) // 2
-        return run_split(execute, items[:mid]) + run_split(execute, items[mid:])
+class DynamicBatcher(QueuePolicy):
+    """Per-task dynamic batcher over a pool of runners (one worker thread each)."""
 
-
-class BatcherLifecycle:
-    """Admission counters and draining, shared by the dynamic and the sequence batcher."""
-
-    def __init__(self) -> None:
-        self._pending = 0  # live queued requests (admission control)
-        self._running = 0  # batches in flight
-        self._closed = False
-        self._idle: Optional[asyncio.Event] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-
-    @property
-    def pending(self) -> int:
-        """Queued (not yet running) requests."""
-        return self._pending
-
-    @property
-    def in_flight(self) -> int:
-        """Batches running now."""
-        return self._running
-
-    async def drain(self) -> None:
-        """Stop admitting, then wait until every queued and running request has finished."""
-        self._closed = True
-        while self._pending or self._running:
-            # one event shared by every concurrent drainer (a fresh one per caller would
-            # leave all but the last waiting forever)
-            if self._idle is None or self._idle.is_set():
-                self._idle = asyncio.Event()
-            await self._idle.wait()
-
-    def _maybe_idle(self) -> None:
-        if self._idle is not None and not self._pending and not self._running:
-            self._idle.set()
-
-    def _outcome(self, fut: asyncio.Future, n: int) -> tuple:
-        """(results, compute_us) of a finished batch; a broken worker fails every item."""
-        try:
-            results, compute_us = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - a broken worker must not lose callers
-            err = exc if isinstance(exc, LumenError) else InternalError(f"worker failed: {exc}")
-            results, compute_us = [err] * n, 0
-        if self.on_batch is not None:
-            try:
-                self.on_batch(n, compute_us)
-            except Exception:  # a metrics bug must never strand the batch's callers
-                log.exception("batch observer failed")
-        return results, compute_us
-
-    @staticmethod
-    def _resolve(e: "Entry", res: Any, n: int, compute_us: int) -> None:
-        """Hand one item's result (or error) to its caller, unless it already gave up."""
-        e.state = DONE
-        if e.timer is not None:
-            e.timer.cancel()
-            e.timer = None
-        if e.future.done():
-            return
-        if isinstance(res, LumenError):
-            e.future.set_exception(res)
-        else:
-            e.future.set_result(BatchResult(res, n, (e.dispatch_ns - e.arrival_ns) // 1000,
-                                            compute_us))
-
-
-class DynamicBatcher(BatcherLifecycle):
-    """Per-task dynamic batcher over a pool of workers."""
-
-    def __init__(self, name: str, config: BatchingConfig, workers: Sequence[Worker],
+    def __init__(self, name: str, config: BatchingConfig, runners: Sequence[Runner],
                  on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0):
         """``max_batch_tokens > 0`` turns on length-aware formation for items with ``.length``
         (token budget per batch, padded slots counted); 0 keeps strict FIFO batches."""
-        super().__init__()
-        self.name = name
+        super().__init__(name, config.max_queue_size, on_batch)
         self.config = config
-        self.workers = list(workers)
-        self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
-        self._free = list(reversed(self.workers))
+        self.runners = list(runners)
         self._queues: dict = {}
-        self._timer: Optional[asyncio.TimerHandle] = None
-        self._timer_at = 0.0
+        self._cond = threading.Condition(self.lock)
+        self._waiting = 0  # workers blocked in ``next_batch``
+        self._stopping = False
         self._delay_ns = config.max_queue_delay_us * 1000
+        self._max_batch = config.max_batch_size
         self._preferred = tuple(config.preferred_batch_sizes)
         self._levels = config.priority_levels
         self._max_tokens = max(0, int(max_batch_tokens))
         self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
+        self._done = CompletionQueue(self._deliver)
+        self._workers = [Worker(r, self, f"{name}#{i}", i, self._done.flush)
+                         for i, r in enumerate(self.runners)]
+        self._started = False
 
-    # -- public ---------------------------------------------------------------------------
-    def submit(self, item: Any, priority: int = 1, timeout_ms: int = 0) -> Entry:
-        """Admit ``item`` (must have ``.signature``); raise at once when closed or full."""
-        if self._closed:
-            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
-        if self._pending >= self.config.max_queue_size:
-            raise Overloaded(f"task {self.name!r} queue is full ({self.config.max_queue_size} "
-                             f"pending); retry later", None, OVERLOAD_RETRY_AFTER_S)
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Bind to the running loop and start the worker threads (idempotent)."""
+        if self._started:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._done.attach(self._loop)
+        self._started = True
+        for w in self._workers:
+            w.start()
+
+    async def close(self) -> None:
+        """Stop the workers (after ``drain``; queued work would be dropped) and the hand-back."""
+        with self.lock:
+            self._closed = True
+            self._stopping = True
+            self._cond.notify_all()
+        for w in self._workers:
+            await asyncio.to_thread(w.join)
+        if self._started:
+            self._done.close()
+
+    # -- admission (loop thread) ------------------------------------------------------------
+    def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Entry:
+        """Admit ``item`` (must have ``.signature``); raise at once when closed or full.
+
+        ``desc`` (the request's descriptor) is accepted for the common batcher shape and not
+        needed here."""
+        if not self._started:
+            self.start()
         loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        entry = Entry(item, loop.create_future(), priority, time.monotonic_ns())
+        now = time.monotonic_ns()
         sig = item.signature
-        q = self._queues.get(sig)
-        if q is None:
-            q = self._queues[sig] = SignatureQueue(sig, self._levels)
-        q.levels[priority - 1].append(entry)
-        q.live += 1
-        self._pending += 1
+        with self.lock:
+            self._admit(1)
+            q = self._queues.get(sig)
+            if q is None:
+                q = self._queues[sig] = SignatureQueue(sig, self._levels)
+            e = DynEntry(item, loop.create_future(), priority, now, q,
+                         now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+            q.levels[priority - 1].append(e)
+            q.live += 1
+            self._pending += 1
+            if self._waiting:
+                self._cond.notify()
         if timeout_ms > 0:
-            entry.timer = loop.call_later(timeout_ms / 1000.0, self._expire, entry, q, timeout_ms)
-        self._dispatch()
-        return entry
+            self._arm_deadline((e,), timeout_ms)
+        return e
 
-    async def infer(self, item: Any, priority: int = 1, timeout_ms: int = 0) -> BatchResult:
-        entry = self.submit(item, priority, timeout_ms)
+    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+        """Admit a group ``[(item, desc, priority, timeout_ms), ...]`` as a unit (all or
+        none); return ``(group, entries)``: ``group.future`` resolves once every entry is
+        answered, each entry's ``outcome`` holds its result or error."""
+        if not self._started:
+            self.start()
+        loop = self._loop
+        now = time.monotonic_ns()
+        group = Group(loop.create_future(), len(specs))
+        entries = []
+        deadlines: dict = {}
+        with self.lock:
+            self._admit(len(specs))
+            queues = self._queues
+            for item, _desc, priority, timeout_ms in specs:
+                sig = item.signature
+                q = queues.get(sig)
+                if q is None:
+                    q = queues[sig] = SignatureQueue(sig, self._levels)
+                e = DynEntry(item, group, priority, now, q,
+                             now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+                q.levels[priority - 1].append(e)
+                q.live += 1
+                entries.append(e)
+                if timeout_ms > 0:
+                    deadlines.setdefault(timeout_ms, []).append(e)
+            self._pending += len(entries)
+            if self._waiting:
+                self._cond.notify(self._waiting)
+        for timeout_ms, es in deadlines.items():
+            self._arm_deadline(es, timeout_ms, group)
+        return group, entries
+
+    async def infer(self, item: Any, desc: Any = None, priority: int = 1,
+                    timeout_ms: int = 0) -> BatchResult:
+        entry = self.submit(item, desc, priority, timeout_ms)
         try:
-            return await entry.future
+            await entry.waiter
         except asyncio.CancelledError:
             self.cancel(entry)
             raise
+        return BatchResult.of(entry)
 
-    def cancel(self, entry: Entry) -> None:
-        """The caller went away: drop a queued entry (a running one finishes unseen)."""
-        if entry.state == QUEUED:
-            self._kill(entry, self._queues.get(entry.item.signature))
-        if not entry.future.done():
-            entry.future.set_exception(Cancelled("the request was cancelled by its caller"))
-        if entry.timer is not None:
-            entry.timer.cancel()
+    def _unqueue(self, e: Entry) -> None:
+        e.queue.live -= 1
 
-    # -- policy ---------------------------------------------------------------------------
-    def _kill(self, entry: Entry, q: Optional[SignatureQueue]) -> None:
-        entry.state = DONE
-        self._pending -= 1
-        if q is not None:
-            q.live -= 1
-        self._maybe_idle()
+    # -- formation (worker threads) ---------------------------------------------------------
+    def next_batch(self, worker: Worker) -> Optional[Batch]:
+        with self.lock:
+            return self._next_locked(worker)
 
-    def _expire(self, entry: Entry, q: SignatureQueue, timeout_ms: int) -> None:
-        entry.timer = None
-        if entry.state == DONE or entry.future.done():
-            return
-        where = "in the queue" if entry.state == QUEUED else "while its batch was running"
-        if entry.state == QUEUED:
-            self._kill(entry, q)
-        entry.future.set_exception(DeadlineExceeded(
-            f"deadline of {timeout_ms} ms expired {where}", "lumen.timeout_ms"))
+    def finished(self, worker: Worker, batch: Batch, results: Any,
+                 compute_us: int) -> Optional[Batch]:
+        self._done.put(batch.entries, results, compute_us)
+        with self.lock:
+            return self._next_locked(worker)
 
-    # -- batch formation ------------------------------------------------------------------
+    def _next_locked(self, worker: Worker) -> Optional[Batch]:
+        cond = self._cond
+        while True:
+            timeout = None
+            if self._pending:
+                now = time.monotonic_ns()
+                batch, wake_at = self._form(now)
+                if batch is not None:
+                    return batch
+                if wake_at:
+                    timeout = max(0, wake_at - now) / 1e9
+            if self._stopping:
+                return None
+            worker.flush()  # results waiting for the loop must not wait for our next batch
+            self._waiting += 1
+            try:
+                cond.wait(timeout)
+            finally:
+                self._waiting -= 1
+
     def _batch_size(self, live: int) -> int:
-        cap = min(live, self.config.max_batch_size)
+        cap = min(live, self._max_batch)
         if self._preferred:
             fits = [p for p in self._preferred if p <= cap]
-            if fits and cap < self.config.max_batch_size:
+            if fits and cap < self._max_batch:
                 return fits[-1]
         return cap
 
     def _ready_at(self, q: SignatureQueue, head: Entry) -> int:
         """Monotonic ns at which ``q`` may form a batch (0: now)."""
-        if self._delay_ns == 0 or q.live >= self.config.max_batch_size:
+        if self._delay_ns == 0 or q.live >= self._max_batch:
             return 0
         if self._preferred and q.live >= self._preferred[-1]:
             return 0
         return head.arrival_ns + self._delay_ns
 
-    def _dispatch(self) -> None:
-        while self._free and self._pending:
-            now = time.monotonic_ns()
+    def _form(self, now: int) -> tuple:
+        """(batch, 0) or (None, ns at which a queue becomes ready, 0 if none).  Under the lock."""
+        while self._pending:
             best = None
             best_key = None
             wake_at = 0
@@ -396,63 +387,22 @@ class DynamicBatcher(BatcherLifecycle):
                 if best_key is None or key < best_key:
                     best, best_key = q, key
             if best is None:
-                if wake_at:
-                    self._arm_timer(wake_at)
-                return
+                return None, wake_at
             size = self._batch_size(best.live)
             if self._max_tokens:
-                entries = best.take_by_length(size, self._max_tokens, max(size, self._window))
+                entries = best.take_by_length(size, self._max_tokens, max(size, self._window),
+                                              self, now)
             else:
-                entries = best.take(size)
-            self._start(best, entries, now)
-
-    def _arm_timer(self, at_ns: int) -> None:
-        loop = self._loop
-        when = loop.time() + max(0, at_ns - time.monotonic_ns()) / 1e9
-        if self._timer is not None:
-            if self._timer_at <= when:
-                return
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = loop.call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._dispatch()
-
-    def _start(self, q: SignatureQueue, entries: list, now: int) -> None:
-        self._pending -= len(entries)
-        for e in entries:
-            e.state = RUNNING
-            e.dispatch_ns = now
-        worker = self._free.pop()
-        self._running += 1
-        fut = self._loop.run_in_executor(worker.executor, _timed_run, worker.execute, entries)
-        fut.add_done_callback(lambda f: self._finish(worker, entries, f))
-
-    def _finish(self, worker: Worker, entries: list, fut: asyncio.Future) -> None:
-        self._running -= 1
-        self._free.append(worker)
-        n = len(entries)
-        results, compute_us = self._outcome(fut, n)
-        for e, res in zip(entries, results, strict=True):
-            self._resolve(e, res, n, compute_us)
-        self._dispatch()
-        self._maybe_idle()
+                entries = best.take(size, self, now)
+            if not entries:  # everything it looked at had expired: look again
+                continue
+            for e in entries:
+                e.state = RUNNING
+                e.dispatch_ns = now
+            self._pending -= len(entries)
+            self._running += 1
+            return Batch(entries, [e.item for e in entries]), 0
+        return None, 0
 
 
-def _timed_run(execute: Callable, entries: list) -> tuple:
-    """Worker-thread side of a batch: run the entries whose callers still wait.
-
-    An entry that expired or was cancelled between batch formation and the worker picking the
-    batch up (its future is done) is left out, so it never reaches the model; its result slot
-    is None (``_finish`` skips done futures).
-    """
-    t0 = time.perf_counter_ns()
-    live = [e for e in entries if not e.future.done()]
-    if len(live) == len(entries):
-        results = run_split(execute, [e.item for e in entries])
-    else:
-        ran = iter(run_split(execute, [e.item for e in live]) if live else ())
-        results = [next(ran) if e in live else None for e in entries]
-    return results, (time.perf_counter_ns() - t0) // 1000
+__all__ = ["BatchResult", "DynamicBatcher", "SignatureQueue", "UNSET", "run_split"]

@@ -46,38 +46,29 @@ Semantics chosen where Triton leaves room (documented for callers):
   request: from the initial state, never from the slot's previous occupant).
 - ``lumen.priority`` is accepted but does not reorder sequences (Triton has no priorities in
   its sequence batcher either).
+
+Threads: as in the dynamic batcher, each lane's worker forms its own next batch as soon as it
+finishes one (under the batcher's lock, shared with the policy in ``policy.py``), and finished
+batches reach the event loop through one wake-up per batch.  Slots, the backlog and sequence
+flags are only touched under that lock; a lane's state store only by its worker.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict, deque
-from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..config import SequenceConfig, TaskConfig
+from ..config import BatchingConfig, SequenceConfig
 from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
-from ..engine.state import SequenceBatch, SlotStore, StatefulPlan, corrid_kind
-from ..errors import (
-    Cancelled,
-    DeadlineExceeded,
-    InvalidArgument,
-    LumenError,
-    Overloaded,
-    Unavailable,
-)
-from .dynamic import (
-    DONE,
-    OVERLOAD_RETRY_AFTER_S,
-    QUEUED,
-    RUNNING,
-    BatcherLifecycle,
-    BatchResult,
-    Entry,
-    run_split,
-)
+from ..engine.state import SequenceBatch, SlotStore, corrid_kind
+from ..errors import InvalidArgument, LumenError, Overloaded
+from .dynamic import BatchResult
+from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, Group, QueuePolicy
+from .runner import Batch, CompletionQueue, Runner, Worker
 
 #: how many ended / idled-out ids are remembered for a precise error message
 MAX_REMEMBERED_IDS = 4096
@@ -95,9 +86,9 @@ class SeqEntry(Entry):
 
     __slots__ = ("seq", "start", "end", "was_open")
 
-    def __init__(self, item: Any, future: asyncio.Future, arrival_ns: int, seq: "_Sequence",
+    def __init__(self, item: Any, waiter: Any, arrival_ns: int, seq: "_Sequence",
                  start: bool, end: bool):
-        super().__init__(item, future, 1, arrival_ns)
+        super().__init__(item, waiter, 1, arrival_ns)
         self.seq = seq
         self.start = start
         self.end = end
@@ -126,11 +117,10 @@ class _Sequence:
 class _Lane:
     """One engine instance: its slots, the sequences it holds and which of them are ready."""
 
-    __slots__ = ("engine", "index", "free", "nseq", "ready", "busy", "free_ns", "store", "timer",
-                 "timer_at")
+    __slots__ = ("index", "free", "nseq", "ready", "busy", "free_ns", "store", "cond",
+                 "waiting")
 
-    def __init__(self, engine: Any, index: int, capacity: int, plans: Sequence[Any]):
-        self.engine = engine
+    def __init__(self, index: int, capacity: int, plans: Sequence[Any], lock: threading.Lock):
         self.index = index
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self.nseq = 0
@@ -138,39 +128,43 @@ class _Lane:
         self.busy = False
         self.free_ns = 0  # when the lane last finished a batch
         self.store = SlotStore(capacity, plans)
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.timer_at = 0.0
+        self.cond = threading.Condition(lock)  # the lane's worker waits here
+        self.waiting = False
+
+    def wake(self) -> None:
+        """Under the lock: new work may be formable on this lane."""
+        if self.waiting:
+            self.cond.notify()
 
 
-class SequenceBatcher(BatcherLifecycle):
-    """Per-task sequence batcher over the task's engine instances (see the module docstring).
+class SequenceBatcher(QueuePolicy):
+    """Per-task sequence batcher over the task's runners, one lane each (module docstring).
 
-    Public surface as :class:`~lumen_core.batching.dynamic.DynamicBatcher`: ``infer``,
-    ``drain``, ``pending``, ``in_flight``; plus ``active_sequences`` and ``backlog``.
+    Public surface as :class:`~lumen_core.batching.dynamic.DynamicBatcher`: ``submit``,
+    ``submit_many``, ``infer``, ``cancel``, ``drain``, ``close``, ``pending``, ``in_flight``;
+    plus ``active_sequences`` and ``backlog``.  ``runners`` expose ``spec`` (the model's input
+    plans: state, controls) and ``execute(SequenceBatch)``.
     """
 
-    def __init__(self, name: str, config: TaskConfig, instances: Sequence[Any], backend: Any,
-                 on_batch: Optional[Callable[[int, int], None]] = None):
-        super().__init__()
-        self.name = name
-        self.config = config
-        self.backend = backend
-        self.on_batch = on_batch
-        seq = config.sequence or SequenceConfig()
+    def __init__(self, name: str, batching: BatchingConfig, sequence: Optional[SequenceConfig],
+                 runners: Sequence[Runner], on_batch: Optional[Callable[[int, int], None]] = None):
+        super().__init__(name, batching.max_queue_size, on_batch)
+        seq = sequence or SequenceConfig()
         self.seq_config = seq
         self.strategy = seq.strategy
-        self.max_batch = config.batching.max_batch_size
-        self.max_queue = config.batching.max_queue_size
+        self.max_batch = batching.max_batch_size
+        self.max_queue = batching.max_queue_size
         if seq.strategy == "oldest":
             self.capacity = max(seq.max_candidate_sequences or self.max_batch, self.max_batch)
         else:
             self.capacity = self.max_batch
-        spec = instances[0].spec
-        self._stateful = [p for p in spec.inputs if isinstance(p, StatefulPlan)]
+        self.runners = list(runners)
+        spec = self.runners[0].spec
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
                                    if getattr(p, "kind", None) == "CORRID"), None)
-        self._lanes = [_Lane(inst, i, self.capacity, spec.inputs) for i, inst in enumerate(instances)]
+        self._lanes = [_Lane(i, self.capacity, spec.inputs, self.lock)
+                       for i in range(len(self.runners))]
         self._seqs: dict = {}
         self._backlog: deque = deque()
         self._gone: OrderedDict = OrderedDict()  # sid -> ENDED | IDLED
@@ -181,6 +175,34 @@ class SequenceBatcher(BatcherLifecycle):
         self._min_util = seq.minimum_slot_utilization
         self._sig0: Any = None
         self._multi_sig = False
+        self._stopping = False
+        self._done = CompletionQueue(self._deliver)
+        self._workers = [Worker(r, self, f"{name}#{i}", i, self._done.flush)
+                         for i, r in enumerate(self.runners)]
+        self._started = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Bind to the running loop and start the lanes' worker threads (idempotent)."""
+        if self._started:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._done.attach(self._loop)
+        self._started = True
+        for w in self._workers:
+            w.start()
+
+    async def close(self) -> None:
+        """Stop the workers (after ``drain``) and the hand-back."""
+        with self.lock:
+            self._closed = True
+            self._stopping = True
+            for lane in self._lanes:
+                lane.cond.notify_all()
+        for w in self._workers:
+            await asyncio.to_thread(w.join)
+        if self._started:
+            self._done.close()
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -193,19 +215,65 @@ class SequenceBatcher(BatcherLifecycle):
         """Sequences waiting for a free slot."""
         return len(self._backlog)
 
-    async def infer(self, item: Any, desc: Any, priority: int = 1, timeout_ms: int = 0) -> BatchResult:
-        """Queue ``item`` on its sequence (``desc.sequence_id/start/end``) and await its result."""
-        entry = self.submit(item, desc, timeout_ms)
+    async def infer(self, item: Any, desc: Any, priority: int = 1,
+                    timeout_ms: int = 0) -> BatchResult:
+        """Queue ``item`` on its sequence (``desc.sequence_id/start/end``) and await it."""
+        entry = self.submit(item, desc, priority, timeout_ms)
         try:
-            return await entry.future
+            await entry.waiter
         except asyncio.CancelledError:
             self.cancel(entry)
             raise
+        return BatchResult.of(entry)
 
-    def submit(self, item: Any, desc: Any, timeout_ms: int = 0) -> SeqEntry:
+    def submit(self, item: Any, desc: Any, priority: int = 1, timeout_ms: int = 0) -> SeqEntry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""
+        if not self._started:
+            self.start()
+        loop = self._loop
+        with self.lock:
+            entry = self._enqueue(item, desc, loop.create_future(), time.monotonic_ns())
+            new_seq = self._sweep is None and self._seqs
+        if new_seq:
+            self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
+        if timeout_ms > 0:
+            self._arm_deadline((entry,), timeout_ms)
+        return entry
+
+    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+        """Admit ``[(item, desc, priority, timeout_ms), ...]`` in order, as one group: the
+        first request that cannot be accepted raises and un-admits the ones before it."""
+        if not self._started:
+            self.start()
+        loop = self._loop
+        group = Group(loop.create_future(), len(specs))
+        entries: list = []
+        now = time.monotonic_ns()
+        with self.lock:
+            if len(specs) > self.max_queue:
+                self._admit(len(specs))  # raises: the group can never fit
+            try:
+                for item, desc, _priority, _timeout in specs:
+                    entries.append(self._enqueue(item, desc, group, now))
+            except BaseException:
+                for e in reversed(entries):
+                    self._kill(e)
+                raise
+            new_seq = self._sweep is None and self._seqs
+        if new_seq:
+            self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
+        deadlines: dict = {}
+        for e, (_i, _d, _p, timeout_ms) in zip(entries, specs, strict=True):
+            if timeout_ms > 0:
+                deadlines.setdefault(timeout_ms, []).append(e)
+        for timeout_ms, es in deadlines.items():
+            self._arm_deadline(es, timeout_ms, group)
+        return group, entries
+
+    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int) -> SeqEntry:
+        """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
         if self._closed:
-            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
+            self._admit()  # raises Unavailable
         sid = desc.sequence_id
         if sid is None:
             raise InvalidArgument(f"task {self.name!r} is stateful: every request needs "
@@ -218,10 +286,6 @@ class SequenceBatcher(BatcherLifecycle):
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue} pending, "
                              f"{len(self._backlog)} sequences waiting for a slot); retry later",
                              None, OVERLOAD_RETRY_AFTER_S)
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        now = time.monotonic_ns()
         start = desc.sequence_start
         if seq is None:
             if not start:
@@ -230,8 +294,6 @@ class SequenceBatcher(BatcherLifecycle):
             self._seqs[sid] = seq
             self._gone.pop(sid, None)
             self._place(seq)
-            if self._sweep is None:
-                self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
         elif not start and not seq.open:
             raise InvalidArgument(f"sequence {sid!r} has ended (its end request was accepted); "
                                   f"begin a new one with {KEY_SEQUENCE_START}=true",
@@ -243,42 +305,25 @@ class SequenceBatcher(BatcherLifecycle):
             self._sig0 = sig
         elif not self._multi_sig and sig != self._sig0:
             self._multi_sig = True
-        entry = SeqEntry(item, loop.create_future(), now, seq, start, desc.sequence_end)
+        entry = SeqEntry(item, waiter, now, seq, start, desc.sequence_end)
         entry.was_open = was_open
         seq.queue.append(entry)
         seq.last_ns = now
         self._pending += 1
-        if timeout_ms > 0:
-            entry.timer = loop.call_later(timeout_ms / 1000.0, self._expire, entry, timeout_ms)
         lane = seq.lane
         if lane is not None and not seq.running and len(seq.queue) == 1:
             seq.ready_ns = now
             lane.ready[seq] = None
-            if not lane.busy:
-                self._dispatch(lane)
+            lane.wake()
         return entry
-
-    def cancel(self, entry: SeqEntry) -> None:
-        """The caller went away: drop a queued entry (a running one finishes unseen)."""
-        if entry.state == QUEUED:
-            self._kill(entry)
-        if not entry.future.done():
-            entry.future.set_exception(Cancelled("the request was cancelled by its caller"))
-        if entry.timer is not None:
-            entry.timer.cancel()
-            entry.timer = None
 
     async def drain(self) -> None:
         """Stop admitting, wait for every queued (backlog included) and running request, then
-        stop the idle sweep and the lanes' delay timers."""
+        stop the idle sweep."""
         await super().drain()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
-        for lane in self._lanes:
-            if lane.timer is not None:
-                lane.timer.cancel()
-                lane.timer = None
 
     # -- sequences ------------------------------------------------------------------------
     def _unknown(self, sid: str) -> InvalidArgument:
@@ -344,27 +389,23 @@ class SequenceBatcher(BatcherLifecycle):
             if nxt.queue:
                 nxt.ready_ns = time.monotonic_ns()
                 lane.ready[nxt] = None
+                lane.wake()
 
     def _sweep_idle(self) -> None:
+        """Loop timer: release sequences idle past ``max_sequence_idle_us``."""
         self._sweep = None
         now = time.monotonic_ns()
         limit = self._idle_ns
-        touched = set()
-        for seq in list(self._seqs.values()):
-            if not seq.running and not seq.queue and now - seq.last_ns > limit:
-                if seq.lane is not None:
-                    touched.add(seq.lane)
-                self._release(seq, IDLED)
-        for lane in touched:
-            if not lane.busy:
-                self._dispatch(lane)
-        if self._seqs:  # also while draining: backlogged sequences may need the slots
+        with self.lock:
+            for seq in list(self._seqs.values()):
+                if not seq.running and not seq.queue and now - seq.last_ns > limit:
+                    self._release(seq, IDLED)
+            again = bool(self._seqs)  # also while draining: backlogged ones may need slots
+        if again:
             self._sweep = self._loop.call_later(self._sweep_s, self._sweep_idle)
 
-    # -- queue policy ---------------------------------------------------------------------
-    def _kill(self, entry: SeqEntry) -> None:
-        entry.state = DONE
-        self._pending -= 1
+    # -- queue policy (under the lock) ------------------------------------------------------
+    def _unqueue(self, entry: SeqEntry) -> None:
         seq = entry.seq
         q = seq.queue
         if entry.end or entry.start:
@@ -379,41 +420,76 @@ class SequenceBatcher(BatcherLifecycle):
         lane = seq.lane
         if not q and lane is not None:
             lane.ready.pop(seq, None)
-        if not q and not seq.open and not seq.running:
+        if not q and not seq.open and not seq.running and seq.sid in self._seqs:
             self._release(seq, ENDED)  # its end already ran: free the slot now
-            if lane is not None and not lane.busy:
-                self._dispatch(lane)
-        self._maybe_idle()
 
-    def _expire(self, entry: SeqEntry, timeout_ms: int) -> None:
-        entry.timer = None
-        if entry.state == DONE or entry.future.done():
-            return
-        where = "in the queue" if entry.state == QUEUED else "while its batch was running"
-        if entry.state == QUEUED:
-            self._kill(entry)
-        entry.future.set_exception(DeadlineExceeded(
-            f"deadline of {timeout_ms} ms expired {where}", "lumen.timeout_ms"))
+    # -- batch formation (worker threads) ---------------------------------------------------
+    def next_batch(self, worker: Worker) -> Optional[Batch]:
+        with self.lock:
+            return self._next_locked(worker, self._lanes[worker.index])
 
-    # -- batch formation ------------------------------------------------------------------
-    def _dispatch(self, lane: _Lane) -> None:
-        """Form and start one batch on ``lane`` if it is free and a batch is due."""
-        if lane.busy or not lane.ready:
-            return
+    def finished(self, worker: Worker, batch: Batch, results: Any,
+                 compute_us: int) -> Optional[Batch]:
+        self._done.put(batch.entries, results, compute_us)
+        lane = self._lanes[worker.index]
+        with self.lock:
+            self._settle(lane, batch, results)
+            return self._next_locked(worker, lane)
+
+    def _settle(self, lane: _Lane, batch: Batch, results: Any) -> None:
+        """After a run: sequences become ready again or end; the lane is free."""
+        lane.busy = False
+        now = lane.free_ns = time.monotonic_ns()
+        ready = lane.ready
+        failed = not isinstance(results, list)
+        seqs, starts = batch.extra
+        for i, (s, e) in enumerate(zip(seqs, batch.entries, strict=True)):
+            s.running = False
+            s.last_ns = now
+            if starts[i] and (failed or isinstance(results[i], LumenError)):
+                # a failed run committed no state: the slot may still hold the previous
+                # sequence's (or the pre-restart) state, so the next request starts afresh
+                s.fresh = True
+            if s.queue:
+                s.ready_ns = now
+                ready[s] = None
+            elif e.end and not s.open and s.sid in self._seqs:
+                self._release(s, ENDED)
+
+    def _next_locked(self, worker: Worker, lane: _Lane) -> Optional[Batch]:
+        while True:
+            timeout = None
+            if lane.ready:
+                now = time.monotonic_ns()
+                batch, due = self._form(lane, now)
+                if batch is not None:
+                    return batch
+                if due:
+                    timeout = max(0, due - now) / 1e9
+            if self._stopping:
+                return None
+            worker.flush()  # results waiting for the loop must not wait for our next batch
+            lane.waiting = True
+            try:
+                lane.cond.wait(timeout)
+            finally:
+                lane.waiting = False
+
+    def _form(self, lane: _Lane, now: int) -> tuple:
+        """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
         ready = lane.ready
         n = len(ready)
         if self._delay_ns and n < self.max_batch and n < self._min_util * min(lane.nseq,
                                                                                 self.max_batch):
             due = max(next(iter(ready)).ready_ns, lane.free_ns) + self._delay_ns
-            if due > time.monotonic_ns():
-                self._arm_timer(lane, due)
-                return
+            if due > now:
+                return None, due
         if n <= self.max_batch and not self._multi_sig:
             seqs = list(ready)
             ready.clear()
         else:
             seqs = self._pick(ready)
-        self._start(lane, seqs)
+        return self._start(lane, seqs, now), 0
 
     def _pick(self, ready: dict) -> list:
         """Up to ``max_batch_size`` ready sequences of one signature, oldest request first."""
@@ -426,23 +502,8 @@ class SequenceBatcher(BatcherLifecycle):
             del ready[s]
         return seqs
 
-    def _arm_timer(self, lane: _Lane, at_ns: int) -> None:
-        loop = self._loop
-        when = loop.time() + max(0, at_ns - time.monotonic_ns()) / 1e9
-        if lane.timer is not None:
-            if lane.timer_at <= when:
-                return
-            lane.timer.cancel()
-        lane.timer_at = when
-        lane.timer = loop.call_at(when, self._on_timer, lane)
-
-    def _on_timer(self, lane: _Lane) -> None:
-        lane.timer = None
-        self._dispatch(lane)
-
-    def _start(self, lane: _Lane, seqs: list) -> None:
+    def _start(self, lane: _Lane, seqs: list, now: int) -> Batch:
         n = len(seqs)
-        now = time.monotonic_ns()
         entries = []
         slots = np.empty(n, dtype=np.intp)
         start = np.empty(n, dtype=bool)
@@ -466,46 +527,5 @@ class SequenceBatcher(BatcherLifecycle):
         self._pending -= n
         self._running += 1
         lane.busy = True
-        batch = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
-        fut = self._loop.run_in_executor(lane.engine.executor, self._run, lane.engine, batch)
-        fut.add_done_callback(partial(self._finish, lane, seqs, entries, start))
-
-    # -- worker thread --------------------------------------------------------------------
-    def _execute(self, engine: Any, batch: SequenceBatch) -> list:
-        """Run one (sub-)batch, then commit its state; a failure commits nothing."""
-        outputs = engine.run(batch)
-        results = engine.postprocess(outputs, batch)
-        for plan in self._stateful:
-            plan.commit(batch, outputs)
-        return results
-
-    def _run(self, engine: Any, batch: SequenceBatch) -> tuple:
-        t0 = time.perf_counter_ns()
-        results = run_split(partial(self._execute, engine), batch)
-        return results, (time.perf_counter_ns() - t0) // 1000
-
-    # -- completion (event loop) ----------------------------------------------------------
-    def _finish(self, lane: _Lane, seqs: list, entries: list, starts: np.ndarray,
-                fut: asyncio.Future) -> None:
-        self._running -= 1
-        lane.busy = False
-        lane.free_ns = time.monotonic_ns()
-        n = len(entries)
-        results, compute_us = self._outcome(fut, n)
-        now = lane.free_ns
-        ready = lane.ready
-        for s, e, res, started in zip(seqs, entries, results, starts, strict=True):
-            s.running = False
-            s.last_ns = now
-            if started and isinstance(res, LumenError):
-                # a failed run committed no state: the slot may still hold the previous
-                # sequence's (or the pre-restart) state, so the next request starts afresh
-                s.fresh = True
-            self._resolve(e, res, n, compute_us)
-            if s.queue:
-                s.ready_ns = now
-                ready[s] = None
-            elif e.end and not s.open:
-                self._release(s, ENDED)
-        self._dispatch(lane)
-        self._maybe_idle()
+        items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
+        return Batch(entries, items, (seqs, start))

@@ -10,18 +10,19 @@ its copy has finished.  Outputs with a known shape are bound to device buffers a
 into host arrays on the same stream; the only synchronisation is that final copy.
 
 CuPy and CUDA are imported lazily: without them this module is never loaded and the CPU path
-runs.  This path is exercised by ``tests/test_cuda.py`` on a machine with a GPU.
+runs.  This path is exercised by ``tests/test_cuda.py`` on a machine with a GPU.  The base
+class gives it what the CPU instance has: the output check at load and the plain-run path for
+string inputs (a string CORRID control).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..errors import InternalError, Unavailable
-from .plan import ModelSpec, PreparedModelRequest
-from .session import session_options
+from ..errors import Unavailable
+from .base import EngineInstance, output_shape
+from .plan import ModelSpec
 
 PINNED_GROWTH = 2  # capacity multiplier when a pinned or device buffer must grow
 
@@ -56,12 +57,10 @@ class PinnedArena:
         self._bufs.clear()
 
 
-class CudaEngineInstance:
+class CudaEngineInstance(EngineInstance):
     """One ORT CUDA session on its own stream, with double-buffered pinned staging."""
 
-    def __init__(self, spec: ModelSpec, name: str, index: int, intra_op_threads: int,
-                 allow_spinning: bool,
-                 postprocess: Callable[[dict, Sequence[PreparedModelRequest]], list],
+    def __init__(self, spec: ModelSpec, name: str, intra_op_threads: int, allow_spinning: bool,
                  device_id: int):
         import onnxruntime as ort
 
@@ -70,29 +69,37 @@ class CudaEngineInstance:
             raise Unavailable("onnxruntime has no CUDAExecutionProvider here; install "
                               "onnxruntime-gpu (pip install 'lumen-core[gpu]')")
         self._cp = cupy
-        self.spec = spec
-        self.name = f"{name}#{index}@cuda:{device_id}"
         self.device_id = device_id
-        self.postprocess = postprocess
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._events = [cupy.cuda.Event(), cupy.cuda.Event()]
+        super().__init__(spec, name, intra_op_threads, allow_spinning)
+        self._arenas = [PinnedArena(cupyx), PinnedArena(cupyx)]
+        self._turn = 0
+        self._k = 0
+        self._device: dict = {}
+        self._binding = self.session.io_binding()
+
+    def _session(self, options: Any) -> Any:
+        import onnxruntime as ort
+
         provider = ("CUDAExecutionProvider", {
-            "device_id": str(device_id),
+            "device_id": str(self.device_id),
             "user_compute_stream": str(self.stream.ptr),
             "do_copy_in_default_stream": "0",
         })
-        so = session_options(intra_op_threads, allow_spinning, spec.session_config)
-        self.session = ort.InferenceSession(spec.path, so,
-                                            providers=[provider, "CPUExecutionProvider"])
-        self._arenas = [PinnedArena(cupyx), PinnedArena(cupyx)]
-        self._turn = 0
-        self._device: dict = {}
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"lumen-{self.name}")
-        self.stats: dict = {"batches": 0, "items": 0, "real_tokens": 0, "padded_tokens": 0}
-        self._binding = self.session.io_binding()
+        return ort.InferenceSession(self.spec.path, options,
+                                    providers=[provider, "CPUExecutionProvider"])
 
-    def _device_buffer(self, key: str, shape: tuple, dtype):
+    def next_arena(self) -> PinnedArena:
+        """Alternate the two pinned arenas; the one we are about to overwrite may still feed
+        an in-flight host-to-device copy of the batch before last."""
+        k = self._k = self._turn
+        self._turn ^= 1
+        self._events[k].synchronize()
+        return self._arenas[k]
+
+    def _device_buffer(self, key: str, shape: tuple, dtype: Any) -> Any:
         cp = self._cp
         dtype = np.dtype(dtype)
         n = int(np.prod(shape))
@@ -103,17 +110,9 @@ class CudaEngineInstance:
             self._device[key] = buf
         return buf[: n * dtype.itemsize].view(dtype).reshape(shape)
 
-    def run(self, items: Sequence[PreparedModelRequest]) -> dict:
+    def _run_bound(self, feeds: dict, n: int) -> dict:
         cp = self._cp
-        n = len(items)
-        k = self._turn
-        self._turn ^= 1
-        # the arena we are about to overwrite may still feed an in-flight copy of batch k-2
-        self._events[k].synchronize()
-        stats: dict = {}
-        feeds = {}
-        for plan in self.spec.inputs:
-            feeds.update(plan.assemble(items, self._arenas[k], stats))
+        k = self._k
         io = self._binding
         io.clear_binding_inputs()
         io.clear_binding_outputs()
@@ -126,7 +125,7 @@ class CudaEngineInstance:
             dev_outs = {}
             for o in self.spec.outputs:
                 if o.item_shape is not None:
-                    shape = (n,) + tuple(o.item_shape)
+                    shape = output_shape(o, n)
                     dev = self._device_buffer(f"out:{o.name}", shape, o.dtype)
                     io.bind_output(o.name, "cuda", self.device_id, np.dtype(o.dtype), shape,
                                    dev.data.ptr)
@@ -143,22 +142,11 @@ class CudaEngineInstance:
         unbound = [o.name for o in self.spec.outputs if o.item_shape is None]
         if unbound:
             produced = io.copy_outputs_to_cpu()
-            names = [o.name for o in self.spec.outputs]
             for name in unbound:
-                outs[name] = produced[names.index(name)]
-        if set(outs) != {o.name for o in self.spec.outputs}:
-            raise InternalError(f"{self.name}: missing outputs {sorted(outs)}")
-        self.stats["batches"] += 1
-        self.stats["items"] += n
-        for key, v in stats.items():
-            self.stats[key] = self.stats.get(key, 0) + v
+                outs[name] = produced[self._names.index(name)]
         return outs
 
-    def execute(self, items: Sequence[PreparedModelRequest]) -> list:
-        return self.postprocess(self.run(items), items)
-
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
         for a in self._arenas:
             a.release()
         self._device.clear()

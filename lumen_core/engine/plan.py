@@ -8,7 +8,7 @@ control inputs) are new plan classes with an ``assemble`` method, not engine cha
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -156,18 +156,26 @@ class ConstantInput(InputPlan):
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """A model output to fetch.  With ``item_shape`` known, the engine binds a preallocated
-    ``[N, *item_shape]`` buffer so ORT writes straight into it."""
+    """A model output to fetch.  With ``item_shape`` known (one item's dims, no batch axis),
+    the engine binds a preallocated buffer with the batch inserted at ``batch_axis`` (0:
+    ``[N, *item_shape]``; Silero's state ``[2, N, 128]`` has item_shape ``(2, 128)`` and
+    batch_axis 1), so ORT writes straight into it."""
 
     name: str
     dtype: Any = np.float32
     item_shape: Optional[tuple] = None
+    batch_axis: int = 0
+
+    def __post_init__(self) -> None:
+        if self.item_shape is not None and not 0 <= self.batch_axis <= len(self.item_shape):
+            raise ValueError(f"output {self.name!r}: batch_axis {self.batch_axis} is outside "
+                             f"0..{len(self.item_shape)} for item shape {self.item_shape}")
 
 
 @dataclass
 class ModelSpec:
+    """A model file, its input plans (one entry per model input) and the outputs to fetch."""
+
     path: str
     inputs: list
     outputs: list
-    #: extra ORT session config entries (key -> value)
-    session_config: dict = field(default_factory=dict)

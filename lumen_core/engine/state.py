@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ConfigError, ConstantConfig, ControlConfig, SequenceConfig, StateConfig
 from ..contract import DTYPES
-from .plan import ConstantInput, InputPlan
+from .plan import ConstantInput, InputPlan, OutputSpec
 
 #: dtypes of CORRID controls beyond the contract's tensor dtypes
 CORRID_NUMPY = {"uint64": np.dtype("<u8"), "int64": np.dtype("<i8"), "string": np.dtype(object)}
@@ -114,6 +114,11 @@ class StateInput(StatefulPlan):
         if items.start.any():
             buf[_axis_index(axis, items.start)] = np.expand_dims(self.initial, axis)
         return {self.name: buf}
+
+    def output_spec(self) -> OutputSpec:
+        """The state output, bound by the engine with the batch at ``batch_axis``: ORT writes
+        it once and :meth:`commit` scatters it into the slots once."""
+        return OutputSpec(self.output_name, self.dtype, tuple(self.dims), self.batch_axis)
 
     def commit(self, batch: SequenceBatch, outputs: dict) -> None:
         out = outputs[self.output_name]

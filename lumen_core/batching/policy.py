@@ -1,0 +1,257 @@
+"""Queue policy, shared by both batchers: admission, deadlines, cancellation, result delivery.
+
+After Triton's ``PolicyQueue`` (``scheduler_utils.cc``): *policy* (who may queue, how long a
+request may wait, what happens when its caller gives up) is kept apart from batch *formation*
+(which queued requests run together), which each batcher does its own way (``dynamic.py``:
+signature queues and priority levels; ``sequence.py``: sequences pinned to slots).
+
+Threads.  Batches are formed by the engine workers themselves (``runner.Worker``), in their
+own threads, as soon as they finish a batch: a busy engine never waits for the event loop.
+Everything a worker and the loop both touch (queues, counters, entry states) is guarded by
+``QueuePolicy.lock``, one ``threading.Lock`` per batcher, held only for list operations.  The
+loop thread admits requests, arms deadline timers and answers callers; workers hand finished
+batches back through a :class:`~lumen_core.batching.runner.CompletionQueue` that wakes the loop
+once per batch (or per burst of batches), not once per request.
+
+Entry states: ``QUEUED`` -> ``RUNNING`` (a worker took it into a batch, under the lock) ->
+``DONE`` (answered, on the loop).  A queued entry that expires or is cancelled goes straight
+to ``DONE`` under the lock and leaves the admission count at once, so ``max_queue_size`` counts
+live requests only; formation skips dead entries lazily.  An entry that expires or is
+cancelled *while its batch runs* has reached the model: its caller is answered at once and the
+batch's late result for it is dropped.
+
+Waiters.  A single request's caller awaits one asyncio future.  A group (``infer_many``) has
+one future for all its entries: each entry's outcome is stored on the entry and the group's
+future resolves when the last one is answered, so a list of N inputs costs one future and one
+task wake-up, not N.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+from ..contract import KEY_TIMEOUT_MS
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    Overloaded,
+    Unavailable,
+)
+
+log = logging.getLogger("lumen.batching")
+
+QUEUED, RUNNING, DONE = 0, 1, 2
+#: Retry-After hint (seconds) sent with ``Overloaded``
+OVERLOAD_RETRY_AFTER_S = 1
+#: the deadline error's field
+DEADLINE_FIELD = KEY_TIMEOUT_MS
+#: ``Entry.outcome`` before the entry is answered
+UNSET: Any = object()
+
+
+class Group:
+    """One future for several entries (``infer_many``): resolves when all are answered."""
+
+    __slots__ = ("future", "remaining", "timers")
+
+    def __init__(self, future: asyncio.Future, n: int):
+        self.future = future
+        self.remaining = n
+        self.timers: list = []  # deadline timers shared by the group's entries
+
+    def one_done(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            for t in self.timers:
+                t.cancel()
+            if not self.future.done():
+                self.future.set_result(None)
+
+
+class Entry:
+    """A queued request: the item, who waits for it, its timing and (once answered) outcome.
+
+    ``waiter`` is an asyncio future (a single caller) or a :class:`Group`.  ``outcome`` is the
+    item's result or its :class:`LumenError` once ``state`` is ``DONE`` (groups read it; single
+    callers get it through their future).  ``batch_size`` and ``compute_us`` describe the batch
+    it ran in.
+    """
+
+    __slots__ = ("item", "waiter", "priority", "arrival_ns", "dispatch_ns", "timer", "state",
+                 "outcome", "batch_size", "compute_us")
+
+    def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int):
+        self.item = item
+        self.waiter = waiter
+        self.priority = priority
+        self.arrival_ns = arrival_ns
+        self.dispatch_ns = 0
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.state = QUEUED
+        self.outcome: Any = UNSET
+        self.batch_size = 0
+        self.compute_us = 0
+
+    @property
+    def queue_us(self) -> int:
+        return (self.dispatch_ns - self.arrival_ns) // 1000 if self.dispatch_ns else 0
+
+
+def answer(e: Entry, outcome: Any) -> None:
+    """Answer ``e`` once (loop thread): a later answer for the same entry is dropped."""
+    if e.outcome is not UNSET:
+        return
+    e.state = DONE
+    e.outcome = outcome
+    timer = e.timer
+    if timer is not None:
+        e.timer = None
+        timer.cancel()
+    w = e.waiter
+    if type(w) is Group:
+        w.one_done()
+    elif not w.done():
+        if isinstance(outcome, LumenError):
+            w.set_exception(outcome)
+        else:
+            w.set_result(outcome)
+
+
+class QueuePolicy:
+    """Admission, deadlines, cancellation, delivery and draining for one batcher.
+
+    Subclasses (the batchers) implement formation and two hooks: ``_unqueue(entry)`` (under
+    the lock: a queued entry died; drop it from the formation structures) and ``_wake()``
+    (under the lock: new work may be formable; wake an idle worker).
+    """
+
+    def __init__(self, name: str, max_queue_size: int,
+                 on_batch: Optional[Callable[[int, int], None]] = None):
+        self.name = name
+        self.max_queue_size = max_queue_size
+        self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
+        self.lock = threading.Lock()
+        self._pending = 0  # live queued requests (admission)
+        self._running = 0  # batches in flight
+        self._closed = False
+        self._idle: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Queued (not yet running) requests."""
+        return self._pending
+
+    @property
+    def in_flight(self) -> int:
+        """Batches running now."""
+        return self._running
+
+    # -- admission (caller holds the lock) ------------------------------------------------
+    def _admit(self, n: int = 1) -> None:
+        if self._closed:
+            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
+        if n > self.max_queue_size:
+            # a group larger than the whole queue can never be admitted: not retryable
+            raise InvalidArgument(f"{n} inputs in one call exceed task {self.name!r}'s queue "
+                                  f"(batching.max_queue_size = {self.max_queue_size}); send at "
+                                  f"most {self.max_queue_size} per call or raise max_queue_size",
+                                  "input")
+        if self._pending + n > self.max_queue_size:
+            raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
+                             f"retry later", None, OVERLOAD_RETRY_AFTER_S)
+
+    # -- deadlines and cancellation (loop thread) ------------------------------------------
+    def _arm_deadline(self, entries: Sequence[Entry], timeout_ms: int,
+                      group: Optional[Group] = None) -> None:
+        """One timer for ``entries`` (admitted together with the same deadline): the entry's
+        own (cancelled when it is answered) or, for a group, the group's (cancelled when the
+        whole group is answered)."""
+        timer = self._loop.call_later(timeout_ms / 1000.0, self._expire, entries, timeout_ms)
+        if group is not None:
+            group.timers.append(timer)
+        else:
+            entries[0].timer = timer
+
+    def _expire(self, entries: Sequence[Entry], timeout_ms: int) -> None:
+        for e in entries:
+            e.timer = None
+            if e.outcome is not UNSET:
+                continue
+            with self.lock:
+                state = e.state
+                if state == QUEUED:
+                    self._kill(e)
+            # DONE here: formation already dropped it for its deadline, before it could run
+            where = "while its batch was running" if state == RUNNING else "in the queue"
+            answer(e, DeadlineExceeded(f"deadline of {timeout_ms} ms expired {where}",
+                                       DEADLINE_FIELD))
+        self._maybe_idle()
+
+    def cancel(self, entry: Entry) -> None:
+        """The caller went away: drop a queued entry (a running one finishes unseen)."""
+        if entry.outcome is not UNSET:
+            return
+        with self.lock:
+            if entry.state == QUEUED:
+                self._kill(entry)
+        answer(entry, Cancelled("the request was cancelled by its caller"))
+        self._maybe_idle()
+
+    def cancel_group(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            self.cancel(e)
+
+    def _kill(self, e: Entry) -> None:
+        """Under the lock: a queued entry dies (it never runs)."""
+        e.state = DONE
+        self._pending -= 1
+        self._unqueue(e)
+
+    def _unqueue(self, e: Entry) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -- delivery (loop thread, one call per finished batch) --------------------------------
+    def _deliver(self, entries: Sequence[Entry], results: Any, compute_us: int) -> None:
+        with self.lock:
+            self._running -= 1
+        n = len(entries)
+        if not isinstance(results, list):  # the worker itself failed: every item gets it
+            err = results if isinstance(results, LumenError) else InternalError(
+                f"worker failed: {results}")
+            results = [err] * n
+        for e, res in zip(entries, results, strict=True):
+            if e.outcome is not UNSET:  # answered already (expired or cancelled while running)
+                continue
+            e.batch_size = n
+            e.compute_us = compute_us
+            answer(e, res)
+        if self.on_batch is not None:
+            try:
+                self.on_batch(n, compute_us)
+            except Exception:  # a metrics bug must never strand the batch's callers
+                log.exception("batch observer failed")
+        self._maybe_idle()
+
+    # -- draining ---------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Stop admitting, then wait until every queued and running request has finished."""
+        with self.lock:
+            self._closed = True
+        while self._pending or self._running:
+            # one event shared by every concurrent drainer
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    def _maybe_idle(self) -> None:
+        if self._idle is not None and not self._pending and not self._running:
+            self._idle.set()
+
+
