@@ -10,7 +10,8 @@ length-sorted batches (of 16 and of 32, tokenisation included) with the same thr
                                [--peer-venv /work/infvenv] [--only lumen,fastapi-ort,infinity]
 
 Peers run from their own virtualenv (``--peer-venv``, see ``bench/peers/README.md``).  Run it
-when the machine is quiet: the load average is printed before and after.
+when the machine is quiet: the load average is printed before and after, and so are the compiled
+extensions our server runs (from its ``/healthz``), since a build without them is slower.
 """
 from __future__ import annotations
 
@@ -78,6 +79,12 @@ def wait_ready(url: str, proc: subprocess.Popen, model: str) -> None:
             pass
         time.sleep(1.0)
     raise SystemExit(f"{url} not ready after {START_TIMEOUT_S:.0f} s")
+
+
+def lumen_extensions(port: int) -> dict:
+    """The compiled extensions the server on ``port`` reports in use (its ``/healthz``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+        return json.loads(r.read()).get("extensions", {})
 
 
 def start(system: str, port: int, home: pathlib.Path, args: argparse.Namespace,
@@ -152,12 +159,16 @@ def main() -> None:
         print(f"offline ORT, {k}: {v:.1f} texts/s", flush=True)
     best = max(offline.values())
     results: dict = {}
+    extensions: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = pathlib.Path(tmp)
         for n, system in enumerate(s for s in args.only.split(",") if s):
             proc, url = start(system, BASE_PORT + n, home, args, workdir)
             try:
                 wait_ready(url, proc, args.model)
+                if system == "lumen":
+                    extensions = lumen_extensions(BASE_PORT + n)
+                    print(f"lumen extensions in use: {extensions}", flush=True)
                 results[system] = measure(system, url, args, workdir)
             finally:
                 stop(proc)
@@ -185,6 +196,7 @@ def main() -> None:
         loadgen.plot([loadgen.BenchResult(**r) for rows in results.values() for r in rows], args.plot)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"offline": offline, "results": results,
+                                                        "extensions": extensions,
                                                         "load": load_avg()}, indent=1))
 
 

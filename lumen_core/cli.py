@@ -183,16 +183,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
     if args.url:
         return _infer_http(args, payload, mime, meta)
     from .request import InferRequest
+    from .serve.codec import response_json
 
     rt = _build_runtime(args.config, only_task=args.task)
     with rt:
         resp = rt.infer_sync(InferRequest(args.task, payload, mime, meta))
-    from .serve.http import dtype_name
-
-    _print_json({"correlation_id": resp.correlation_id, "task": resp.task,
-                 "outputs": {k: {"dtype": dtype_name(a), "shape": list(a.shape),
-                                 "data": a.reshape(-1).tolist()} for k, a in resp.outputs.items()},
-                 "meta": resp.meta})
+    _print_json(response_json(resp))  # the JSON reply of POST /v1/infer/{task}
     return EXIT_OK
 
 
@@ -305,15 +301,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_infer(sub: argparse._SubParsersAction) -> None:
+    from .contract import KEY_INPUT_KIND, KEY_PRIORITY
+
     p = sub.add_parser("infer", help="run one request (in process, or against --url) and print JSON",
                        description="Run FILE through TASK and print the JSON reply. The mime type "
                                    "comes from the extension (or --mime); a .npy file is sent as a "
-                                   "tensor (lumen.input.kind=tensor) with its own dtype and shape.")
+                                   f"tensor ({KEY_INPUT_KIND}=tensor) with its own dtype and shape.")
     p.add_argument("task", metavar="TASK")
     p.add_argument("file", metavar="FILE", help="the payload file ('-' reads stdin as text)")
     p.add_argument("--mime", default=None, help="payload mime type (default: from the extension)")
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
-                   help="a request meta key (repeatable), e.g. lumen.priority=1")
+                   help=f"a request meta key (repeatable), e.g. {KEY_PRIORITY}=1")
     p.add_argument("--layout", default=None, help="tensor layout for a .npy FILE (default by rank)")
     p.add_argument("--config", metavar="TOML", help="lumen.toml (default: built-in default tasks)")
     p.add_argument("--url", default=None, help="send to a running server (http://HOST:PORT) "

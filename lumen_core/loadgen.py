@@ -383,18 +383,17 @@ async def bench_http(url: str, texts: Sequence[str], concurrency: int, count: in
 async def bench_runtime(runtime: Any, texts: Sequence[str], concurrency: int, count: int,
                         task: str = DEFAULT_TASK, warmup: int = 0, target: str = "in-process",
                         stream: Optional[TextIO] = None) -> BenchResult:
-    """The same closed loop straight against a started ``Runtime`` (no HTTP)."""
-    from .request import InferRequest
-
-    payloads = [t.encode("utf-8") for t in texts]
+    """The same closed loop straight against a started ``Runtime`` (no HTTP); each text goes
+    as ``Runtime.text_request`` builds it, the request ``/v1/embeddings`` makes of it."""
+    text_request = runtime.text_request
 
     async def call(w: int, i: int) -> None:
-        await runtime.infer(InferRequest(task, payloads[i], "text/plain"))
+        await runtime.infer(text_request(task, texts[i]))
 
     if warmup:
-        await _closed_loop(call, len(payloads), concurrency, warmup, None)
+        await _closed_loop(call, len(texts), concurrency, warmup, None)
     lat, errors, first, seconds = await _closed_loop(
-        call, len(payloads), concurrency, count, Progress(f"{target} c={concurrency}", count, stream))
+        call, len(texts), concurrency, count, Progress(f"{target} c={concurrency}", count, stream))
     return summarize(target, concurrency, lat, errors, seconds, first)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import onnx_models as M
@@ -53,6 +55,30 @@ def test_infer_npy_in_process_with_config(tmp_path, capsys):
     assert rc == 0
     body = json.loads(out)
     assert body["task"] == "mlp" and body["outputs"]["y"]["shape"] == [S.D_OUT]
+    np.testing.assert_allclose(body["outputs"]["y"]["data"], M.mlp_reference(x, d_out=S.D_OUT)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_in_process_infer_and_grpc_do_not_load_the_http_stack(tmp_path):
+    """`lumen infer` in process encodes its reply with serve/codec.py, and the gRPC module
+    needs no HTTP module either: neither pulls in Starlette (checked in a fresh interpreter)."""
+    cfg = S.onnx_config(tmp_path, slow=False)
+    toml = tmp_path / "lumen.toml"
+    toml.write_text(S.to_toml(cfg))
+    x = S.mlp_input(6)
+    np.save(tmp_path / "x.npy", x)
+    argv = ["infer", "mlp", str(tmp_path / "x.npy"), "--config", str(toml),
+            "--meta", "lumen.preprocess.id=none"]
+    code = ("import sys\n"
+            "from lumen_core import cli\n"
+            "import lumen_core.serve.grpc\n"
+            f"rc = cli.main({argv!r})\n"
+            "loaded = sorted(m for m in ('starlette', 'lumen_core.serve.http') if m in sys.modules)\n"
+            "print('rc', rc, 'http modules', loaded, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "rc 0 http modules []", proc.stderr
+    body = json.loads(proc.stdout)
+    assert set(body) == {"correlation_id", "task", "outputs", "meta"}
     np.testing.assert_allclose(body["outputs"]["y"]["data"], M.mlp_reference(x, d_out=S.D_OUT)[0],
                                rtol=1e-5, atol=1e-5)
 

@@ -1,10 +1,13 @@
 """gRPC API (``lumen.v1.Inference``): unary Infer, status codes with the lumen error metadata,
 a bidirectional stream that survives a bad request, three interleaved Silero VAD sequences on one
-stream against the reference probabilities, and the committed generated code being current."""
+stream against the reference probabilities, a stream's requests bound by the task's queue limit
+(refusals, order within the sequence kept) and by the stream's own in-flight window
+(backpressure), and the committed generated code being current."""
 from __future__ import annotations
 
 import pathlib
 import shutil
+import threading
 
 import grpc
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 import serve_support as S
 
 from lumen_core.errors import from_code
+from lumen_core.serve import grpc as grpc_mod
 from lumen_core.serve import proto as proto_pkg
 from lumen_core.serve.grpc import ERROR_CODE_KEY, ERROR_FIELD_KEY
 from lumen_core.serve.proto import lumen_pb2 as pb
@@ -21,6 +25,13 @@ from lumen_core.serve.proto import lumen_pb2_grpc as pb_grpc
 VAD_CHUNK = 512
 VAD_MIME = "audio/pcm;format=f32le;rate=16000"
 VAD_TOLERANCE = 1e-4
+#: the queue limit of the ``vad_tight`` task, and how long each of its batches waits
+TIGHT_QUEUE = 8
+TIGHT_DELAY_US = 100_000
+#: ``hold``: 1.25 MiB fp32 rows (y = 2x), every lone request waits HOLD_DELAY_US in the queue
+HOLD_COLS = 327_680
+HOLD_DELAY_US = 200_000
+FLOW_MAX_PAYLOAD = 2 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +48,34 @@ def server(tmp_path_factory):
 def stub(server):
     with grpc.insecure_channel(server.grpc_target) as channel:
         yield pb_grpc.InferenceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def flow_server(tmp_path_factory):
+    """The default tasks plus ``vad_tight`` (Silero VAD, queue of TIGHT_QUEUE, one lane whose
+    batches wait up to TIGHT_DELAY_US for all of its sequences) and ``hold`` (big rows, a large
+    queue, batches that wait HOLD_DELAY_US), with payloads up to FLOW_MAX_PAYLOAD."""
+    home = S.prepared_home(tmp_path_factory)
+    tmp = tmp_path_factory.mktemp("grpc_flow")
+    tight = {"name": "vad_tight", "backend": "vad", "instances": 1, "intra_op_threads": 1,
+             "batching": {"max_batch_size": 8, "max_queue_size": TIGHT_QUEUE},
+             "sequence": {"strategy": "direct", "max_sequence_idle_us": 60_000_000,
+                          "max_queue_delay_us": TIGHT_DELAY_US, "minimum_slot_utilization": 1.0}}
+    hold = {"name": "hold", "backend": "onnx", "intra_op_threads": 1,
+            "model": M.scale(tmp / "hold.onnx", dims=("N", HOLD_COLS)),
+            "batching": {"max_queue_delay_us": HOLD_DELAY_US, "max_batch_size": 1024,
+                         "max_queue_size": 1024}}
+    srv = S.default_server(home, [tight, hold], max_payload_bytes=FLOW_MAX_PAYLOAD)
+    yield srv
+    srv.stop()
+
+
+def vad_request(task: str, chunk: np.ndarray, sid: str, cid: str, start: bool = False) -> pb.InferRequest:
+    meta = {"lumen.sequence.id": sid}
+    if start:
+        meta["lumen.sequence.start"] = "true"
+    return pb.InferRequest(task=task, payload=np.ascontiguousarray(chunk, "<f4").tobytes(),
+                           payload_mime=VAD_MIME, meta=meta, correlation_id=cid)
 
 
 def mlp_request(x: np.ndarray, cid: str = "", **meta: str) -> pb.InferRequest:
@@ -139,3 +178,74 @@ def test_generated_code_is_current(tmp_path):
     for name in proto_pkg.GENERATED:
         assert (out / name).read_bytes() == (pkg / name).read_bytes(), (
             f"{name} is out of date: run `python -m lumen_core.serve.proto` and commit the result")
+
+
+def test_stream_past_the_queue_limit_gets_refusals_and_keeps_sequence_order(flow_server,
+                                                                             fixtures_dir):
+    """300 chunks of one sequence sent without waiting, to a task whose queue holds 8 and whose
+    batches are held back (a second, idle sequence shares the lane): the chunks past the queue
+    limit are refused on the stream with resource_exhausted (nothing waits outside the queue),
+    every chunk gets its own reply, and the accepted ones ran in the order they were sent:
+    their probabilities equal the same chunks run one by one as a fresh sequence."""
+    audio = np.load(fixtures_dir / "silero_vad_reference.npz")["audio"][0]
+    n_ref = audio.size // VAD_CHUNK
+    chunks = [audio[(c % n_ref) * VAD_CHUNK:(c % n_ref + 1) * VAD_CHUNK] for c in range(300)]
+    with grpc.insecure_channel(flow_server.grpc_target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        # the idle sequence: it holds a slot of the only lane and never has a request ready,
+        # so each batch of the streamed sequence waits out TIGHT_DELAY_US
+        stub.Infer(vad_request("vad_tight", chunks[0], "idle", "idle-0", start=True))
+        reqs = [vad_request("vad_tight", ch, "busy", str(i), start=(i == 0))
+                for i, ch in enumerate(chunks)]
+        replies = list(stub.InferStream(iter(reqs)))
+        accepted = [int(r.correlation_id) for r in replies if r.WhichOneof("result") == "response"]
+        refused = [r for r in replies if r.WhichOneof("result") == "error"]
+        assert sorted(r.correlation_id for r in replies) == sorted(str(i) for i in range(300))
+        assert refused and {r.error.code for r in refused} == {"resource_exhausted"}
+        assert accepted[0] == 0 and accepted == sorted(accepted)  # replies of one sequence in order
+        got = {int(r.correlation_id): tensor(next(iter(r.response.outputs.values()))).reshape(-1)[0]
+               for r in replies if r.WhichOneof("result") == "response"}
+        # the accepted chunks alone, in order, one at a time on a fresh sequence of `vad`
+        want = [tensor(next(iter(stub.Infer(vad_request("vad", chunks[i], "replay", f"r{i}",
+                                                        start=(n == 0))).outputs.values())))
+                .reshape(-1)[0] for n, i in enumerate(accepted)]
+    np.testing.assert_allclose([got[i] for i in accepted], want, atol=VAD_TOLERANCE)
+
+
+def test_stream_is_slowed_not_buffered_past_its_in_flight_window(flow_server):
+    """300 messages of 1.25 MiB (375 MiB) on one stream to a task with a large queue whose
+    batches wait: the server stops reading the stream while its window is full, so the client
+    is never far ahead of its replies, the server's in-flight payload stays within
+    STREAM_MAX_IN_FLIGHT_BYTES, and every message is still answered, in full."""
+    n = 300
+    x = np.arange(HOLD_COLS, dtype=np.float32).reshape(1, HOLD_COLS)
+    payload = x.tobytes()
+    meta = S.tensor_meta(x.shape)
+    servicer = flow_server.server.grpc.servicer
+    sent = {"n": 0}
+    lock = threading.Lock()
+
+    def requests():
+        for i in range(n):
+            with lock:
+                sent["n"] += 1
+            yield pb.InferRequest(task="hold", payload=payload, payload_mime="application/octet-stream",
+                                  meta=meta, correlation_id=str(i))
+
+    received, max_ahead, peak_bytes, peak_requests = 0, 0, 0, 0
+    expect = (x * 2).tobytes()
+    with grpc.insecure_channel(flow_server.grpc_target) as channel:
+        for r in pb_grpc.InferenceStub(channel).InferStream(requests()):
+            received += 1
+            with lock:
+                max_ahead = max(max_ahead, sent["n"] - received)
+            peak_bytes = max(peak_bytes, servicer.stream_in_flight_bytes)
+            peak_requests = max(peak_requests, servicer.stream_in_flight)
+            assert r.WhichOneof("result") == "response", r.error
+            assert r.response.outputs["y"].data == expect
+    assert received == n
+    window = grpc_mod.STREAM_MAX_IN_FLIGHT_BYTES // len(payload)
+    assert 2 <= peak_requests <= window and peak_bytes <= grpc_mod.STREAM_MAX_IN_FLIGHT_BYTES
+    # the window plus what HTTP/2 flow control lets through: far from the whole stream
+    assert max_ahead < n // 2, max_ahead
+    assert servicer.stream_in_flight == 0 and servicer.stream_in_flight_bytes == 0

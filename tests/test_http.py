@@ -20,8 +20,11 @@ import openai
 import pytest
 import serve_support as S
 
+from lumen_core import native
+from lumen_core.contract import DTYPES
 from lumen_core.request import InferResponse
 from lumen_core.runtime import Runtime
+from lumen_core.serve import codec
 from lumen_core.serve.http import HttpApp
 
 
@@ -93,8 +96,12 @@ def test_concurrent_requests_batch_and_each_get_their_own_result(server):
                                    M.mlp_reference(x, d_out=S.D_OUT)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_introspection_routes(client):
-    assert client.get("/healthz").json() == {"status": "ok"}
+def test_introspection_routes(server, client):
+    health = client.get("/healthz").json()
+    assert health == {"status": "ok", "extensions": server.runtime.extensions()}
+    assert health["extensions"] and all(isinstance(v, bool) for v in health["extensions"].values())
+    if native.NO_EXTENSIONS:
+        assert not any(health["extensions"].values())
     ready = client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["tasks"] == ["mlp", "nan", "slow"]
     tasks = client.get("/v1/tasks").json()["tasks"]
@@ -184,9 +191,11 @@ def test_embeddings_input_errors(client):
     assert r.status_code == 400 and error_of(r)["field"] == "encoding_format"
     r = client.post("/v1/embeddings", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and error_of(r)["field"] == "body"
-    # a task without a raw text route says so (tensor-only generic model)
+    # a task that takes no text says so (tensor-only generic model), naming the task
     r = client.post("/v1/embeddings", json={"model": "mlp", "input": "hi"})
-    assert r.status_code == 400 and error_of(r)["field"] == "lumen.input.kind"
+    assert r.status_code == 400
+    err = error_of(r)
+    assert err["code"] == "invalid_argument" and "'mlp'" in err["message"]
 
 
 def test_hostile_bodies_and_headers_answer_400_not_500(client):
@@ -234,6 +243,20 @@ def test_raw_tensor_reply_of_an_empty_output():
     assert reply.headers["Lumen-Tensor-Shape"] == "[0,4]"
     full = HttpApp._tensor_reply(InferResponse("c", "t", {"y": np.arange(3, dtype=">f4")}, {}), None)
     assert np.frombuffer(full.body, "<f4").tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_codec_speaks_the_contract_dtype_table(name):
+    """One dtype table: every contract dtype round-trips through the shared encoding (names,
+    little-endian bytes from either byte order, JSON, base64)."""
+    want = np.arange(6).astype(DTYPES[name]).reshape(2, 3)
+    for arr in (want, want.astype(want.dtype.newbyteorder(">"))):
+        assert codec.dtype_name(arr) == name
+        assert bytes(codec.tensor_view(arr)) == codec.tensor_bytes(arr) == want.tobytes()
+        assert codec.tensor_json(arr) == {"dtype": name, "shape": [2, 3],
+                                          "data": want.reshape(-1).tolist()}
+        assert base64.b64decode(codec.b64_tensor(arr)) == want.tobytes()
+    assert codec.shape_text(want.shape) == "[2,3]"
 
 
 def test_429_with_retry_after_then_504_for_the_queued(server, client):
@@ -315,7 +338,7 @@ def test_client_disconnect_cancels_the_queued_request(server):
     s.sendall(_raw_request("slow", S.mlp_input()))
     S.wait_for(lambda: batcher.pending == 1, "the request to be queued")
     s.close()
-    # the queue delay is 3 s; the cancellation must free the slot well before that
+    # a lone request waits SLOW_DELAY_US; the cancellation must free the slot well before that
     S.wait_for(lambda: batcher.pending == 0, "the queued request to be cancelled",
                timeout=S.SLOW_DELAY_US / 1e6 / 2)
     samples = S.scrape(server.url)

@@ -8,10 +8,19 @@ metadata ``lumen-error-code`` / ``lumen-error-field`` so a client can rebuild th
 :class:`~lumen_core.errors.LumenError` (``errors.from_code``).  On a stream a failed request
 yields an ``error`` message and the stream stays open: one bad chunk must not end a session.
 
-Ordering on a stream: requests that share ``lumen.sequence.id`` are submitted strictly in the
-order they arrived (each waits for its predecessor to finish), because a stateful model's state
-is carried from one chunk to the next; requests of different sequences (or none) run
-concurrently and are batched together.  Responses carry the request's ``correlation_id``.
+A stream translates, nothing more.  Each message is handed to ``Runtime.infer`` as it arrives,
+in arrival order; the runtime admits a request before it first yields to the event loop, so
+requests of one sequence reach the task's sequence batcher in the order they were sent, and
+the sequence batcher runs them in that order (one in flight per sequence, each seeing the
+state its predecessor left).  The stream keeps no queue of its own: every request counts
+against the task's queue limits as soon as it arrives, and one past ``max_queue_size`` gets an
+``Overloaded`` (``resource_exhausted``) error message on the stream.  What the stream does
+bound is itself: at most :data:`STREAM_MAX_IN_FLIGHT` of its requests (and
+:data:`STREAM_MAX_IN_FLIGHT_BYTES` of their payload) are admitted and not yet answered, and no
+further message is read while that window is full, so a client that sends faster than the
+server answers is slowed by HTTP/2 flow control instead of growing the server's memory.
+Responses carry the request's ``correlation_id`` and may interleave
+across sequences.
 """
 from __future__ import annotations
 
@@ -21,16 +30,14 @@ from typing import Any, AsyncIterator, Optional
 
 import grpc
 
-from ..contract import KEY_SEQUENCE_ID
 from ..errors import InternalError, LumenError, Overloaded, Unavailable
 from ..request import InferRequest
-from .http import dtype_name
+from . import codec
 from .metrics import PrometheusObserver
 from .proto import lumen_pb2, lumen_pb2_grpc
 
 log = logging.getLogger("lumen.grpc")
 
-SERVICE_NAME = "lumen.v1.Inference"
 #: headroom over ``max_payload_bytes`` for the rest of a request message (meta, names)
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
 #: replies carry whole output tensors; allow well above the default 4 MiB
@@ -38,6 +45,13 @@ MAX_SEND_MESSAGE_BYTES = 256 * 1024 * 1024
 ERROR_CODE_KEY = "lumen-error-code"
 ERROR_FIELD_KEY = "lumen-error-field"
 RETRY_AFTER_KEY = "retry-after"
+#: the most requests of one ``InferStream`` call admitted and not yet answered (their reply
+#: not yet handed to gRPC); past it the stream is not read until one is answered.  Enough for
+#: one stream to fill batches of a few hundred interleaved sequences (one chunk each)
+STREAM_MAX_IN_FLIGHT = 256
+#: the most payload bytes of one stream in that state (one message is always admitted, however
+#: large: ``max_payload_bytes`` bounds it); with the count above it bounds a stream's memory
+STREAM_MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 
 
 def to_request(msg: Any) -> InferRequest:
@@ -49,9 +63,9 @@ def to_proto(resp: Any) -> Any:
     out = lumen_pb2.InferResponse(correlation_id=resp.correlation_id, task=resp.task)
     for name, arr in resp.outputs.items():
         t = out.outputs[name]
-        t.dtype = dtype_name(arr)
+        t.dtype = codec.dtype_name(arr)
         t.shape.extend(arr.shape)
-        t.data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        t.data = codec.tensor_bytes(arr)
     out.meta.update(resp.meta)
     return out
 
@@ -67,13 +81,55 @@ def error_metadata(exc: LumenError) -> tuple:
     return tuple(md)
 
 
-class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
-    """Implements ``lumen.v1.Inference`` over one running runtime."""
+class StreamWindow:
+    """The requests of one stream admitted and not yet answered, bounded in count and bytes.
 
-    def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None):
+    ``acquire`` waits while the window is full; one request is always let in when the window
+    is empty, so a message larger than the byte budget still runs (alone)."""
+
+    __slots__ = ("max_requests", "max_bytes", "requests", "nbytes", "_freed")
+
+    def __init__(self, max_requests: int, max_bytes: int):
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.requests = 0
+        self.nbytes = 0
+        self._freed = asyncio.Event()
+
+    def _full(self, nbytes: int) -> bool:
+        return self.requests > 0 and (self.requests >= self.max_requests
+                                      or self.nbytes + nbytes > self.max_bytes)
+
+    async def acquire(self, nbytes: int) -> None:
+        while self._full(nbytes):
+            self._freed.clear()
+            await self._freed.wait()
+        self.requests += 1
+        self.nbytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.requests -= 1
+        self.nbytes -= nbytes
+        self._freed.set()
+
+
+class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
+    """Implements ``lumen.v1.Inference`` over one running runtime.
+
+    ``stream_in_flight`` / ``stream_in_flight_bytes``: requests (payload bytes) of all open
+    streams admitted and not yet answered, each stream's share bounded by ``stream_window``
+    (requests) and ``stream_window_bytes``."""
+
+    def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None,
+                 stream_window: int = STREAM_MAX_IN_FLIGHT,
+                 stream_window_bytes: int = STREAM_MAX_IN_FLIGHT_BYTES):
         self.runtime = runtime
         self.observer = observer
         self.draining = False
+        self.stream_window = stream_window
+        self.stream_window_bytes = stream_window_bytes
+        self.stream_in_flight = 0
+        self.stream_in_flight_bytes = 0
 
     def _count(self, method: str, status: str) -> None:
         if self.observer is not None:
@@ -100,37 +156,55 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self._count("Infer", "OK")
         return to_proto(resp)
 
+    async def _stream_one(self, msg: Any) -> Any:
+        """One stream message -> its reply message (a response or an error, never a raise)."""
+        cid = msg.correlation_id
+        try:
+            reply = lumen_pb2.InferStreamResponse(correlation_id=cid,
+                                                  response=to_proto(await self._infer(msg)))
+        except LumenError as exc:
+            self._count("InferStream", exc.grpc_status)
+            return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(exc))
+        except Exception as exc:  # noqa: BLE001 - one bad reply must not stall the stream
+            log.exception("unhandled error in InferStream")
+            err = InternalError(f"internal server error: {exc}")
+            self._count("InferStream", err.grpc_status)
+            return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(err))
+        self._count("InferStream", "OK")
+        return reply
+
+    def _admitted(self, nbytes: int) -> None:
+        self.stream_in_flight += 1
+        self.stream_in_flight_bytes += nbytes
+
+    def _answered(self, window: StreamWindow, nbytes: int) -> None:
+        window.release(nbytes)
+        self.stream_in_flight -= 1
+        self.stream_in_flight_bytes -= nbytes
+
     async def InferStream(self, request_iterator: AsyncIterator,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator:
-        replies: asyncio.Queue = asyncio.Queue()
-        tails: dict = {}  # sequence id -> the task of its latest request
+        window = StreamWindow(self.stream_window, self.stream_window_bytes)
+        replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes); None: no more
         running: set = set()
 
-        async def one(msg: Any, before: Optional[asyncio.Task]) -> None:
-            if before is not None:
-                await asyncio.wait((before,))
-            try:
-                reply = lumen_pb2.InferStreamResponse(correlation_id=msg.correlation_id,
-                                                      response=to_proto(await self._infer(msg)))
-                self._count("InferStream", "OK")
-            except LumenError as exc:
-                reply = lumen_pb2.InferStreamResponse(correlation_id=msg.correlation_id,
-                                                      error=error_proto(exc))
-                self._count("InferStream", exc.grpc_status)
-            replies.put_nowait(reply)
+        def finished(nbytes: int, task: asyncio.Task) -> None:
+            running.discard(task)
+            if not task.cancelled():
+                replies.put_nowait((task.result(), nbytes))
 
         async def read() -> None:
             try:
                 async for msg in request_iterator:
-                    seq = msg.meta.get(KEY_SEQUENCE_ID, "")
-                    before = tails.get(seq) if seq else None
-                    task = asyncio.ensure_future(one(msg, before))
+                    nbytes = len(msg.payload)
+                    # backpressure: while the window is full no further message is read
+                    await window.acquire(nbytes)
+                    self._admitted(nbytes)
+                    # Tasks start in creation order and Runtime.infer admits a request before
+                    # it first suspends, so requests reach their batcher in arrival order.
+                    task = asyncio.ensure_future(self._stream_one(msg))
                     running.add(task)
-                    task.add_done_callback(running.discard)
-                    if seq:
-                        tails[seq] = task
-                        task.add_done_callback(
-                            lambda t, s=seq: tails.pop(s, None) if tails.get(s) is t else None)
+                    task.add_done_callback(lambda t, n=nbytes: finished(n, t))
                 if running:
                     await asyncio.wait(set(running))
             finally:
@@ -139,16 +213,22 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         reader = asyncio.ensure_future(read())
         try:
             while True:
-                reply = await replies.get()
-                if reply is None:
+                item = await replies.get()
+                if item is None:
                     break
-                yield reply
+                try:
+                    yield item[0]
+                finally:
+                    self._answered(window, item[1])  # handed to gRPC, or the call is over
             await reader  # surfaces a broken request stream as the call's error
         finally:
-            # the caller went away (or the stream failed): cancel what is still queued
+            # the caller went away (or the stream failed): cancel what is still queued and
+            # take this stream's remaining share off the servicer's in-flight counts
             reader.cancel()
             for task in list(running):
                 task.cancel()
+            self.stream_in_flight -= window.requests
+            self.stream_in_flight_bytes -= window.nbytes
 
 
 class GrpcServer:

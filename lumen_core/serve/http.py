@@ -11,17 +11,20 @@ Routes::
     POST /v1/infer/{task}   body = payload, Content-Type = payload mime, query = meta
     POST /v1/embeddings     OpenAI-compatible; one runtime request per input item
     GET  /v1/tasks          each task's contract;  GET /v1/models  (OpenAI model list)
-    GET  /healthz  /readyz  /metrics
+    GET  /healthz           live, plus which compiled extensions are in use
+    GET  /readyz  /metrics
 
 Every error is ``{"error": {"code", "message", "field"}}`` with the status of SPEC section 2.
 The body is read once and handed to the runtime as the ``bytes`` object the server produced
 (joined only when it arrived in several chunks); tensor replies are sent from a memoryview of
-the output array, so neither direction copies a payload in Python.
+the output array, so neither direction copies a payload in Python.  The app translates between
+HTTP and ``InferRequest`` / ``InferResponse`` and nothing more: what it needs to know about
+tasks it asks the runtime's query API (``task_names``, ``describe``, ``token_ids_request``,
+``text_request``, ``extensions``), and outputs are encoded by :mod:`.codec`.
 """
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import time
@@ -34,7 +37,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..contract import DTYPE_NAMES, RESP_TOKENS
 from ..errors import (
     InternalError,
     InvalidArgument,
@@ -46,6 +48,7 @@ from ..errors import (
     UnsupportedMediaType,
 )
 from ..request import InferRequest
+from . import codec
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
 
@@ -67,22 +70,14 @@ MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
 ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, GET /v1/tasks, "
                "/v1/models, /healthz, /readyz, /metrics")
-#: token-id inputs to /v1/embeddings go through the tensor route with this dtype and layout
-TOKEN_DTYPE, TOKEN_LAYOUT = "int64", "NL"
-
-_JSON_SEPARATORS = (",", ":")
 
 
 class ClientGone(Exception):
     """The client disconnected before its reply was ready (nothing can be sent)."""
 
 
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=_JSON_SEPARATORS, allow_nan=False).encode()
-
-
 def json_response(obj: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
-    return Response(_dumps(obj), status_code=status, headers=headers, media_type=JSON)
+    return Response(codec.dumps(obj), status_code=status, headers=headers, media_type=JSON)
 
 
 def error_response(exc: LumenError) -> Response:
@@ -103,16 +98,6 @@ async def routing_error(request: Request, exc: HTTPException) -> Response:
     msg = f"{exc.detail}: {request.method} {path}; {ROUTES_HINT}"
     return json_response({"error": {"code": code, "message": msg, "field": None}},
                          exc.status_code, exc.headers)
-
-
-def dtype_name(arr: np.ndarray) -> str:
-    return DTYPE_NAMES.get(arr.dtype.newbyteorder("="), str(arr.dtype))
-
-
-def _little_endian(arr: np.ndarray) -> np.ndarray:
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(arr)
 
 
 class HttpApp:
@@ -242,10 +227,7 @@ class HttpApp:
         accept = headers.get("accept", "")
         if OCTET_STREAM in accept and JSON not in accept:
             return self._tensor_reply(resp, headers.get(OUTPUT_HEADER))
-        outputs = {name: {"dtype": dtype_name(a), "shape": list(a.shape),
-                          "data": a.reshape(-1).tolist()} for name, a in resp.outputs.items()}
-        return json_response({"correlation_id": resp.correlation_id, "task": resp.task,
-                              "outputs": outputs, "meta": resp.meta},
+        return json_response(codec.response_json(resp),
                              headers={"X-Correlation-Id": resp.correlation_id})
 
     @staticmethod
@@ -262,15 +244,13 @@ class HttpApp:
             raise InvalidArgument(f"task {resp.task!r} has {len(outs)} outputs "
                                   f"({', '.join(outs)}); pick one with the Lumen-Output header "
                                   f"or accept application/json", "Accept")
-        arr = _little_endian(outs[name])
-        headers = {"Lumen-Tensor-Dtype": dtype_name(arr),
-                   "Lumen-Tensor-Shape": "[" + ",".join(str(d) for d in arr.shape) + "]",
+        arr = outs[name]
+        headers = {"Lumen-Tensor-Dtype": codec.dtype_name(arr),
+                   "Lumen-Tensor-Shape": codec.shape_text(arr.shape),
                    "Lumen-Output": name, "X-Correlation-Id": resp.correlation_id}
         for k, v in resp.meta.items():
             headers["Lumen-Meta-" + k] = v
-        # a uint8 view, not memoryview.cast: cast refuses a zero-size array (an empty output)
-        return Response(memoryview(arr.reshape(-1).view(np.uint8)), headers=headers,
-                        media_type=OCTET_STREAM)
+        return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
 
     async def embeddings(self, request: Request) -> Response:
         self._check_open()
@@ -290,17 +270,17 @@ class HttpApp:
         cid = request.headers.get("x-correlation-id", "")
         reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "")
                 for i, item in enumerate(items)]
-        infer = self.runtime.infer
+        rt = self.runtime
         try:
             if len(reqs) == 1:
-                results = [await self._until_done_or_gone(request, infer(reqs[0]))]
+                results = [await self._until_done_or_gone(request, rt.infer(reqs[0]))]
             else:
-                # every item's outcome is collected (no orphaned failures); the first error in
-                # index order answers the call, as one bad input fails an OpenAI request
-                results = await self._until_done_or_gone(
-                    request, asyncio.gather(*(infer(r) for r in reqs), return_exceptions=True))
+                # each item is its own request (batched by the runtime) and has its own
+                # outcome; the first error in index order answers the call, as one bad input
+                # fails an OpenAI request
+                results = await self._until_done_or_gone(request, rt.infer_many(reqs))
                 for res in results:
-                    if isinstance(res, BaseException):
+                    if isinstance(res, LumenError):
                         raise res
         except TaskNotFound as exc:
             raise TaskNotFound(exc.message, "model") from None
@@ -308,11 +288,11 @@ class HttpApp:
         tokens = 0
         for i, res in enumerate(results):
             vec = self._embedding_output(res)
-            emb: Any = (base64.b64encode(memoryview(_little_endian(vec.astype(np.float32, copy=False)))
-                                         .cast("B")).decode("ascii")
-                        if fmt == "base64" else vec.reshape(-1).tolist())
+            emb: Any = (codec.b64_tensor(vec, np.float32) if fmt == "base64"
+                        else vec.reshape(-1).tolist())
             data.append({"object": "embedding", "index": i, "embedding": emb})
-            tokens += int(res.meta.get(RESP_TOKENS, 0))
+            if res.stats is not None:
+                tokens += res.stats.tokens
         return json_response({"object": "list", "data": data, "model": model,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -346,30 +326,20 @@ class HttpApp:
         return model, items, fmt
 
     def _embedding_request(self, model: str, item: Any, cid: str) -> InferRequest:
+        """A text goes as the ``str`` itself (no encode here, no decode in the task); token ids
+        go through the tensor route under the preprocess id the task declares for them (the
+        tokenizer contract stays the task's: the runtime builds that request)."""
+        rt = self.runtime
         if isinstance(item, str):
-            return InferRequest(model, item.encode("utf-8"), "text/plain; charset=utf-8", {}, cid)
+            return rt.text_request(model, item, cid)
         if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in item):
-            return self._token_request(model, item, cid)
+            if not rt.has_task(model):
+                # no contract to ask: infer answers it like any request for an unknown task
+                # (404, or 503 while the runtime is not running)
+                return rt.text_request(model, "", cid)
+            return rt.token_ids_request(model, item, cid, "input")
         raise InvalidArgument("each 'input' item must be a string or an array of token ids", "input")
-
-    def _token_request(self, model: str, ids: list, cid: str) -> InferRequest:
-        """Token ids go through the tensor route under the preprocess id the task declares
-        for int64 ``[1, L]`` input (the tokenizer contract stays the task's)."""
-        task = self.runtime.tasks.get(model)
-        if task is None:
-            return InferRequest(model, b"", "", {}, cid)  # the runtime answers 404 / 503
-        for spec in task.backend.contract.specs:
-            if spec.dtype == TOKEN_DTYPE and spec.layout == TOKEN_LAYOUT and spec.preprocess_ids:
-                try:
-                    arr = np.asarray(ids, dtype=np.int64)
-                except OverflowError:
-                    raise InvalidArgument("token ids must fit in int64", "input") from None
-                meta = {"lumen.input.kind": "tensor", "lumen.tensor.dtype": TOKEN_DTYPE,
-                        "lumen.tensor.shape": f"[1,{arr.size}]", "lumen.tensor.layout": TOKEN_LAYOUT,
-                        "lumen.preprocess.id": sorted(spec.preprocess_ids)[0]}
-                return InferRequest(model, arr, OCTET_STREAM, meta, cid)
-        raise InvalidArgument(f"task {model!r} does not take token ids; send text", "input")
 
     @staticmethod
     def _embedding_output(res: Any) -> np.ndarray:
@@ -389,17 +359,19 @@ class HttpApp:
         created = int(time.time())
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "lumen"}
-            for name in sorted(self.runtime.tasks)]})
+            for name in self.runtime.task_names()]})
 
     async def healthz(self, request: Request) -> Response:
-        return json_response({"status": "ok"})
+        """Live (no runtime state needed), and which compiled extensions this build runs, so
+        an operator can tell a build without them (``LUMEN_NO_EXTENSIONS=1``) from a fast one."""
+        return json_response({"status": "ok", "extensions": self.runtime.extensions()})
 
     async def readyz(self, request: Request) -> Response:
         if self.draining:
             raise Unavailable("the server is shutting down")
         if not self.runtime.ready:
             raise Unavailable("the runtime is still loading and warming up its tasks")
-        return json_response({"status": "ready", "tasks": sorted(self.runtime.tasks)})
+        return json_response({"status": "ready", "tasks": self.runtime.task_names()})
 
     async def metrics(self, request: Request) -> Response:
         if self.observer is None:

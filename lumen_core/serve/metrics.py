@@ -121,7 +121,6 @@ class RuntimeCollector:
             pending.add_metric([name], float(getattr(batcher, "pending", 0)))
             in_flight.add_metric([name], float(getattr(batcher, "in_flight", 0)))
             padding.add_metric([name], float(task.padding_ratio))
-            if hasattr(batcher, "active_sequences"):
-                n = batcher.active_sequences
-                active.add_metric([name], float(n() if callable(n) else n))
+            if hasattr(batcher, "active_sequences"):  # a sequence batcher (a property)
+                active.add_metric([name], float(batcher.active_sequences))
         yield from (ready, pending, in_flight, padding, active)

@@ -121,8 +121,8 @@ class LumenServer:
                 raise RuntimeError("the HTTP server exited during start-up")
             await asyncio.sleep(0.01)
         grpc_txt = f", grpc {self.host}:{self.grpc_port}" if self.grpc is not None else ""
-        log.info("lumen ready: tasks %s on http://%s:%d%s", ", ".join(sorted(rt.tasks)),
-                    self.host, self.http_port, grpc_txt)
+        log.info("lumen ready: tasks %s on http://%s:%d%s", ", ".join(rt.task_names()),
+                 self.host, self.http_port, grpc_txt)
 
     def shutdown(self) -> "asyncio.Task":
         """Begin the graceful stop (idempotent); returns the task that performs it."""

@@ -3,9 +3,10 @@
 The generated ``lumen_pb2.py`` / ``lumen_pb2_grpc.py`` are committed rather than built at
 install time: installing the server then needs only the ``grpcio`` and ``protobuf`` runtimes,
 not ``grpcio-tools`` (a large native build dependency), and a wheel is the same on every
-machine.  Reproducibility is kept by one command, :data:`GENERATE_ARGS`, run from the
-repository root (``python -m lumen_core.serve.proto``), and by a test that regenerates the code
-into a temporary folder and compares it with the committed files byte for byte.
+machine.  Reproducibility is kept by one command run from the repository root
+(``python -m lumen_core.serve.proto``, which calls :func:`generate`), and by a test that
+regenerates the code into a temporary folder and compares it with the committed files byte for
+byte.
 
 Generated with grpcio-tools 1.85.1 (protoc 7.35.1): the code checks at import that the runtime
 is at least that new, hence ``grpcio>=1.85.1`` and ``protobuf>=7.35.1,<8`` in the ``serve``
@@ -16,7 +17,6 @@ root so the generated service module imports its messages as
 from __future__ import annotations
 
 import pathlib
-import sys
 from typing import Optional
 
 PROTO_RELPATH = "lumen_core/serve/proto/lumen.proto"
@@ -29,10 +29,6 @@ def generate_args(root: str, out: str) -> list:
             f"{root}/{PROTO_RELPATH}"]
 
 
-#: what ``python -m lumen_core.serve.proto`` runs, from the repository root
-GENERATE_ARGS = generate_args(".", ".")
-
-
 def generate(root: Optional[str] = None, out: Optional[str] = None) -> pathlib.Path:
     """Run protoc (from grpcio-tools) on ``lumen.proto``; return the folder the code went to."""
     from grpc_tools import protoc
@@ -43,7 +39,3 @@ def generate(root: Optional[str] = None, out: Optional[str] = None) -> pathlib.P
     if rc != 0:
         raise RuntimeError(f"protoc failed with status {rc}")
     return pathlib.Path(out) / pathlib.Path(PROTO_RELPATH).parent
-
-
-if __name__ == "__main__":  # pragma: no cover
-    print(generate(), file=sys.stderr)

@@ -61,7 +61,9 @@ class InferenceServicer:
         """Many requests on one stream (the transport for sequences, e.g. VAD audio chunks).
         Requests of one lumen.sequence.id are run in the order they were sent; responses carry
         the request's correlation_id and may interleave across sequences.  A failed request
-        yields an `error` message; the stream stays open.
+        yields an `error` message; the stream stays open.  Every request counts against its
+        task's queue limit as it arrives (past it: a `resource_exhausted` error message), and the
+        server stops reading a stream while too many of its requests are unanswered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,83 @@
+"""The wire encoding every front door shares: output tensors as bytes, JSON and base64.
+
+HTTP (JSON and raw tensor replies, ``/v1/embeddings``), gRPC (``Tensor`` messages) and the
+CLI's in-process ``lumen infer`` print the same thing for the same output, so the encoding lives
+here once and each of them imports this module instead of another transport.  It depends on
+numpy and :mod:`lumen_core.contract` only (no Starlette, no grpcio), so importing it is cheap.
+
+- dtype names come from :data:`lumen_core.contract.DTYPE_NAMES`, the one dtype table; a numpy
+  dtype that has no lumen name (a generic model may return one) is reported by numpy's name;
+- bytes are little-endian and C-contiguous (the only byte order the tensor route takes in, so
+  the one it gives out); a native little-endian contiguous array is not copied;
+- JSON carries ``{"dtype", "shape", "data"}`` with ``data`` flattened in C order.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..contract import DTYPE_NAMES
+
+_JSON_SEPARATORS = (",", ":")
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    """The lumen name of ``arr``'s dtype (``fp32``, ``int64``, ...), whatever its byte order."""
+    return DTYPE_NAMES.get(arr.dtype.newbyteorder("="), str(arr.dtype))
+
+
+def little_endian(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as a C-contiguous little-endian array (the same object when it already is)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)
+
+
+def tensor_view(arr: np.ndarray) -> memoryview:
+    """The little-endian bytes of ``arr`` as a flat ``uint8`` memoryview, without a copy when
+    ``arr`` is already little-endian and contiguous.  A ``uint8`` view rather than
+    ``memoryview.cast``: ``cast`` refuses a zero-size array (an empty output)."""
+    return memoryview(little_endian(arr).reshape(-1).view(np.uint8))
+
+
+def tensor_bytes(arr: np.ndarray) -> bytes:
+    """The little-endian bytes of ``arr`` as a ``bytes`` object (what protobuf fields take)."""
+    return little_endian(arr).tobytes()
+
+
+def shape_text(shape: Any) -> str:
+    """A shape as the compact JSON array the tensor route's shape key takes: ``[1,384]``."""
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+def tensor_json(arr: np.ndarray) -> dict:
+    """One output as ``{"dtype", "shape", "data"}`` (``data`` flat, C order)."""
+    return {"dtype": dtype_name(arr), "shape": list(arr.shape), "data": arr.reshape(-1).tolist()}
+
+
+def outputs_json(outputs: Mapping[str, np.ndarray]) -> dict:
+    return {name: tensor_json(arr) for name, arr in outputs.items()}
+
+
+def response_json(resp: Any) -> dict:
+    """An :class:`~lumen_core.request.InferResponse` as the JSON object of SPEC section 6:
+    ``{"correlation_id", "task", "outputs": {name: tensor_json}, "meta"}``."""
+    return {"correlation_id": resp.correlation_id, "task": resp.task,
+            "outputs": outputs_json(resp.outputs), "meta": resp.meta}
+
+
+def b64_tensor(arr: np.ndarray, dtype: Any = None) -> str:
+    """Base64 of ``arr``'s little-endian bytes (after a cast to ``dtype`` when given), as the
+    OpenAI API's ``encoding_format: base64`` sends embeddings (float32)."""
+    if dtype is not None:
+        arr = arr.astype(dtype, copy=False)
+    return base64.b64encode(tensor_view(arr)).decode("ascii")
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes; NaN / infinity are refused (results are validated finite first, so
+    one reaching here is a bug that must fail loudly rather than emit invalid JSON)."""
+    return json.dumps(obj, separators=_JSON_SEPARATORS, allow_nan=False).encode()
