@@ -230,10 +230,28 @@ class Runtime:
         observe = self._observe
         t0 = time.perf_counter_ns() if observe is not None else 0
         route = "raw"
+        backend = task.backend
         try:
-            desc, prepared = self._validate(task, req)
-            if prepared is None:  # heavy input: prepared in a worker thread
+            # the common case inline (a C-contiguous buffer within the limit); anything else
+            # (a str, a bad buffer, too large) takes ``_payload``, which accepts or explains
+            try:
+                payload = memoryview(req.payload)
+                nbytes = payload.nbytes
+                if nbytes > self._max_payload or not payload.c_contiguous:
+                    raise TypeError
+            except TypeError:
+                payload, nbytes = self._payload(req.payload, backend)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
+            if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
+                    and not backend.stateful:  # stateful: admitted in arrival order, inline
                 prepared = await asyncio.to_thread(self._prepare, task, req, desc)
+            else:
+                try:
+                    prepared = backend.prepare(req, desc, payload)
+                except LumenError:
+                    raise
+                except Exception as exc:
+                    raise self._prepare_failed(task, exc) from exc
             route = desc.kind
             priority, timeout_ms = task.policy(desc)
             batcher = task.batcher
@@ -264,7 +282,8 @@ class Runtime:
         backend = task.backend
         payload, nbytes = self._payload(req.payload, backend)
         desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
-        if backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes:
+        if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
+                and not backend.stateful:
             return desc, None
         return desc, self._prepare(task, req, desc, payload)
 
@@ -273,8 +292,8 @@ class Runtime:
         that takes text (its size counted in code points: each is at least one byte)."""
         if type(payload) is str:
             if not backend.accepts_text:
-                raise InvalidArgument(f"task {backend.name!r} does not take a str payload; send "
-                                      f"bytes", "payload")
+                raise InvalidArgument(f"task {backend.name!r} takes no text input; send its "
+                                      f"input as bytes or a tensor (see /v1/tasks)", "payload")
             n = len(payload)
         else:
             try:
@@ -297,9 +316,14 @@ class Runtime:
             return task.backend.prepare(req, desc, payload)
         except LumenError:
             raise
-        except Exception as exc:  # a backend bug on odd input must not escape as a crash
-            log.exception("task %s: prepare failed", task.name)
-            raise InternalError(f"task {task.name!r} failed to prepare the input: {exc}") from exc
+        except Exception as exc:
+            raise self._prepare_failed(task, exc) from exc
+
+    @staticmethod
+    def _prepare_failed(task: Task, exc: Exception) -> InternalError:
+        """A backend bug on odd input must not escape as a crash: logged, answered."""
+        log.error("task %s: prepare failed", task.name, exc_info=exc)
+        return InternalError(f"task {task.name!r} failed to prepare the input: {exc}")
 
     async def infer_many(self, requests: Sequence[InferRequest]) -> list:
         """Run many requests as one group; return, in order, each one's ``InferResponse`` or
@@ -466,6 +490,21 @@ class Runtime:
         if task is not None:
             return self._task(task).backend.describe()
         return {name: t.backend.describe() for name, t in self.tasks.items()}
+
+    def load(self) -> dict:
+        """``{task: {pending, in_flight, padding_ratio[, active_sequences, backlog]}}`` now:
+        queued requests, running batches, padded share of token slots; for stateful tasks the
+        sequences holding a slot and those waiting for one."""
+        out = {}
+        for name, t in list(self.tasks.items()):
+            b = t.batcher
+            load = {"pending": b.pending, "in_flight": b.in_flight,
+                    "padding_ratio": t.padding_ratio}
+            if t.backend.stateful:
+                load["active_sequences"] = b.active_sequences
+                load["backlog"] = b.backlog
+            out[name] = load
+        return out
 
     @staticmethod
     def extensions() -> dict:

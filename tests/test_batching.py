@@ -174,6 +174,48 @@ def test_priority_order():
     asyncio.run(main())
 
 
+def test_full_low_priority_batch_never_jumps_a_later_high_priority_request():
+    # worker-side formation: the worker picks its next batch the moment it finishes one, so
+    # a high-priority request that arrived after a whole low-priority batch still goes first
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, priority_levels=2), [w])
+        first = asyncio.ensure_future(b.infer(Item(0), priority=2))
+        await wait_started(w)
+        low = [asyncio.ensure_future(b.infer(Item(v), priority=2)) for v in range(1, 9)]
+        await asyncio.sleep(0)
+        high = asyncio.ensure_future(b.infer(Item(100), priority=1))
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, high, *low)
+        # the high-priority request leads the next batch, which fills up in FIFO order
+        assert [[v for _, v in batch] for batch in w.batches] == [[0], [100, 1, 2, 3],
+                                                                   [4, 5, 6, 7], [8]]
+    asyncio.run(main())
+
+
+def test_priority_order_holds_with_many_callers_and_a_busy_worker():
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, priority_levels=3, max_queue_size=500), [w])
+        first = asyncio.ensure_future(b.infer(Item(-1)))
+        await wait_started(w)
+        import random
+
+        rng = random.Random(4)
+        prios = [rng.randint(1, 3) for _ in range(200)]
+        futs = [asyncio.ensure_future(b.infer(Item(i), priority=p)) for i, p in enumerate(prios)]
+        await asyncio.sleep(0)
+        gate.set()
+        res = await asyncio.gather(first, *futs)
+        assert [r.value for r in res[1:]] == [2 * i for i in range(200)]
+        seen = w.seen()[1:]
+        assert seen == sorted(range(200), key=lambda i: (prios[i], i))
+    asyncio.run(main())
+
+
 def test_preferred_batch_sizes():
     async def main():
         gate = threading.Event()

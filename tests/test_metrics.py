@@ -17,11 +17,11 @@ from lumen_core.serve.proto import lumen_pb2_grpc as pb_grpc
 
 
 def _fake_runtime(active: bool) -> types.SimpleNamespace:
-    batcher = types.SimpleNamespace(pending=3, in_flight=1)
+    """What the collector reads: ``ready`` and the ``load()`` query of the Runtime."""
+    load = {"pending": 3, "in_flight": 1, "padding_ratio": 0.25}
     if active:
-        batcher.active_sequences = 5
-    task = types.SimpleNamespace(batcher=batcher, padding_ratio=0.25)
-    return types.SimpleNamespace(ready=True, tasks={"t": task})
+        load.update(active_sequences=5, backlog=0)
+    return types.SimpleNamespace(ready=True, load=lambda: {"t": load})
 
 
 def _samples(observer: PrometheusObserver) -> dict:

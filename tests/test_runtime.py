@@ -284,3 +284,114 @@ def test_failed_background_start_leaves_no_loop_thread(tmp_path):
             pass
     assert rt._thread is None
     assert not [t for t in threading.enumerate() if t.name == "lumen-runtime"]
+
+
+# ------------------------------------------------------------------ infer_many (issue 11)
+def test_infer_many_mixed_valid_and_invalid_items_fail_alone(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=8),
+                     task("sqrt", model_dir / "sqrt.onnx", max_batch_size=8)]}
+    xs = np.random.default_rng(5).standard_normal((20, 16)).astype(np.float32)
+    ref = M.mlp_reference(xs)
+    reqs = [mlp_req(xs[i]) for i in range(20)]
+    reqs[3] = mlp_req(xs[3], **{"lumen.tensor.dtype": "fp16"})  # lies about its dtype
+    reqs[7] = lc.InferRequest("nope", b"", "")  # unknown task
+    reqs[11] = lc.new_infer_request("sqrt").for_tensor_array(
+        -np.ones((1, 4), np.float32), "NC", "none").build()  # another task: NaN output
+    reqs[12] = lc.new_infer_request("sqrt").for_tensor_array(
+        np.full((1, 4), 4.0, np.float32), "NC", "none").build()
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            return await rt.infer_many(reqs)
+
+    out = asyncio.run(main())
+    assert len(out) == 20
+    assert isinstance(out[3], lc.InvalidArgument) and out[3].field == "lumen.tensor.dtype"
+    assert isinstance(out[7], lc.TaskNotFound)
+    assert isinstance(out[11], lc.InternalError) and "non-finite" in out[11].message
+    np.testing.assert_allclose(out[12].outputs["y"], np.full(4, 2.0), rtol=1e-6)
+    for i in set(range(20)) - {3, 7, 11, 12}:
+        np.testing.assert_allclose(out[i].outputs["y"], ref[i], atol=1e-5)
+        assert out[i].correlation_id == reqs[i].correlation_id
+        assert 1 <= out[i].stats.batch_size <= 8
+
+
+def test_infer_many_admits_a_group_as_a_unit(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=4, max_queue_size=10)]}
+    xs = np.zeros((11, 16), np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            too_many = await rt.infer_many([mlp_req(x) for x in xs])
+            fits = await rt.infer_many([mlp_req(x) for x in xs[:10]])
+            return too_many, fits
+
+    too_many, fits = asyncio.run(main())
+    # more than the whole queue can never run: refused up front, not retryable, names the limit
+    assert all(isinstance(r, lc.InvalidArgument) for r in too_many)
+    assert "max_queue_size" in too_many[0].message
+    assert all(isinstance(r, lc.InferResponse) for r in fits)
+
+
+def test_infer_many_sync_and_deadlines_per_item(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=4)]}
+    xs = np.random.default_rng(6).standard_normal((6, 16)).astype(np.float32)
+    with lc.Runtime.from_dict(cfg) as rt:
+        out = rt.infer_many_sync([mlp_req(x, **{"lumen.timeout_ms": 60_000}) for x in xs])
+    np.testing.assert_allclose(np.stack([o.outputs["y"] for o in out]), M.mlp_reference(xs),
+                               atol=1e-5)
+
+
+def test_random_cancels_under_load_lose_and_duplicate_nothing(model_dir):
+    # many callers, worker-side formation, random cancellations and tight deadlines: every
+    # caller that was not cancelled gets its own result or a deadline error, none twice
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=16, max_queue_size=4000,
+                          )], }
+    cfg["tasks"][0]["instances"] = 2
+    n = 1500
+    xs = np.random.default_rng(7).standard_normal((n, 16)).astype(np.float32)
+    ref = M.mlp_reference(xs)
+    rng = np.random.default_rng(8)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            futs = []
+            for i in range(n):
+                meta = {"lumen.timeout_ms": 1} if i % 7 == 0 else {}
+                futs.append(asyncio.ensure_future(rt.infer(mlp_req(xs[i], **meta))))
+                if i % 50 == 0:
+                    await asyncio.sleep(0)
+            cancelled = set()
+            for i in rng.choice(n, 300, replace=False):
+                if futs[i].cancel():
+                    cancelled.add(int(i))
+            res = await asyncio.gather(*futs, return_exceptions=True)
+            pending = rt.tasks["mlp"].batcher.pending
+            return res, cancelled, pending
+
+    res, cancelled, pending = asyncio.run(main())
+    assert pending == 0
+    ok = 0
+    for i, r in enumerate(res):
+        if i in cancelled:
+            assert isinstance(r, asyncio.CancelledError)
+        elif isinstance(r, lc.DeadlineExceeded):
+            assert i % 7 == 0
+        else:
+            np.testing.assert_allclose(r.outputs["y"], ref[i], atol=1e-5)
+            ok += 1
+    assert ok >= n - len(cancelled) - (n // 7 + 1)
+
+
+def test_load_query_reports_queue_state(model_dir):
+    cfg = {"tasks": [task("mlp", model_dir / "mlp.onnx", max_batch_size=4)]}
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            idle = rt.load()
+            await rt.infer(mlp_req(np.zeros(16, np.float32)))
+            return idle, rt.load()
+
+    idle, after = asyncio.run(main())
+    assert idle == {"mlp": {"pending": 0, "in_flight": 0, "padding_ratio": 0.0}}
+    assert after["mlp"]["pending"] == 0

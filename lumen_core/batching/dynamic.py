@@ -77,7 +77,17 @@ class DynEntry(Entry):
 
     def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
                  queue: "SignatureQueue", deadline_ns: int):
-        super().__init__(item, waiter, priority, arrival_ns)
+        # Entry's fields set here directly: one call per request instead of two
+        self.item = item
+        self.waiter = waiter
+        self.priority = priority
+        self.arrival_ns = arrival_ns
+        self.dispatch_ns = 0
+        self.timer = None
+        self.state = QUEUED
+        self.outcome = UNSET
+        self.batch_size = 0
+        self.compute_us = 0
         self.queue = queue
         self.deadline_ns = deadline_ns
 

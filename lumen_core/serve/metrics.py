@@ -94,7 +94,7 @@ class PrometheusObserver(Observer):
 
 
 class RuntimeCollector:
-    """Scrape-time gauges read from the runtime's tasks and batchers."""
+    """Scrape-time gauges read through the runtime's ``load()`` query."""
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
@@ -116,11 +116,10 @@ class RuntimeCollector:
         ready = GaugeMetricFamily(f"{NAMESPACE}_ready",
                                   "1 when every task is loaded and warmed up.")
         ready.add_metric([], 1.0 if getattr(self.runtime, "ready", False) else 0.0)
-        for name, task in list(getattr(self.runtime, "tasks", {}).items()):
-            batcher = task.batcher
-            pending.add_metric([name], float(getattr(batcher, "pending", 0)))
-            in_flight.add_metric([name], float(getattr(batcher, "in_flight", 0)))
-            padding.add_metric([name], float(task.padding_ratio))
-            if hasattr(batcher, "active_sequences"):  # a sequence batcher (a property)
-                active.add_metric([name], float(batcher.active_sequences))
+        for name, load in self.runtime.load().items():
+            pending.add_metric([name], float(load["pending"]))
+            in_flight.add_metric([name], float(load["in_flight"]))
+            padding.add_metric([name], float(load["padding_ratio"]))
+            if "active_sequences" in load:  # a stateful task
+                active.add_metric([name], float(load["active_sequences"]))
         yield from (ready, pending, in_flight, padding, active)
