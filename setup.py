@@ -1,6 +1,8 @@
-"""Build the compiled hot path: every csrc/<name>.pyx becomes lumen_core._<name>.
+"""Build the compiled hot path: every csrc/_<name>.pyx becomes lumen_core._<name>.
 
-LUMEN_NO_EXTENSIONS=1 at build time skips compilation (the pure-Python twins are used).
+The compiled module and its pure-Python twin share a name (``lumen_core._descriptor`` /
+``lumen_core.descriptor``; see lumen_core/native.py), so the source is named like the module
+it builds.  LUMEN_NO_EXTENSIONS=1 at build time skips compilation (the twins are used).
 """
 import glob
 import os
@@ -14,12 +16,16 @@ if os.environ.get("LUMEN_NO_EXTENSIONS", "") not in ("1", "true", "yes"):
 
     exts = []
     for pyx in sorted(glob.glob(os.path.join("csrc", "*.pyx"))):
-        name = os.path.splitext(os.path.basename(pyx))[0]
+        stem = os.path.splitext(os.path.basename(pyx))[0]
+        if not stem.startswith("_"):
+            raise SystemExit(f"{pyx}: compiled sources are named csrc/_<name>.pyx after the "
+                             f"module lumen_core._<name> they build")
         exts.append(
             Extension(
-                f"lumen_core._{name}",
+                f"lumen_core.{stem}",
                 [pyx],
-                depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
+                depends=sorted(glob.glob(os.path.join("csrc", "*.h"))
+                               + glob.glob(os.path.join("csrc", "*.pxd"))),
                 include_dirs=["csrc", numpy.get_include()],
                 extra_compile_args=["-O3"],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -1,7 +1,8 @@
 """CLIP image preprocessing: ratios measured in one run (no absolute targets).
 
 1. the normalise/layout step on 224x224x3 uint8 -> fp32 CHW: fused compiled pass vs the numpy
-   reference ``((x / 255) - mean) / std`` + transpose + contiguous fp32 copy, vs the pure twin,
+   reference ``((x / 255) - mean) / std`` + transpose + contiguous fp32 copy, vs the pure twin
+   (``lumen_core.image``; the compiled one is ``lumen_core._image``),
    and vs the floor (``np.copyto`` of an fp32 CHW image: the bytes the step must write);
 2. the whole recipe on JPEGs (decode + resize + crop + normalise): ``preprocess_clip`` vs a
    plain Pillow + numpy implementation of the same recipe.

@@ -1,4 +1,5 @@
-"""Micro benchmarks for batch assembly: compiled vs pure twin vs the numpy floor.
+"""Micro benchmarks for batch assembly: compiled (``lumen_core._assemble``) vs the pure twin
+(``lumen_core.assemble``) vs the numpy floor.
 
     pytest bench/test_bench_assemble.py --benchmark-only     # pytest-benchmark tables, by group
     python bench/test_bench_assemble.py                      # one run, prints the ratios

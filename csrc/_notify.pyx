@@ -8,6 +8,10 @@ back before it can start the next model run.
 """
 from posix.unistd cimport write
 
+from lumen_core import notify as _py
+
+__all__ = list(_py.__all__)
+
 
 def wake(int fd):
     """Write one byte to ``fd``; return what write(2) returned (-1 when the pipe is full: a

@@ -1,8 +1,11 @@
 """Choose the compiled hot path or its pure-Python twin (aiohttp's NO_EXTENSIONS pattern).
 
-Every compiled module ``lumen_core._<name>`` (built from ``csrc/<name>.pyx``) has a pure-Python
-twin exporting the same functions.  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the
-compiled module is used when it imports.  Callers import the chosen module from here::
+Every compiled module ``lumen_core._<name>`` (built from ``csrc/_<name>.pyx``) has a
+pure-Python twin ``lumen_core.<name>`` exporting the same functions (its ``__all__``): one
+behaviour, two implementations, named and placed alike.  The twin is the definition; the
+compiled module imports its cold-path checks and error builders from it and only re-implements
+the hot path.  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
+used when it imports.  Callers import the chosen module from here::
 
     from lumen_core import native
     native.descriptor.parse_meta(meta, nbytes, contract)
@@ -15,12 +18,10 @@ from types import ModuleType
 
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
+#: the twinned hot-path modules, by name
+NAMES = ("descriptor", "assemble", "image", "notify")
 #: name -> (compiled module, pure-Python twin)
-TWINS = {
-    "descriptor": ("lumen_core._descriptor", "lumen_core.contract"),
-    "assemble": ("lumen_core._assemble", "lumen_core.engine.assemble"),
-    "image": ("lumen_core._image", "lumen_core.tasks.image_preprocess"),
-}
+TWINS = {name: (f"lumen_core._{name}", f"lumen_core.{name}") for name in NAMES}
 
 
 def pure(name: str) -> ModuleType:
@@ -42,7 +43,11 @@ def load(name: str) -> ModuleType:
 
 
 def using_extensions() -> dict:
-    """name -> True when the compiled module is in use (reported by ``lumen`` and /healthz)."""
+    """name -> True when the compiled module is in use.
+
+    Reported by ``Runtime.extensions()``, the runtime's start-up log and the server's
+    ``/healthz``, so an operator can tell a build without its extensions from a fast one.
+    """
     return {name: load(name).__name__ == TWINS[name][0] for name in TWINS}
 
 

@@ -1,8 +1,12 @@
 """Shared fixtures.
 
-``impl`` parametrises a test over both implementations of the hot path (ids ``py`` and
-``compiled``, aiohttp-style).  With ``LUMEN_NO_EXTENSIONS=1`` only ``py`` runs; otherwise a
-missing compiled module is a failure, not a skip: CI must build it.
+Compiled vs pure, aiohttp-style (its ``REQUEST_PARSERS`` with ids ``py-parser`` / ``c-parser``):
+every twinned module of ``lumen_core.native.TWINS`` gets a fixture of its own name
+(``descriptor``, ``assemble``, ``image``, ...) parametrised over the pure-Python twin and the
+compiled module, with ids ``py-<name>`` / ``c-<name>``; ``impl`` is the same choice as one
+namespace holding every twin (ids ``py`` / ``c``), for tests that need several.  With
+``LUMEN_NO_EXTENSIONS=1`` only the ``py`` side runs; otherwise a missing compiled module is a
+failure, not a skip: CI must build it.
 """
 from __future__ import annotations
 
@@ -17,7 +21,24 @@ from lumen_core import native
 SHARED = pathlib.Path(os.environ.get("LUMEN_SHARED", pathlib.Path(__file__).resolve().parents[1] / ".." / "shared")).resolve()
 FIXTURES = SHARED / "fixtures"
 
-IMPLS = ["py"] if native.NO_EXTENSIONS else ["py", "compiled"]
+#: implementation kinds under test: "py" (the pure-Python twin) and "c" (compiled)
+IMPLS = ["py"] if native.NO_EXTENSIONS else ["py", "c"]
+
+
+def twin(name: str, kind: str) -> types.ModuleType:
+    """Module ``name`` of one implementation (``kind`` "py" or "c")."""
+    if kind == "py":
+        return native.pure(name)
+    try:
+        return native.compiled(name)
+    except ImportError as exc:  # pragma: no cover - a build problem
+        pytest.fail(f"compiled module for {name!r} is not built: {exc}; "
+                    f"run `pip install .` (or set LUMEN_NO_EXTENSIONS=1)")
+
+
+def twins(name: str) -> list:
+    """Every implementation of ``name`` under test, pure first (for agreement checks)."""
+    return [twin(name, kind) for kind in IMPLS]
 
 
 class _Impl(types.SimpleNamespace):
@@ -25,23 +46,27 @@ class _Impl(types.SimpleNamespace):
 
 
 def _make_impl(kind: str) -> _Impl:
-    mods = {}
-    for name in native.TWINS:
-        if kind == "py":
-            mods[name] = native.pure(name)
-        else:
-            try:
-                mods[name] = native.compiled(name)
-            except ImportError as exc:  # pragma: no cover - a build problem
-                pytest.fail(f"compiled module for {name!r} is not built: {exc}; "
-                            f"run `pip install .` (or set LUMEN_NO_EXTENSIONS=1)")
-    return _Impl(kind=kind, **mods)
+    return _Impl(kind=kind, **{name: twin(name, kind) for name in native.TWINS})
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request) -> _Impl:
-    """Namespace with ``descriptor``, ``assemble``, ``image`` modules of one implementation."""
+    """Namespace with every twinned module (``descriptor``, ``assemble``, ``image``, ...) of one
+    implementation."""
     return _make_impl(request.param)
+
+
+def _twin_fixture(name: str):
+    @pytest.fixture(name=name, params=IMPLS, ids=[f"{kind}-{name}" for kind in IMPLS])
+    def fixture(request) -> types.ModuleType:
+        return twin(name, request.param)
+
+    fixture.__doc__ = f"``lumen_core.{name}`` or ``lumen_core._{name}`` (ids py-{name} / c-{name})."
+    return fixture
+
+
+for _name in native.TWINS:
+    globals()[f"{_name}_twin"] = _twin_fixture(_name)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Batch assembly (gather / gather_ragged / scatter), both implementations via the ``impl`` fixture.
+"""Batch assembly (gather / gather_ragged / scatter), both implementations via the ``assemble`` fixture.
 
 The two twins must agree byte for byte and raise the same exception types, so every test runs
 against both and the property test also compares them with each other.
@@ -7,26 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from lumen_core import native
 
 # more than the compiled module's inline Py_buffer array, so the heap fallback runs
 MANY_ITEMS = 100
 
 
-def _all_impls() -> list:
-    mods = [native.pure("assemble")]
-    if not native.NO_EXTENSIONS:
-        mods.append(native.compiled("assemble"))
-    return mods
-
-
 # ---------------------------------------------------------------------------------- gather
 
 
-def test_gather_mixed_buffer_types(impl):
+def test_gather_mixed_buffer_types(assemble):
     slot = np.arange(12, dtype=np.float32).reshape(3, 4)
     raw = slot.tobytes()
     items = [
@@ -39,23 +31,23 @@ def test_gather_mixed_buffer_types(impl):
         memoryview(bytearray(raw)).cast("f"),           # non-byte memoryview format
     ]
     dest = np.full((len(items) + 1, 3, 4), -1.0, dtype=np.float32)
-    assert impl.assemble.gather(items, dest) is None
+    assert assemble.gather(items, dest) is None
     for i in range(len(items)):
         np.testing.assert_array_equal(dest[i], slot)
     np.testing.assert_array_equal(dest[-1], -1.0)      # rows past len(items) are untouched
 
 
-def test_gather_read_only_inputs(impl):
+def test_gather_read_only_inputs(assemble):
     src = np.arange(6, dtype=np.int64)
     ro = src.copy()
     ro.flags.writeable = False
     items = [ro, np.frombuffer(src.tobytes(), dtype=np.int64), memoryview(src.tobytes())]
     dest = np.zeros((3, 6), dtype=np.int64)
-    impl.assemble.gather(items, dest)
+    assemble.gather(items, dest)
     np.testing.assert_array_equal(dest, np.tile(src, (3, 1)))
 
 
-def test_gather_misaligned_inputs(impl):
+def test_gather_misaligned_inputs(assemble):
     payload = np.arange(16, dtype=np.float32)
     backing = b"\x00" + payload.tobytes() + b"\x00" * 7
     odd = np.frombuffer(backing, dtype=np.float32, offset=1, count=16)     # address not 4-aligned
@@ -63,32 +55,32 @@ def test_gather_misaligned_inputs(impl):
     u8 = np.frombuffer(backing, dtype=np.uint8, offset=1, count=64)
     mv = memoryview(bytearray(backing))[1:65]
     dest = np.zeros((3, 16), dtype=np.float32)
-    impl.assemble.gather([odd, u8, mv], dest)
+    assemble.gather([odd, u8, mv], dest)
     np.testing.assert_array_equal(dest, np.tile(payload, (3, 1)))
 
 
-def test_gather_many_items_uses_heap_path(impl):
+def test_gather_many_items_uses_heap_path(assemble):
     items = [np.full(5, i, dtype=np.int32) if i % 2 else np.full(5, i, np.int32).tobytes()
              for i in range(MANY_ITEMS)]
     dest = np.zeros((MANY_ITEMS, 5), dtype=np.int32)
-    impl.assemble.gather(iter(items), dest)             # any iterable is accepted
+    assemble.gather(iter(items), dest)             # any iterable is accepted
     np.testing.assert_array_equal(dest, np.repeat(np.arange(MANY_ITEMS), 5).reshape(-1, 5))
 
 
-def test_gather_empty_batch_and_zero_size_slots(impl):
-    impl.assemble.gather([], np.zeros((0, 4), dtype=np.float32))
-    impl.assemble.gather([b"", bytearray()], np.zeros((2, 0), dtype=np.float32))
+def test_gather_empty_batch_and_zero_size_slots(assemble):
+    assemble.gather([], np.zeros((0, 4), dtype=np.float32))
+    assemble.gather([b"", bytearray()], np.zeros((2, 0), dtype=np.float32))
     with pytest.raises(ValueError, match="item 1 has 1 bytes, the batch slot has 0"):
-        impl.assemble.gather([b"", b"x"], np.zeros((2, 0), dtype=np.float32))
+        assemble.gather([b"", b"x"], np.zeros((2, 0), dtype=np.float32))
 
 
 @pytest.mark.parametrize("bad_index", [0, 2])
-def test_gather_wrong_size_names_item_and_leaves_dest(impl, bad_index):
+def test_gather_wrong_size_names_item_and_leaves_dest(assemble, bad_index):
     items = [np.ones(4, dtype=np.float32) for _ in range(3)]
     items[bad_index] = np.ones(5, dtype=np.float32)
     dest = np.zeros((3, 4), dtype=np.float32)
     with pytest.raises(ValueError, match=f"item {bad_index} has 20 bytes, the batch slot has 16"):
-        impl.assemble.gather(items, dest)
+        assemble.gather(items, dest)
     assert not dest.any()                               # checked before the first byte moves
 
 
@@ -98,16 +90,16 @@ def test_gather_wrong_size_names_item_and_leaves_dest(impl, bad_index):
     lambda: memoryview(bytearray(32)).cast("f")[::2],
     lambda: np.arange(16, dtype=np.float32).reshape(4, 4)[:, :1].T,
 ], ids=["strided", "fortran", "memoryview-step", "column"])
-def test_gather_non_contiguous_is_value_error(impl, make):
+def test_gather_non_contiguous_is_value_error(assemble, make):
     item = make()
     assert memoryview(item).nbytes == 16
     with pytest.raises(ValueError, match="item 1 is not C-contiguous"):
-        impl.assemble.gather([np.zeros(4, np.float32), item], np.zeros((2, 4), np.float32))
+        assemble.gather([np.zeros(4, np.float32), item], np.zeros((2, 4), np.float32))
 
 
-def test_gather_non_buffer_is_type_error(impl):
+def test_gather_non_buffer_is_type_error(assemble):
     with pytest.raises(TypeError, match="item 1: str does not support the buffer protocol"):
-        impl.assemble.gather([b"abcd", "abcd"], np.zeros((2, 4), np.uint8))
+        assemble.gather([b"abcd", "abcd"], np.zeros((2, 4), np.uint8))
 
 
 @pytest.mark.parametrize("dest, exc, match", [
@@ -118,39 +110,39 @@ def test_gather_non_buffer_is_type_error(impl):
     (np.empty((2, 2), dtype=object), ValueError, "Python objects"),
     (np.zeros((1, 2), np.uint8), ValueError, "2 items do not fit in dest with 1 rows"),
 ])
-def test_gather_bad_dest(impl, dest, exc, match):
+def test_gather_bad_dest(assemble, dest, exc, match):
     with pytest.raises(exc, match=match):
-        impl.assemble.gather([b"ab", b"cd"], dest)
+        assemble.gather([b"ab", b"cd"], dest)
 
 
-def test_gather_releases_buffers_even_on_error(impl):
+def test_gather_releases_buffers_even_on_error(assemble):
     good, bad = bytearray(4), bytearray(3)
-    impl.assemble.gather([good], np.zeros((1, 4), np.uint8))
+    assemble.gather([good], np.zeros((1, 4), np.uint8))
     with pytest.raises(ValueError):
-        impl.assemble.gather([good, bad], np.zeros((2, 4), np.uint8))
+        assemble.gather([good, bad], np.zeros((2, 4), np.uint8))
     good.extend(b"x")                # a bytearray with a live export cannot resize (BufferError)
     bad.extend(b"x")
 
 
-def test_gather_item_aliasing_dest_copies_in_order(impl):
+def test_gather_item_aliasing_dest_copies_in_order(assemble):
     dest = np.arange(12, dtype=np.int32).reshape(3, 4)
-    impl.assemble.gather([dest[2], dest[0]], dest)   # row0 <- row2, then row1 <- (new) row0
+    assemble.gather([dest[2], dest[0]], dest)   # row0 <- row2, then row1 <- (new) row0
     np.testing.assert_array_equal(dest, [[8, 9, 10, 11], [8, 9, 10, 11], [8, 9, 10, 11]])
 
 
 @pytest.mark.parametrize("slot", [255, 256, 1000, 4096 + 17])
-def test_gather_vector_copy_sizes_and_overlap(impl, slot):
+def test_gather_vector_copy_sizes_and_overlap(assemble, slot):
     # slot sizes around the compiled copy's vector threshold, odd tails, misaligned sources,
     # and an item that partially overlaps its own slot (must behave like memmove)
     rng = np.random.default_rng(slot)
     payloads = [rng.integers(0, 256, slot, dtype=np.uint8).tobytes() for _ in range(3)]
     dest = np.zeros((3, slot), np.uint8)
     items = [payloads[0], memoryview(bytearray(b"\x00" + payloads[1]))[1:], payloads[2]]
-    impl.assemble.gather(items, dest)
+    assemble.gather(items, dest)
     assert dest.tobytes() == b"".join(payloads)
     flat = dest.reshape(-1)
     expected = flat[3:slot + 3].copy()
-    impl.assemble.gather([flat[3:slot + 3]], dest)
+    assemble.gather([flat[3:slot + 3]], dest)
     np.testing.assert_array_equal(dest[0], expected)
 
 
@@ -166,23 +158,23 @@ def _reference(seqs, lmax, dtype, pad, n_rows):
     return ids, mask
 
 
-def test_gather_ragged_lengths_zero_to_lmax(impl):
+def test_gather_ragged_lengths_zero_to_lmax(assemble):
     seqs = [np.arange(1, 4, dtype=np.int64), np.arange(0, dtype=np.int64),
             np.arange(10, 16, dtype=np.int64), np.arange(7, 8, dtype=np.int64)]
     ids = np.full((5, 6), 99, dtype=np.int64)
     mask = np.full((5, 6), 99, dtype=np.int64)
-    total = impl.assemble.gather_ragged(seqs, ids, mask, 0)
+    total = assemble.gather_ragged(seqs, ids, mask, 0)
     assert total == 3 + 0 + 6 + 1
     ref_ids, ref_mask = _reference(seqs, 6, np.int64, 0, 5)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
 
 
-def test_gather_ragged_mask_none_and_mixed_buffers(impl):
+def test_gather_ragged_mask_none_and_mixed_buffers(assemble):
     seqs = [np.array([5, 6], np.int32).tobytes(), bytearray(np.array([1], np.int32).tobytes()),
             memoryview(np.array([1, 2, 3], np.int32))]
     ids = np.zeros((3, 4), dtype=np.int32)
-    assert impl.assemble.gather_ragged(seqs, ids, None, -1) == 6
+    assert assemble.gather_ragged(seqs, ids, None, -1) == 6
     np.testing.assert_array_equal(ids, [[5, 6, -1, -1], [1, -1, -1, -1], [1, 2, 3, -1]])
 
 
@@ -192,20 +184,20 @@ def test_gather_ragged_mask_none_and_mixed_buffers(impl):
     (np.complex128, 1 + 2j), (np.dtype(">i4"), 258),
 ])
 @pytest.mark.parametrize("mask_dtype", [np.int64, np.int32, np.int8, np.uint16, np.bool_])
-def test_gather_ragged_pad_values_and_mask_dtypes(impl, dtype, pad, mask_dtype):
+def test_gather_ragged_pad_values_and_mask_dtypes(assemble, dtype, pad, mask_dtype):
     seqs = [np.arange(3).astype(dtype), np.arange(0).astype(dtype), np.arange(5).astype(dtype)]
     ids = np.zeros((4, 5), dtype=dtype)
     mask = np.full((4, 5), 3, dtype=mask_dtype)
-    assert impl.assemble.gather_ragged(seqs, ids, mask, pad) == 8
+    assert assemble.gather_ragged(seqs, ids, mask, pad) == 8
     ref_ids, ref_mask = _reference(seqs, 5, dtype, pad, 4)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask.astype(np.int64), ref_mask)
 
 
-def test_gather_ragged_zero_width_rows(impl):
+def test_gather_ragged_zero_width_rows(assemble):
     ids = np.zeros((2, 0), np.int64)
     mask = np.zeros((2, 0), np.int64)
-    assert impl.assemble.gather_ragged([b""], ids, mask, 0) == 0
+    assert assemble.gather_ragged([b""], ids, mask, 0) == 0
 
 
 @pytest.mark.parametrize("items, dest, mask, match", [
@@ -219,27 +211,27 @@ def test_gather_ragged_zero_width_rows(impl):
     ([b"", b""], np.zeros((1, 4), np.int16), None, "2 items do not fit"),
     ([b""], np.zeros((1, 4), "V0"), None, "zero-size elements"),
 ])
-def test_gather_ragged_errors(impl, items, dest, mask, match):
+def test_gather_ragged_errors(assemble, items, dest, mask, match):
     with pytest.raises(ValueError, match=match):
-        impl.assemble.gather_ragged(items, dest, mask, 0)
+        assemble.gather_ragged(items, dest, mask, 0)
 
 
-def test_gather_ragged_type_errors(impl):
+def test_gather_ragged_type_errors(assemble):
     with pytest.raises(TypeError, match="mask must be a numpy.ndarray"):
-        impl.assemble.gather_ragged([b""], np.zeros((1, 2), np.int64), [[0, 0]], 0)
+        assemble.gather_ragged([b""], np.zeros((1, 2), np.int64), [[0, 0]], 0)
     with pytest.raises(TypeError, match="item 0: int does not support"):
-        impl.assemble.gather_ragged([3], np.zeros((1, 2), np.int64), None, 0)
+        assemble.gather_ragged([3], np.zeros((1, 2), np.int64), None, 0)
 
 
-def test_gather_ragged_pad_out_of_range_is_numpy_error(impl):
+def test_gather_ragged_pad_out_of_range_is_numpy_error(assemble):
     # the pad is cast with numpy's rules in both twins, so both raise what numpy raises
     with pytest.raises(OverflowError):
-        impl.assemble.gather_ragged([b""], np.zeros((1, 2), np.uint8), None, -1)
+        assemble.gather_ragged([b""], np.zeros((1, 2), np.uint8), None, -1)
 
 
-def test_gather_ragged_non_contiguous_same_error(impl):
+def test_gather_ragged_non_contiguous_same_error(assemble):
     with pytest.raises(ValueError, match="item 0 is not C-contiguous"):
-        impl.assemble.gather_ragged([np.arange(6)[::2]], np.zeros((1, 4), np.int64), None, 0)
+        assemble.gather_ragged([np.arange(6)[::2]], np.zeros((1, 4), np.int64), None, 0)
 
 
 _DTYPES = [np.int64, np.int32, np.uint8, np.float32, np.float16, np.complex64]
@@ -269,7 +261,7 @@ def test_gather_ragged_property_matches_numpy_and_twins_agree(dtype, lmax, extra
             items.append(s)
     ref_ids, ref_mask = _reference(seqs, lmax, dtype, pad, n + extra_rows)
     outputs = []
-    for mod in _all_impls():
+    for mod in twins("assemble"):
         ids = np.full((n + extra_rows, lmax), 77, dtype=dtype)
         mask = np.full((n + extra_rows, lmax), 77, dtype=np.int64)
         assert mod.gather_ragged(items, ids, mask, pad) == sum(lengths)
@@ -284,7 +276,7 @@ def test_gather_ragged_property_matches_numpy_and_twins_agree(dtype, lmax, extra
 def test_gather_property_matches_stack_and_twins_agree(slot, n, data):
     payloads = [data.draw(st.binary(min_size=slot, max_size=slot)) for _ in range(n)]
     expected = np.frombuffer(b"".join(payloads), np.uint8).reshape(n, slot)
-    for mod in _all_impls():
+    for mod in twins("assemble"):
         dest = np.zeros((n, slot), np.uint8)
         mod.gather([bytearray(p) if i % 2 else p for i, p in enumerate(payloads)], dest)
         np.testing.assert_array_equal(dest, expected)
@@ -293,9 +285,9 @@ def test_gather_property_matches_stack_and_twins_agree(slot, n, data):
 # ---------------------------------------------------------------------------------- scatter
 
 
-def test_scatter_returns_views(impl):
+def test_scatter_returns_views(assemble):
     out = np.arange(24, dtype=np.float32).reshape(4, 6)
-    views = impl.assemble.scatter(out, 3)
+    views = assemble.scatter(out, 3)
     assert len(views) == 3
     for i, v in enumerate(views):
         assert np.shares_memory(v, out)
@@ -304,24 +296,89 @@ def test_scatter_returns_views(impl):
     assert out[1, 0] == -1
 
 
-def test_scatter_one_dimensional_gives_zero_d_views(impl):
+def test_scatter_one_dimensional_gives_zero_d_views(assemble):
     out = np.arange(3, dtype=np.int64)
-    views = impl.assemble.scatter(out, 3)
+    views = assemble.scatter(out, 3)
     assert all(isinstance(v, np.ndarray) and v.shape == () for v in views)
     assert [int(v) for v in views] == [0, 1, 2]
     assert all(np.shares_memory(v, out) for v in views)
 
 
-def test_scatter_bounds_and_types(impl):
+def test_scatter_bounds_and_types(assemble):
     out = np.zeros((2, 2))
-    assert impl.assemble.scatter(out, 0) == []
-    assert len(impl.assemble.scatter(out, np.int64(2))) == 2
+    assert assemble.scatter(out, 0) == []
+    assert len(assemble.scatter(out, np.int64(2))) == 2
     for n in (-1, 3, 2**70):
         with pytest.raises(ValueError, match="outside 0..2"):
-            impl.assemble.scatter(out, n)
+            assemble.scatter(out, n)
     with pytest.raises(TypeError):
-        impl.assemble.scatter(out, 1.0)
+        assemble.scatter(out, 1.0)
     with pytest.raises(TypeError, match="numpy.ndarray"):
-        impl.assemble.scatter([[1, 2]], 1)
+        assemble.scatter([[1, 2]], 1)
     with pytest.raises(ValueError, match="at least one dimension"):
-        impl.assemble.scatter(np.zeros(()), 0)
+        assemble.scatter(np.zeros(()), 0)
+
+
+# ---------------------------------------------------------------------------------- errors
+
+_RO = np.zeros((1, 4), np.int64)
+_RO.flags.writeable = False
+_ERRORS = [
+    ("gather", lambda: ([b"ab"], [[0, 0]]), TypeError, "dest must be a numpy.ndarray, not list"),
+    ("gather", lambda: ([], np.zeros((), np.uint8)), ValueError,
+     "dest must have at least one dimension"),
+    ("gather", lambda: ([], np.zeros((2, 2), np.uint8).T), ValueError, "dest must be C-contiguous"),
+    ("gather", lambda: ([], _RO), ValueError, "dest is read-only"),
+    ("gather", lambda: ([], np.empty(2, np.dtype([("a", object)]))), ValueError,
+     "dest must not hold Python objects (dtype [('a', 'O')])"),
+    ("gather", lambda: ([b"ab", b"cd"], np.zeros((1, 2), np.uint8)), ValueError,
+     "2 items do not fit in dest with 1 rows"),
+    ("gather", lambda: ([b"ab", "cd"], np.zeros((2, 2), np.uint8)), TypeError,
+     "item 1: str does not support the buffer protocol"),
+    ("gather", lambda: ([np.arange(4, dtype=np.uint8)[::2]], np.zeros((1, 2), np.uint8)),
+     ValueError, "item 0 is not C-contiguous"),
+    ("gather", lambda: ([b"abc"], np.zeros((1, 2), np.uint8)), ValueError,
+     "item 0 has 3 bytes, the batch slot has 2"),
+    ("gather_ragged", lambda: ([b""], np.zeros(4, np.int16), None, 0), ValueError,
+     "dest must be 2-D [N, Lmax], got shape (4,)"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), "V0"), None, 0), ValueError,
+     "dest has zero-size elements"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), np.int16), np.zeros(4, np.int64), 0),
+     ValueError, "mask shape (4,) differs from dest shape (1, 4)"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), np.int16), np.zeros((4, 1), np.int64), 0),
+     ValueError, "mask shape (4, 1) differs from dest shape (1, 4)"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), np.int16), np.zeros((1, 4), ">i8"), 0),
+     ValueError, "mask must have a native integer or bool dtype, not >i8"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), np.int16), np.zeros((1, 4), np.float32), 0),
+     ValueError, "mask must have a native integer or bool dtype, not float32"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), np.int16), _RO, 0), ValueError,
+     "mask is read-only"),
+    ("gather_ragged", lambda: ([b""], np.zeros((1, 4), np.int16), [[0] * 4], 0), TypeError,
+     "mask must be a numpy.ndarray, not list"),
+    ("gather_ragged", lambda: ([b"abc"], np.zeros((1, 4), np.int16), None, 0), ValueError,
+     "item 0 has 3 bytes, not a multiple of the element size 2"),
+    ("gather_ragged", lambda: ([bytes(10)], np.zeros((1, 4), np.int16), None, 0), ValueError,
+     "item 0 has 5 elements, the batch row has 4"),
+    ("scatter", lambda: ([[1, 2]], 1), TypeError, "batch_out must be a numpy.ndarray, not list"),
+    ("scatter", lambda: (np.zeros(()), 0), ValueError, "batch_out must have at least one dimension"),
+    ("scatter", lambda: (np.zeros((2, 2)), 3), ValueError, "n=3 is outside 0..2"),
+    ("scatter", lambda: (np.zeros((2, 2)), np.int64(-1)), ValueError, "n=-1 is outside 0..2"),
+    ("scatter", lambda: (np.zeros((2, 2)), 1.0), TypeError,
+     "'float' object cannot be interpreted as an integer"),
+]
+
+
+@pytest.mark.parametrize("fn, args, exc, message", _ERRORS,
+                         ids=[f"{e[0]}-{i}" for i, e in enumerate(_ERRORS)])
+def test_errors_are_the_pure_twins_word_for_word(assemble, fn, args, exc, message):
+    """The compiled twin raises through the pure twin's checks: same class, same message."""
+    with pytest.raises(exc) as info:
+        getattr(assemble, fn)(*args())
+    assert type(info.value) is exc and str(info.value) == message
+
+
+def test_scatter_accepts_index_like_counts(assemble):
+    out = np.arange(6).reshape(3, 2)
+    for n in (np.int64(2), np.uint8(2), True):
+        views = assemble.scatter(out, n)
+        assert len(views) == int(n) and all(np.shares_memory(v, out) for v in views)

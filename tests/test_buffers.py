@@ -89,13 +89,13 @@ def test_arena_accepts_int_shape_and_rejects_objects():
         BufferArena(align=3)
 
 
-def test_gather_into_arena_buffer(impl):
+def test_gather_into_arena_buffer(assemble):
     arena = BufferArena()
     items = [np.full((3, 4, 4), i, dtype=np.float32) for i in range(5)]
     dest = arena.get("input", (5, 3, 4, 4), np.float32)
-    impl.assemble.gather(items, dest)
+    assemble.gather(items, dest)
     np.testing.assert_array_equal(dest, np.stack(items))
     ids = arena.get("ids", (3, 6), np.int64)
     mask = arena.get("mask", (3, 6), np.int64)
-    total = impl.assemble.gather_ragged([np.arange(2), np.arange(6), np.arange(0)], ids, mask, 0)
+    total = assemble.gather_ragged([np.arange(2), np.arange(6), np.arange(0)], ids, mask, 0)
     assert total == 8 and mask.sum() == 8

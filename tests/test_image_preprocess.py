@@ -1,4 +1,5 @@
-"""CLIP image preprocessing: the fused normalise kernel (both twins) and the decode/resize recipe.
+"""CLIP image preprocessing: the fused normalise kernel (both twins, ``image`` fixture) and the
+decode/resize recipe (``lumen_core.tasks.imaging``).
 
 Every end-to-end check compares against an independent, plain Pillow + numpy rendering of the
 recipe (float64 maths, no lookup table), so a shared mistake in our helpers cannot hide.
@@ -85,52 +86,52 @@ def make_image(mode: str, w: int, h: int, seed: int = 0) -> Image.Image:
 
 
 @pytest.mark.parametrize("h,w", [(1, 1), (7, 13), (224, 224), (97, 300)])
-def test_kernel_matches_numpy_reference(impl, h, w):
+def test_kernel_matches_numpy_reference(image, h, w):
     src = np.random.default_rng(h * 1000 + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
     dest = np.empty((3, h, w), dtype=np.float32)
-    out = impl.image.normalize_hwc_to_chw(src, dest, CLIP_MEAN, CLIP_STD)
+    out = image.normalize_hwc_to_chw(src, dest, CLIP_MEAN, CLIP_STD)
     assert out is dest
     np.testing.assert_allclose(dest, numpy_reference(src), rtol=0, atol=TOL)
 
 
-def test_kernel_twins_bit_identical(impl):
+def test_kernel_twins_bit_identical(image):
     src = np.random.default_rng(7).integers(0, 256, (61, 45, 3), dtype=np.uint8)
-    ours = impl.image.normalize_hwc_to_chw(src, np.empty((3, 61, 45), np.float32),
-                                           CLIP_MEAN, CLIP_STD)
+    ours = image.normalize_hwc_to_chw(src, np.empty((3, 61, 45), np.float32),
+                                      CLIP_MEAN, CLIP_STD)
     pure = native.pure("image").normalize_hwc_to_chw(src, np.empty((3, 61, 45), np.float32),
                                                      CLIP_MEAN, CLIP_STD)
     assert np.array_equal(ours, pure)
 
 
-def test_kernel_covers_every_level(impl):
+def test_kernel_covers_every_level(image):
     # all 256 values in every channel: the whole lookup table is exercised
     levels = np.arange(256, dtype=np.uint8)
     src = np.ascontiguousarray(np.stack([levels, levels[::-1], levels * np.uint8(7)], -1)[None])
     dest = np.empty((3, 1, 256), np.float32)
-    impl.image.normalize_hwc_to_chw(src, dest, CLIP_MEAN, CLIP_STD)
+    image.normalize_hwc_to_chw(src, dest, CLIP_MEAN, CLIP_STD)
     np.testing.assert_allclose(dest, numpy_reference(src), rtol=0, atol=TOL)
 
 
-def test_kernel_writes_only_its_batch_slot_from_readonly_src(impl):
+def test_kernel_writes_only_its_batch_slot_from_readonly_src(image):
     src = np.random.default_rng(1).integers(0, 256, (20, 30, 3), dtype=np.uint8)
     src.flags.writeable = False
     batch = np.full((4, 3, 20, 30), np.nan, dtype=np.float32)
-    impl.image.normalize_hwc_to_chw(src, batch[2], CLIP_MEAN, CLIP_STD)
+    image.normalize_hwc_to_chw(src, batch[2], CLIP_MEAN, CLIP_STD)
     np.testing.assert_allclose(batch[2], numpy_reference(src), rtol=0, atol=TOL)
     assert np.isnan(batch[[0, 1, 3]]).all()
 
 
-def test_kernel_other_mean_std(impl):
+def test_kernel_other_mean_std(image):
     src = np.random.default_rng(2).integers(0, 256, (5, 6, 3), dtype=np.uint8)
     dest = np.empty((3, 5, 6), np.float32)
-    impl.image.normalize_hwc_to_chw(src, dest, [0.0, 0.0, 0.0], (1.0, 1.0, 1.0))
+    image.normalize_hwc_to_chw(src, dest, [0.0, 0.0, 0.0], (1.0, 1.0, 1.0))
     np.testing.assert_allclose(dest, src.transpose(2, 0, 1) / 255.0, rtol=0, atol=TOL)
 
 
-def test_kernel_empty_image(impl):
+def test_kernel_empty_image(image):
     src = np.zeros((0, 5, 3), np.uint8)
     dest = np.empty((3, 0, 5), np.float32)
-    assert impl.image.normalize_hwc_to_chw(src, dest, CLIP_MEAN, CLIP_STD) is dest
+    assert image.normalize_hwc_to_chw(src, dest, CLIP_MEAN, CLIP_STD) is dest
 
 
 _GOOD_SRC = np.zeros((4, 6, 3), np.uint8)
@@ -162,9 +163,9 @@ _READONLY_DEST.flags.writeable = False
          "dest-hwc", "dest-f64", "dest-strided", "dest-readonly", "dest-bytes", "mean-len",
          "std-zero", "std-text", "mean-nan"],
 )
-def test_kernel_rejects_bad_arguments(impl, src, dest, mean, std):
+def test_kernel_rejects_bad_arguments(image, src, dest, mean, std):
     with pytest.raises(ValueError):
-        impl.image.normalize_hwc_to_chw(src, dest, mean, std)
+        image.normalize_hwc_to_chw(src, dest, mean, std)
 
 
 # ----------------------------------------------------------------------------- geometry

@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import native
 from ..config import TaskConfig
-from ..contract import Descriptor, TensorContract
+from ..contract import TensorContract
+from ..descriptor import Descriptor
 from ..engine.plan import ModelSpec, PreparedModelRequest
 from ..errors import InternalError, InvalidArgument, UnsupportedMediaType
 from ..request import InferRequest

@@ -61,7 +61,8 @@ from PIL import Image
 
 from ..batching.signature import signature
 from ..config import ConfigError, TaskConfig
-from ..contract import Descriptor, TensorContract, TensorSpec
+from ..contract import TensorContract, TensorSpec
+from ..descriptor import Descriptor
 from ..engine.plan import ImageInput, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import InternalError

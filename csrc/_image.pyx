@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Compiled twin of ``lumen_core.tasks.image_preprocess``: uint8 HWC -> normalised fp32 CHW.
+"""Image normalise, compiled (twin of ``lumen_core.image``): uint8 HWC -> normalised fp32 CHW.
 
 One fused pass with the GIL released: every pixel is read once and its three samples are
 gathered from a 3x256 fp32 lookup table into the three channel planes of ``dest``.  Validation
@@ -8,7 +8,7 @@ bit-identical output); only the loop lives here.
 """
 from libc.stdint cimport uint8_t
 
-from lumen_core.tasks.image_preprocess import channel_lut, check_arrays
+from lumen_core.image import channel_lut, check_arrays
 
 __all__ = ["normalize_hwc_to_chw"]
 

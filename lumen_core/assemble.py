@@ -1,4 +1,4 @@
-"""Batch assembly: copy request payloads into one batch buffer (pure-Python twin of csrc/assemble.pyx).
+"""Batch assembly: copy request payloads into one batch buffer (pure-Python twin of csrc/_assemble.pyx).
 
 Why this exists: a dynamic batch is N request payloads (each a ``bytes`` body, a tokenizer
 output, a decoded image ...) that the model wants as ONE contiguous ``[N, ...]`` tensor.
@@ -7,14 +7,16 @@ item; here every payload is copied once, straight into a caller-owned (arena) bu
 compiled twin does all the copying in one loop with the GIL released.
 
 Both implementations (this module and ``lumen_core._assemble``, chosen by
-``lumen_core.native``) accept the same inputs and raise the same exception types:
+``lumen_core.native``) accept the same inputs and raise the same exceptions, because the
+checks and error builders below are the definition: the compiled twin tests the common case
+in C and, when that test fails, calls these on its cold path to raise.
 
 - ``TypeError``: an item does not support the buffer protocol, or ``dest``/``mask`` is not a
   ``numpy.ndarray``;
 - ``ValueError``: everything else (sizes, shapes, non-contiguous or read-only buffers).
 
 Items are read as raw bytes: the caller is responsible for the payload's dtype matching the
-batch dtype (``lumen_core.contract.parse_meta`` has checked that before a payload gets here).
+batch dtype (``lumen_core.descriptor.parse_meta`` has checked that before a payload gets here).
 An item that aliases ``dest`` is copied as if by ``memmove``, in item order.
 """
 from __future__ import annotations
@@ -25,13 +27,18 @@ from typing import Any
 
 import numpy as np
 
+#: the twin API (``lumen_core._assemble`` exports the same)
 __all__ = ["gather", "gather_ragged", "scatter"]
 
 #: integer kinds accepted for the attention-style ``mask`` of ``gather_ragged``
 MASK_KINDS = "iub"
 
 
-def _check_dest(dest: Any, what: str) -> None:
+# --------------------------------------------------------------------------- checks and errors
+# Shared by both twins: each check raises (or returns a value derived from its argument), each
+# builder returns the exception for the caller to raise, so a message has one home.
+def check_dest(dest: Any, what: str) -> None:
+    """``dest`` (or ``mask``) must be a writable, C-contiguous, non-object ndarray of rank >= 1."""
     if not isinstance(dest, np.ndarray):
         raise TypeError(f"{what} must be a numpy.ndarray, not {type(dest).__name__}")
     if dest.ndim < 1:
@@ -44,21 +51,84 @@ def _check_dest(dest: Any, what: str) -> None:
         raise ValueError(f"{what} must not hold Python objects (dtype {dest.dtype})")
 
 
+def check_ragged_dest(dest: Any) -> None:
+    """``check_dest``, then the ``[N, Lmax]`` shape and a non-zero element size."""
+    check_dest(dest, "dest")
+    if dest.ndim != 2:
+        raise ValueError(f"dest must be 2-D [N, Lmax], got shape {dest.shape}")
+    if dest.itemsize == 0:
+        raise ValueError("dest has zero-size elements")
+
+
+def check_mask(mask: Any, dest: np.ndarray) -> None:
+    """``mask`` must be a destination of ``dest``'s shape with a native integer or bool dtype."""
+    check_dest(mask, "mask")
+    if mask.shape != dest.shape:
+        raise ValueError(f"mask shape {mask.shape} differs from dest shape {dest.shape}")
+    if mask.dtype.kind not in MASK_KINDS or not mask.dtype.isnative:
+        raise ValueError(f"mask must have a native integer or bool dtype, not {mask.dtype}")
+
+
+def check_count(n: int, rows: int, what: str = "dest") -> None:
+    if n > rows:
+        raise ValueError(f"{n} items do not fit in {what} with {rows} rows")
+
+
+def not_a_buffer(index: int, item: Any) -> TypeError:
+    return TypeError(f"item {index}: {type(item).__name__} does not support the buffer protocol")
+
+
+def not_contiguous(index: int) -> ValueError:
+    return ValueError(f"item {index} is not C-contiguous")
+
+
+def slot_mismatch(index: int, nbytes: int, slot: int) -> ValueError:
+    return ValueError(f"item {index} has {nbytes} bytes, the batch slot has {slot}")
+
+
+def ragged_length(index: int, nbytes: int, itemsize: int, lmax: int) -> int:
+    """Item ``index``'s length in elements; raise when it is not whole or exceeds the row."""
+    if nbytes % itemsize:
+        raise ValueError(f"item {index} has {nbytes} bytes, not a multiple of the "
+                         f"element size {itemsize}")
+    length = nbytes // itemsize
+    if length > lmax:
+        raise ValueError(f"item {index} has {length} elements, the batch row has {lmax}")
+    return length
+
+
+def pad_element(pad_value: Any, dtype: np.dtype) -> np.ndarray:
+    """``pad_value`` as one element of ``dtype`` (numpy's casting rules; both twins use this)."""
+    return np.array(pad_value, dtype=dtype)
+
+
+def scatter_count(batch_out: Any, n: Any) -> int:
+    """Check ``scatter``'s arguments; return ``n`` as an int (any ``__index__`` object)."""
+    if not isinstance(batch_out, np.ndarray):
+        raise TypeError(f"batch_out must be a numpy.ndarray, not {type(batch_out).__name__}")
+    if batch_out.ndim < 1:
+        raise ValueError("batch_out must have at least one dimension")
+    n = operator.index(n)
+    if n < 0 or n > batch_out.shape[0]:
+        raise ValueError(f"n={n} is outside 0..{batch_out.shape[0]}")
+    return n
+
+
+# --------------------------------------------------------------------------- buffers
 def _view(item: Any, index: int) -> memoryview:
-    """A memoryview of item ``index``, C-contiguous, else a ValueError naming the index."""
+    """A memoryview of item ``index``, C-contiguous, else the twins' error naming the index."""
     try:
         mv = memoryview(item)
     except TypeError:
-        raise TypeError(f"item {index}: {type(item).__name__} does not support the buffer protocol") from None
+        raise not_a_buffer(index, item) from None
     if not mv.c_contiguous:
         mv.release()
-        raise ValueError(f"item {index} is not C-contiguous")
+        raise not_contiguous(index)
     return mv
 
 
-def _acquire(items: Sequence[Any], capacity: int, what: str) -> list:
-    if len(items) > capacity:
-        raise ValueError(f"{len(items)} items do not fit in {what} with {capacity} rows")
+def _acquire(items: Sequence[Any], capacity: int) -> list:
+    check_count(len(items), capacity)
     views: list = []
     try:
         for i, item in enumerate(items):
@@ -79,6 +149,7 @@ def _bytes_of(mv: memoryview) -> np.ndarray:
     return np.frombuffer(mv, dtype=np.uint8)
 
 
+# --------------------------------------------------------------------------- the twin API
 def gather(items: Sequence[Any], dest: np.ndarray) -> None:
     """Copy item ``i`` (any C-contiguous buffer of exactly ``dest[0].nbytes`` bytes) into ``dest[i]``.
 
@@ -86,32 +157,19 @@ def gather(items: Sequence[Any], dest: np.ndarray) -> None:
     first byte is written, so a bad item leaves ``dest`` unchanged.
     """
     items = list(items)
-    _check_dest(dest, "dest")
+    check_dest(dest, "dest")
     slot = dest[0].nbytes if dest.shape[0] else 0
-    views = _acquire(items, dest.shape[0], "dest")
+    views = _acquire(items, dest.shape[0])
     try:
         for i, mv in enumerate(views):
             if mv.nbytes != slot:
-                raise ValueError(f"item {i} has {mv.nbytes} bytes, the batch slot has {slot}")
+                raise slot_mismatch(i, mv.nbytes, slot)
         if slot:
             flat = dest.reshape(-1).view(np.uint8)
             for i, mv in enumerate(views):
                 flat[i * slot:(i + 1) * slot] = _bytes_of(mv)
     finally:
         _release(views)
-
-
-def _check_mask(mask: Any, dest: np.ndarray) -> None:
-    _check_dest(mask, "mask")
-    if mask.shape != dest.shape:
-        raise ValueError(f"mask shape {mask.shape} differs from dest shape {dest.shape}")
-    if mask.dtype.kind not in MASK_KINDS or not mask.dtype.isnative:
-        raise ValueError(f"mask must have a native integer or bool dtype, not {mask.dtype}")
-
-
-def pad_element(pad_value: Any, dtype: np.dtype) -> np.ndarray:
-    """``pad_value`` as one element of ``dtype`` (numpy's casting rules; both twins use this)."""
-    return np.array(pad_value, dtype=dtype)
 
 
 def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | None,
@@ -125,27 +183,15 @@ def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | Non
     result; the twins may write in different orders).
     """
     items = list(items)
-    _check_dest(dest, "dest")
-    if dest.ndim != 2:
-        raise ValueError(f"dest must be 2-D [N, Lmax], got shape {dest.shape}")
-    if dest.itemsize == 0:
-        raise ValueError("dest has zero-size elements")
+    check_ragged_dest(dest)
     if mask is not None:
-        _check_mask(mask, dest)
+        check_mask(mask, dest)
     pad = pad_element(pad_value, dest.dtype)
     n_rows, lmax = dest.shape
     isz = dest.itemsize
-    views = _acquire(items, n_rows, "dest")
+    views = _acquire(items, n_rows)
     try:
-        lengths = []
-        for i, mv in enumerate(views):
-            if mv.nbytes % isz:
-                raise ValueError(f"item {i} has {mv.nbytes} bytes, not a multiple of the "
-                                 f"element size {isz}")
-            length = mv.nbytes // isz
-            if length > lmax:
-                raise ValueError(f"item {i} has {length} elements, the batch row has {lmax}")
-            lengths.append(length)
+        lengths = [ragged_length(i, mv.nbytes, isz, lmax) for i, mv in enumerate(views)]
         dest[...] = pad
         if lengths and lmax:
             rows = dest.view(np.uint8).reshape(n_rows, lmax * isz)
@@ -163,11 +209,5 @@ def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | Non
 
 def scatter(batch_out: np.ndarray, n: int) -> list:
     """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
-    if not isinstance(batch_out, np.ndarray):
-        raise TypeError(f"batch_out must be a numpy.ndarray, not {type(batch_out).__name__}")
-    if batch_out.ndim < 1:
-        raise ValueError("batch_out must have at least one dimension")
-    n = operator.index(n)
-    if n < 0 or n > batch_out.shape[0]:
-        raise ValueError(f"n={n} is outside 0..{batch_out.shape[0]}")
+    n = scatter_count(batch_out, n)
     return [batch_out[i, ...] for i in range(n)]

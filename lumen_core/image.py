@@ -1,4 +1,4 @@
-"""Pure-Python twin of ``csrc/image.pyx``: uint8 HWC -> normalised fp32 CHW in one step.
+"""Image normalise, pure-Python twin of ``csrc/_image.pyx``: uint8 HWC -> normalised fp32 CHW.
 
 Both implementations compute ``dest[c, y, x] = lut[c][src[y, x, c]]`` where the 3x256 fp32
 lookup table holds ``i * scale[c] + bias[c]`` with ``scale = 1 / (255 * std)`` and
@@ -7,8 +7,9 @@ the table once (cached per mean/std pair) turns normalisation into pure gathers,
 the twins share the table their outputs are bit-identical, not merely close.  The table
 entries are within ~1e-6 of ``(i / 255 - mean) / std`` evaluated in float64.
 
-This module holds no image constants (those live in :mod:`lumen_core.tasks.imaging`); it must
-not import Pillow, so the compiled twin can import its validation helpers cheaply.
+This module holds no image constants (those live in :mod:`lumen_core.tasks.imaging`, the
+decode/resize recipe that calls ``native.image``); it must not import Pillow, so the compiled
+twin can import its validation helpers (``channel_lut``, ``check_arrays``) cheaply.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ CHANNELS = 3
 #: distinct values of a uint8 sample, i.e. the length of each lookup table row
 LUT_SIZE = 256
 
-__all__ = ["channel_lut", "check_arrays", "normalize_hwc_to_chw"]
+#: the twin API (``lumen_core._image`` exports the same); ``channel_lut`` and ``check_arrays``
+#: are the shared definition both twins call
+__all__ = ["normalize_hwc_to_chw"]
 
 
 def _three_floats(values: Sequence[float], name: str) -> tuple[float, float, float]:

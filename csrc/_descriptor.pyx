@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Descriptor parse + validate, compiled (twin of ``lumen_core.contract.parse_meta``).
+"""Descriptor parse + validate, compiled (twin of ``lumen_core.descriptor.parse_meta``).
 
 Why compiled: every request -- raw or tensor -- passes through ``parse_meta`` before it may
 queue, so its cost is paid per request on the event loop.  The pure twin builds a dict of the
@@ -7,18 +7,19 @@ queue, so its cost is paid per request on the event loop.  The pure twin builds 
 pass over the meta dict (``PyDict_Next``) fills a small C struct, the checks read that struct,
 and Python objects are made only for the result.
 
-Shape of the code follows asyncpg's ``frb.pxd``: a plain C struct (``desc_t``) plus ``nogil``
-inline helpers (the shape parser, overflow-checked multiplication, table lookups by length +
-``memcmp``).  Every table -- reserved keys, dtypes and their sizes, layouts, limits,
-whitespace, boolean spellings -- is read from ``lumen_core.contract`` at import; this module
-holds no second list of them.
+Shape of the code follows asyncpg's ``frb.pxd``: the C struct (``desc_t``), its tables and the
+``nogil`` inline helpers (the shape parser, overflow-checked multiplication, table lookups by
+length + ``memcmp``) live in ``_descriptor.pxd``; this file fills the tables at import and
+holds the checks.  Every table -- reserved keys, dtypes and their sizes, layouts, limits -- is
+read from ``lumen_core.contract``, every spelling (whitespace, booleans, the one accepted
+value of a key) from ``lumen_core.descriptor``; this module holds no second list of them.
 
-Behaviour is the contract's, check for check, in the order documented in contract.py: same
-exception class, same ``field``, same message.  Error messages are built here on the cold path
-with the contract's own helpers (``_bad``, ``_short``, ``_names``); where a contract helper owns
-a message (``parse_shape``, ``shape_nbytes``, ``_parse_uint``, ``_parse_bool``) that helper is
-called on the error path so the text has one home.  Strings are judged by their character data
-(a ``str`` subclass is treated like the ``str`` it holds).
+Behaviour is the pure twin's, check for check, in the order documented in descriptor.py: same
+exception class, same ``field``, same message.  Only the accept path is written here: where a
+check fails, the pure twin's error builder (``err_*``) or parser (``parse_shape``,
+``shape_nbytes``, ``parse_priority``, ``parse_timeout_ms``, ``parse_bool``) is called on that
+cold path, so every message has one home.  Strings are judged by their character data (a
+``str`` subclass is treated like the ``str`` it holds).
 
 A ``TensorContract`` is read once into a cached ``_ContractView`` (accepted dtypes/layouts as
 C flags, signatures and per-dimension bounds as packed C arrays): contracts are immutable
@@ -34,12 +35,37 @@ from libc.string cimport memcmp, memset
 
 cimport cython
 
+# the struct, capacities and nogil helpers: ``_descriptor.pxd`` beside this file, cimported by
+# its plain name (Cython looks for a module's own .pxd under lumen_core/, and csrc/ is not a
+# package); it declares no Python-level objects, so nothing is imported at run time
+from _descriptor cimport (
+    CAP_BOOL_CHARS,
+    CAP_DIGITS,
+    CAP_KEYS,
+    CAP_RANK,
+    CAP_TABLE,
+    FLAG_SEQ_END,
+    FLAG_SEQ_START,
+    KIND_RAW,
+    KIND_TENSOR,
+    _bool_ascii,
+    _find,
+    _first_bad_dim,
+    _parse_shape,
+    _shape_nbytes,
+    _uint_ascii,
+    desc_t,
+    name_table_t,
+    shape_rules_t,
+)
+
 from array import array as _array
 
 from lumen_core import contract as _c
+from lumen_core import descriptor as _py
 from lumen_core.errors import InternalError
 
-__all__ = ["Descriptor", "parse_meta", "parse_shape"]
+__all__ = list(_py.__all__)
 
 
 cdef extern from "Python.h":
@@ -54,72 +80,7 @@ cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
 
 
-cdef extern from *:
-    """
-    #include <stdint.h>
-    /* a * b for non-negative int64 operands; returns 1 (and leaves *out alone) on overflow */
-    static inline int lumen_mul_overflow(int64_t a, int64_t b, int64_t *out) {
-    #if defined(__GNUC__) || defined(__clang__)
-        return __builtin_mul_overflow(a, b, out);
-    #else
-        if (a != 0 && b > INT64_MAX / a) return 1;
-        *out = a * b;
-        return 0;
-    #endif
-    }
-    """
-    bint lumen_mul_overflow(int64_t a, int64_t b, int64_t* out) nogil
-
-
-# ---------------------------------------------------------------- compile-time capacities
-cdef enum:
-    # array capacities; the contract's actual limits (checked at import) must fit in them
-    CAP_KEYS = 32       # reserved keys
-    CAP_TABLE = 32      # dtypes, layouts, boolean spellings
-    CAP_RANK = 8        # contract.MAX_RANK
-    CAP_DIGITS = 19     # contract.MAX_DIM_DIGITS: 19 decimal digits always fit in uint64
-    CAP_BOOL_CHARS = 16  # longest accepted boolean spelling
-
-cdef enum:
-    KIND_RAW = 0
-    KIND_TENSOR = 1
-
-cdef enum:
-    FLAG_SEQ_START = 1
-    FLAG_SEQ_END = 2
-
-
-cdef struct desc_t:
-    # One request's lumen.* descriptor, filled by one pass over meta.
-    int n_lumen                  # lumen.* keys seen
-    int kind                     # KIND_RAW / KIND_TENSOR
-    int dtype                    # index into the dtype table, -1 on the raw route
-    int layout                   # index into the layout table, -1 on the raw route
-    int rank
-    int64_t shape[CAP_RANK]
-    int64_t nbytes
-    int64_t priority             # 0: not set
-    int64_t timeout_ms           # 0: not set
-    unsigned int flags           # FLAG_SEQ_*
-    PyObject* vals[CAP_KEYS]     # borrowed: the meta's value strings, by key slot
-
-
-cdef struct name_table_t:
-    # ASCII names with a per-entry integer payload (dtype size, layout rank, ...)
-    int n
-    const char* data[CAP_TABLE]
-    Py_ssize_t length[CAP_TABLE]
-    int64_t a[CAP_TABLE]
-    int64_t b[CAP_TABLE]
-
-
 # ---------------------------------------------------------------- tables from the contract
-cdef object _bad = _c._bad
-cdef object _short = _c._short
-cdef object _names = _c._names
-cdef object _RESERVED_KEYS = _c.RESERVED_KEYS
-cdef object _DTYPES = _c.DTYPES
-cdef object _LAYOUTS = _c.LAYOUTS
 cdef object _EMPTY_CONTRACT = _c.EMPTY_CONTRACT
 
 cdef object KEY_INPUT_KIND = _c.KEY_INPUT_KIND
@@ -152,15 +113,51 @@ cdef int64_t UNBOUNDED = _c.UNBOUNDED
 if MAX_RANK > CAP_RANK or MAX_DIM_DIGITS > CAP_DIGITS or len(_c.RESERVED_KEYS) > CAP_KEYS:
     raise ImportError("lumen_core._descriptor was compiled for smaller contract limits; rebuild it")
 
-# Wording of the request-key messages owned by contract._parse_uint's callers.
-cdef object WHAT_PRIORITY = "an integer >= 1"
-cdef object WHAT_TIMEOUT = "a positive number of milliseconds"
+# Values with one accepted spelling (the pure twin's constants).
+cdef object V_RAW = _py.KIND_RAW
+cdef object V_TENSOR = _py.KIND_TENSOR
+cdef object V_CONTIGUOUS = _py.FORMAT_CONTIGUOUS
+cdef object V_LITTLE = _py.BYTE_ORDER_LITTLE
 
-# Values with one accepted spelling (contract.py writes them inline in its checks).
-cdef object V_RAW = "raw"
-cdef object V_TENSOR = "tensor"
-cdef object V_CONTIGUOUS = "contiguous"
-cdef object V_LITTLE = "little"
+# The pure twin's cold path: error builders and the parsers that own a message.
+cdef object err_meta_not_mapping = _py.err_meta_not_mapping
+cdef object err_key_not_str = _py.err_key_not_str
+cdef object err_key_unknown = _py.err_key_unknown
+cdef object err_value_not_str = _py.err_value_not_str
+cdef object err_value_too_long = _py.err_value_too_long
+cdef object err_input_kind = _py.err_input_kind
+cdef object err_sequence_id = _py.err_sequence_id
+cdef object err_skip_needs_tensor = _py.err_skip_needs_tensor
+cdef object err_skip_contradicts_tensor = _py.err_skip_contradicts_tensor
+cdef object err_tensor_key_on_raw = _py.err_tensor_key_on_raw
+cdef object err_raw_preprocess_id = _py.err_raw_preprocess_id
+cdef object err_model_id = _py.err_model_id
+cdef object err_model_version = _py.err_model_version
+cdef object err_required = _py.err_required
+cdef object err_dtype_unknown = _py.err_dtype_unknown
+cdef object err_dtype_refused = _py.err_dtype_refused
+cdef object err_layout_unknown = _py.err_layout_unknown
+cdef object err_layout_refused = _py.err_layout_refused
+cdef object err_layout_rank = _py.err_layout_rank
+cdef object err_payload = _py.err_payload
+cdef object err_preprocess_refused = _py.err_preprocess_refused
+cdef object err_batch_dim = _py.err_batch_dim
+cdef object err_format = _py.err_format
+cdef object err_byte_order = _py.err_byte_order
+cdef object err_no_signature = _py.err_no_signature
+cdef object err_dim = _py.err_dim
+cdef object _py_parse_shape = _py.parse_shape
+cdef object _py_shape_nbytes = _py.shape_nbytes
+cdef object _py_parse_priority = _py.parse_priority
+cdef object _py_parse_timeout_ms = _py.parse_timeout_ms
+cdef object _py_parse_bool = _py.parse_bool
+cdef object _short = _py._short
+
+
+cdef object _disagree(str check, object value):
+    """The error for a C test that refused what the pure twin's ``check`` accepts (a bug)."""
+    return InternalError(f"lumen_core._descriptor refused {_short(str(value))}; "
+                         f"lumen_core.descriptor.{check} accepts it", KEY_SHAPE)
 
 # Everything the C tables point into stays alive here.
 cdef list _keep = []
@@ -234,122 +231,24 @@ _fill(&LAYOUTS, _LAYOUT_OBJS, [_c.LAYOUTS[n].rank for n in _LAYOUT_OBJS],
        for n in _LAYOUT_OBJS])
 
 # boolean spellings (lower case): a = the value
-cdef tuple _BOOL_OBJS = tuple(_c._TRUE) + tuple(_c._FALSE)
+cdef tuple _BOOL_OBJS = tuple(_py.TRUE_SPELLINGS) + tuple(_py.FALSE_SPELLINGS)
 cdef name_table_t BOOLS
-_fill(&BOOLS, _BOOL_OBJS, [1] * len(_c._TRUE) + [0] * len(_c._FALSE), [0] * len(_BOOL_OBJS))
+_fill(&BOOLS, _BOOL_OBJS, [1] * len(_py.TRUE_SPELLINGS) + [0] * len(_py.FALSE_SPELLINGS),
+      [0] * len(_BOOL_OBJS))
 for _k in _BOOL_OBJS:
     if _k != _k.lower() or len(_k) > CAP_BOOL_CHARS:
         raise ImportError(f"boolean spelling {_k!r} must be lower case and short")
 
-# whitespace the shape parser skips
-cdef bint WS[256]
-memset(WS, 0, sizeof(WS))
-for _k in _c._WS:
-    WS[ord(_k)] = True
-
-
-# ---------------------------------------------------------------- nogil helpers
-cdef inline int _find(const name_table_t* t, const char* p, Py_ssize_t n) noexcept nogil:
-    """Index of the entry equal to ``p[:n]``, -1 when there is none (length, then memcmp)."""
-    cdef int i
-    for i in range(t.n):
-        if t.length[i] == n and memcmp(t.data[i], p, n) == 0:
-            return i
-    return -1
-
-
-cdef int _parse_shape(const char* s, Py_ssize_t n, int64_t* out) noexcept nogil:
-    """Parse ``[d0, d1, ...]`` (ASCII) into ``out``; return the rank, or -1 on any error.
-
-    Mirrors contract.parse_shape step for step; the bounded length was checked by the caller,
-    digit runs are bounded by MAX_DIM_DIGITS so the accumulator never overflows.
-    """
-    cdef Py_ssize_t i = 0, start
-    cdef int rank = 0
-    cdef uint64_t v
-    cdef unsigned char ch
-    while i < n and WS[<unsigned char>s[i]]:
-        i += 1
-    if i >= n or s[i] != b'[':
-        return -1
-    i += 1
-    while True:
-        while i < n and WS[<unsigned char>s[i]]:
-            i += 1
-        if i < n and s[i] == b']' and rank == 0:
-            i += 1
-            break
-        if i < n and s[i] == b'-':
-            return -1
-        start = i
-        v = 0
-        while i < n:
-            ch = <unsigned char>s[i]
-            if ch < 48 or ch > 57:
-                break
-            if i - start < MAX_DIM_DIGITS:
-                v = v * 10 + (ch - 48)
-            i += 1
-        if i == start or i - start > MAX_DIM_DIGITS or v > <uint64_t>INT64_MAX:
-            return -1
-        if rank == MAX_RANK:
-            return -1
-        out[rank] = <int64_t>v
-        rank += 1
-        while i < n and WS[<unsigned char>s[i]]:
-            i += 1
-        if i < n and s[i] == b',':
-            i += 1
-            continue
-        if i < n and s[i] == b']':
-            i += 1
-            break
-        return -1
-    while i < n and WS[<unsigned char>s[i]]:
-        i += 1
-    if i != n or rank == 0:
-        return -1
-    return rank
-
-
-cdef inline bint _shape_nbytes(const int64_t* shape, int rank, int64_t itemsize,
-                               int64_t* out) noexcept nogil:
-    """``itemsize * prod(shape)`` step by step like the contract; False when it overflows."""
-    cdef int64_t total = itemsize
-    cdef int i
-    for i in range(rank):
-        if lumen_mul_overflow(total, shape[i], &total):
-            return False
-    out[0] = total
-    return True
-
-
-cdef inline bint _uint_ascii(const char* p, Py_ssize_t n, int max_digits,
-                             int64_t* out) noexcept nogil:
-    """1..max_digits ASCII digits -> ``out``; False for anything else."""
-    cdef int64_t acc = 0
-    cdef Py_ssize_t i
-    if n < 1 or n > max_digits:
-        return False
-    for i in range(n):
-        if p[i] < b'0' or p[i] > b'9':
-            return False
-        acc = acc * 10 + (p[i] - 48)
-    out[0] = acc
-    return True
-
-
-cdef inline int _bool_ascii(const char* p, Py_ssize_t n) noexcept nogil:
-    """1 / 0 for an accepted boolean spelling (ASCII case-insensitive), -1 otherwise."""
-    cdef char buf[CAP_BOOL_CHARS]
-    cdef Py_ssize_t i
-    cdef int j
-    if n > CAP_BOOL_CHARS:
-        return -1
-    for i in range(n):
-        buf[i] = p[i] + 32 if b'A' <= p[i] <= b'Z' else p[i]
-    j = _find(&BOOLS, buf, n)
-    return -1 if j < 0 else <int>BOOLS.a[j]
+# what the shape parser accepts
+cdef shape_rules_t SHAPE
+memset(&SHAPE, 0, sizeof(SHAPE))
+for _k in _py.SHAPE_WHITESPACE:
+    if ord(_k) > 127:
+        raise ImportError(f"shape whitespace {_k!r} must be ASCII")
+    SHAPE.ws[ord(_k)] = True
+SHAPE.max_rank = MAX_RANK
+SHAPE.max_digits = MAX_DIM_DIGITS
+SHAPE.max_dim = <uint64_t>INT64_MAX
 
 
 # ---------------------------------------------------------------- string views (GIL, no refs)
@@ -397,7 +296,7 @@ cdef inline bint _equals(PyObject* s, object literal) noexcept:
 # ---------------------------------------------------------------- the result
 @cython.freelist(64)
 cdef class Descriptor:
-    """A request's validated ``lumen.*`` metadata (same attributes as contract.Descriptor).
+    """A request's validated ``lumen.*`` metadata (same attributes as descriptor.Descriptor).
 
     ``kind`` is ``"raw"`` or ``"tensor"``; tensor fields are None on the raw route.
     ``priority`` / ``timeout_ms`` are 0 when the request does not set them.
@@ -427,7 +326,7 @@ cdef class Descriptor:
         self.sequence_end = sequence_end
 
     def astuple(self) -> tuple:
-        """The fields in ``contract.Descriptor.__slots__`` order."""
+        """The fields in ``descriptor.Descriptor.__slots__`` order."""
         return (self.kind, self.dtype, self.shape, self.layout, self.preprocess_id,
                 self.model_id, self.model_version, self.nbytes, self.spec_index,
                 self.priority, self.timeout_ms, self.sequence_id, self.sequence_start,
@@ -443,19 +342,19 @@ cdef class Descriptor:
 
     def __repr__(self):
         return "Descriptor(" + ", ".join(
-            f"{k}={v!r}" for k, v in zip(_c.Descriptor.__slots__, self.astuple())) + ")"
+            f"{k}={v!r}" for k, v in zip(_py.Descriptor.__slots__, self.astuple())) + ")"
 
     def __reduce__(self):
         return (Descriptor, self.astuple())
 
 
-for _k in _c.Descriptor.__slots__:
+for _k in _py.Descriptor.__slots__:
     if not hasattr(Descriptor, _k):
-        raise ImportError(f"compiled Descriptor lacks the contract field {_k!r}")
+        raise ImportError(f"compiled Descriptor lacks the field {_k!r} of the pure twin's")
 
 
 cdef inline Descriptor _new_descriptor():
-    """The defaults of contract.Descriptor() without running ``__init__``."""
+    """The defaults of descriptor.Descriptor() without running ``__init__``."""
     cdef Descriptor o = Descriptor.__new__(Descriptor)
     o.kind = V_RAW
     o.nbytes = 0
@@ -471,21 +370,16 @@ cdef inline Descriptor _new_descriptor():
 cdef int _take(desc_t* d, PyObject* k, PyObject* v) except -1:
     cdef int slot
     if not PyUnicode_Check(k):
-        raise _bad(None, f"meta keys must be strings, got {type(<object>k).__name__}")
+        raise err_key_not_str(<object>k)
     if not _has_prefix(k):
         return 0
     slot = _key_slot(k)
     if slot < 0:
-        key = <object>k
-        raise _bad(key, f"unknown reserved key {_short(key)}; known lumen.* keys: "
-                        f"{_names(_RESERVED_KEYS)}")
+        raise err_key_unknown(<object>k)
     if not PyUnicode_Check(v):
-        key = <object>k
-        raise _bad(key, f"{key} must be a string, got {type(<object>v).__name__}")
+        raise err_value_not_str(<object>k, <object>v)
     if PyUnicode_GET_LENGTH(v) > MAX_META_VALUE_CHARS:
-        key = <object>k
-        raise _bad(key, f"{key} is {PyUnicode_GET_LENGTH(v)} characters long; at most "
-                        f"{MAX_META_VALUE_CHARS} are accepted")
+        raise err_value_too_long(<object>k, PyUnicode_GET_LENGTH(v))
     if d.vals[slot] == NULL:
         d.n_lumen += 1
     d.vals[slot] = v
@@ -496,7 +390,7 @@ cdef object _collect(desc_t* d, object meta):
     """Fill ``d.vals``; return the object that keeps the borrowed values alive.
 
     An exact dict is walked with PyDict_Next (its values stay owned by ``meta``); any other
-    mapping goes through ``.items()`` like the contract, each value kept in a list.
+    mapping goes through ``.items()`` like the pure twin, each value kept in a list.
     """
     cdef Py_ssize_t pos = 0
     cdef PyObject* k
@@ -509,7 +403,7 @@ cdef object _collect(desc_t* d, object meta):
     keep = []
     items = getattr(meta, "items", None)
     if items is None:
-        raise _bad(None, f"meta must be a mapping of str to str, got {type(meta).__name__}")
+        raise err_meta_not_mapping(meta)
     for key, value in items():
         keep.append(value)
         _take(d, <PyObject*>key, <PyObject*>value)
@@ -517,25 +411,27 @@ cdef object _collect(desc_t* d, object meta):
 
 
 # ---------------------------------------------------------------- step 1: request keys
-cdef int64_t _uint(desc_t* d, int slot, object key, int max_digits, object what) except -1:
+cdef int64_t _uint(desc_t* d, int slot, int max_digits, object parse) except -1:
+    """A positive integer key: ASCII digits >= 1 in C, else ``parse`` (the pure twin's)."""
     cdef PyObject* v = d.vals[slot]
     cdef int64_t out
     if PyUnicode_IS_ASCII(v) and _uint_ascii(<const char*>PyUnicode_DATA(v),
-                                             PyUnicode_GET_LENGTH(v), max_digits, &out):
+                                             PyUnicode_GET_LENGTH(v), max_digits, &out) \
+            and out >= 1:
         return out
-    # cold: the contract's helper raises with its message
-    return _c._parse_uint(key, <object>v, max_digits, what)
+    # cold: the pure twin's parser raises with its message
+    return parse(<object>v)
 
 
 cdef int _bool(desc_t* d, int slot, object key) except -1:
     cdef PyObject* v = d.vals[slot]
     cdef int r = -1
     if PyUnicode_IS_ASCII(v):
-        r = _bool_ascii(<const char*>PyUnicode_DATA(v), PyUnicode_GET_LENGTH(v))
+        r = _bool_ascii(&BOOLS, <const char*>PyUnicode_DATA(v), PyUnicode_GET_LENGTH(v))
     if r >= 0:
         return r
-    # cold: the contract's helper raises (or accepts a spelling only str.lower() knows)
-    return 1 if _c._parse_bool(key, <object>v) else 0
+    # cold: the pure twin's parser raises (or accepts a spelling only str.lower() knows)
+    return 1 if _py_parse_bool(key, <object>v) else 0
 
 
 cdef int _request_keys(desc_t* d) except -1:
@@ -548,22 +444,16 @@ cdef int _request_keys(desc_t* d) except -1:
         elif _equals(v, V_TENSOR):
             d.kind = KIND_TENSOR
         else:
-            raise _bad(KEY_INPUT_KIND, f"{KEY_INPUT_KIND} must be 'raw' or 'tensor', "
-                                       f"got {_short(<object>v)}")
+            raise err_input_kind(<object>v)
     if d.vals[S_PRIORITY] != NULL:
-        d.priority = _uint(d, S_PRIORITY, KEY_PRIORITY, MAX_PRIORITY_DIGITS, WHAT_PRIORITY)
-        if d.priority < 1:
-            raise _bad(KEY_PRIORITY, f"{KEY_PRIORITY} must be >= 1 (1 is the highest)")
+        d.priority = _uint(d, S_PRIORITY, MAX_PRIORITY_DIGITS, _py_parse_priority)
     if d.vals[S_TIMEOUT] != NULL:
-        d.timeout_ms = _uint(d, S_TIMEOUT, KEY_TIMEOUT_MS, MAX_TIMEOUT_DIGITS, WHAT_TIMEOUT)
-        if d.timeout_ms < 1:
-            raise _bad(KEY_TIMEOUT_MS, f"{KEY_TIMEOUT_MS} must be >= 1")
+        d.timeout_ms = _uint(d, S_TIMEOUT, MAX_TIMEOUT_DIGITS, _py_parse_timeout_ms)
     v = d.vals[S_SEQ_ID]
     if v != NULL:
         n = PyUnicode_GET_LENGTH(v)
         if n == 0 or n > MAX_SEQUENCE_ID_CHARS:
-            raise _bad(KEY_SEQUENCE_ID, f"{KEY_SEQUENCE_ID} must be a non-empty string of at "
-                                        f"most {MAX_SEQUENCE_ID_CHARS} characters")
+            raise err_sequence_id()
     if d.vals[S_SEQ_START] != NULL and _bool(d, S_SEQ_START, KEY_SEQUENCE_START):
         d.flags |= FLAG_SEQ_START
     if d.vals[S_SEQ_END] != NULL and _bool(d, S_SEQ_END, KEY_SEQUENCE_END):
@@ -571,11 +461,9 @@ cdef int _request_keys(desc_t* d) except -1:
     if d.vals[S_PP_SKIP] != NULL:
         skip = _bool(d, S_PP_SKIP, KEY_PREPROCESS_SKIP)
         if skip and d.kind == KIND_RAW:
-            raise _bad(KEY_PREPROCESS_SKIP, f"{KEY_PREPROCESS_SKIP}=true needs "
-                                            f"{KEY_INPUT_KIND}=tensor")
+            raise err_skip_needs_tensor()
         if not skip and d.kind == KIND_TENSOR:
-            raise _bad(KEY_PREPROCESS_SKIP, f"tensor inputs are already preprocessed; "
-                                            f"{KEY_PREPROCESS_SKIP}=false is contradictory")
+            raise err_skip_contradicts_tensor()
     return 0
 
 
@@ -655,12 +543,10 @@ cdef _ContractView _view(object contract):
 cdef int _check_model(desc_t* d, _ContractView c) except -1:
     cdef PyObject* v = d.vals[S_MODEL_ID]
     if v != NULL and <object>v != c.model_id:
-        raise _bad(KEY_MODEL_ID, f"{KEY_MODEL_ID} {_short(<object>v)} does not match the "
-                                 f"task's model {c.model_id!r} (the task routes, never the model id)")
+        raise err_model_id(<object>v, c.model_id)
     v = d.vals[S_MODEL_VERSION]
     if v != NULL and <object>v != c.model_version:
-        raise _bad(KEY_MODEL_VERSION, f"{KEY_MODEL_VERSION} {_short(<object>v)} does not "
-                                      f"match the task's model version {c.model_version!r}")
+        raise err_model_version(<object>v, c.model_version)
     return 0
 
 
@@ -669,12 +555,10 @@ cdef int _check_raw(desc_t* d, _ContractView c) except -1:
     cdef PyObject* v
     for i in range(N_TENSOR_KEYS):
         if d.vals[TENSOR_SLOTS[i]] != NULL:
-            key = _KEY_OBJS[TENSOR_SLOTS[i]]
-            raise _bad(key, f"{key} is only valid with {KEY_INPUT_KIND}=tensor")
+            raise err_tensor_key_on_raw(_KEY_OBJS[TENSOR_SLOTS[i]])
     v = d.vals[S_PP_ID]
     if v != NULL and <object>v not in c.raw_preprocess_ids:
-        raise _bad(KEY_PREPROCESS_ID, f"raw input is preprocessed with "
-                                      f"{_names(c.raw_preprocess_ids)}, not {_short(<object>v)}")
+        raise err_raw_preprocess_id(<object>v, c.raw_preprocess_ids)
     return _check_model(d, c)
 
 
@@ -698,30 +582,27 @@ cdef int _tensor_shape(desc_t* d, _ContractView c) except -1:
     cdef PyObject* v = d.vals[S_DTYPE]
     cdef Py_ssize_t n
     if v == NULL:
-        raise _bad(KEY_DTYPE, f"{KEY_DTYPE} is required for tensor input")
+        raise err_required(KEY_DTYPE)
     d.dtype = _lookup(&DTYPES, v)
     if d.dtype < 0:
-        raise _bad(KEY_DTYPE, f"unknown dtype {_short(<object>v)}; known: {_names(_DTYPES)}")
+        raise err_dtype_unknown(<object>v)
     if not c.dtype_ok[d.dtype]:
-        raise _bad(KEY_DTYPE, f"dtype {_DTYPE_OBJS[d.dtype]} is not accepted by this task; "
-                              f"accepted: {_names(c.dtypes)}")
+        raise err_dtype_refused(_DTYPE_OBJS[d.dtype], c.dtypes)
     v = d.vals[S_SHAPE]
     if v == NULL:
-        raise _bad(KEY_SHAPE, f"{KEY_SHAPE} is required for tensor input")
+        raise err_required(KEY_SHAPE)
     n = PyUnicode_GET_LENGTH(v)
     # a hostile length is refused here in O(1); a non-ASCII shape can only be an error.
     # No GIL release: a <= 256-byte parse is cheaper than releasing and re-acquiring it.
     d.rank = -1
     if n <= MAX_SHAPE_CHARS and PyUnicode_IS_ASCII(v):
-        d.rank = _parse_shape(<const char*>PyUnicode_DATA(v), n, d.shape)
+        d.rank = _parse_shape(&SHAPE, <const char*>PyUnicode_DATA(v), n, d.shape)
     if d.rank < 0:
-        _c.parse_shape(<object>v)  # cold: raises with the contract's message
-        raise InternalError(f"compiled shape parser refused {_short(<object>v)}; "
-                            f"contract.parse_shape accepted it", KEY_SHAPE)
+        _py_parse_shape(<object>v)  # cold: raises with the pure twin's message
+        raise _disagree("parse_shape", <object>v)
     if not _shape_nbytes(d.shape, d.rank, DTYPES.a[d.dtype], &d.nbytes):
-        _c.shape_nbytes(_shape_list(d), DTYPES.a[d.dtype])  # cold: raises
-        raise InternalError("compiled byte-length check disagrees with contract.shape_nbytes",
-                            KEY_SHAPE)
+        _py_shape_nbytes(_shape_list(d), DTYPES.a[d.dtype])  # cold: raises
+        raise _disagree("shape_nbytes", _shape_list(d))
     return 0
 
 
@@ -729,18 +610,15 @@ cdef int _check_layout(desc_t* d, _ContractView c) except -1:
     """SPEC check 3: known, accepted, rank matches the shape."""
     cdef PyObject* v = d.vals[S_LAYOUT]
     if v == NULL:
-        raise _bad(KEY_LAYOUT, f"{KEY_LAYOUT} is required for tensor input; accepted: "
-                               f"{_names(c.layouts)}")
+        raise err_required(KEY_LAYOUT, c.layouts)
     d.layout = _lookup(&LAYOUTS, v)
     if d.layout < 0:
-        raise _bad(KEY_LAYOUT, f"unknown layout {_short(<object>v)}; known: {_names(_LAYOUTS)}")
+        raise err_layout_unknown(<object>v)
     layout = _LAYOUT_OBJS[d.layout]
     if not c.layout_ok[d.layout]:
-        raise _bad(KEY_LAYOUT, f"layout {layout} is not accepted by this task; accepted: "
-                               f"{_names(c.layouts)}")
+        raise err_layout_refused(layout, c.layouts)
     if LAYOUTS.a[d.layout] != d.rank:
-        raise _bad(KEY_LAYOUT, f"layout {layout} has rank {LAYOUTS.a[d.layout]} but the shape "
-                               f"{_shape_list(d)} has rank {d.rank}")
+        raise err_layout_rank(layout, LAYOUTS.a[d.layout], _shape_list(d))
     return 0
 
 
@@ -763,22 +641,12 @@ cdef int _find_spec(desc_t* d, bytes triples) noexcept:
     return -1
 
 
-cdef inline int _first_bad_dim(desc_t* d, const int64_t* bounds) noexcept nogil:
-    """First axis outside its ``(lo, hi)`` pair, -1 when all hold (SPEC check 9)."""
-    cdef int axis
-    for axis in range(d.rank):
-        if d.shape[axis] < bounds[2 * axis] or (
-                bounds[2 * axis + 1] != UNBOUNDED and d.shape[axis] > bounds[2 * axis + 1]):
-            return axis
-    return -1
-
-
 cdef int _check_dims(desc_t* d, _ContractView c, int idx) except -1:
     cdef object packed = c.spec_dims[idx]
     cdef int axis = -1, i = 0
     dims = c.specs[idx].dims
     if packed is not None and len(<bytes>packed) == <Py_ssize_t>(2 * d.rank * sizeof(int64_t)):
-        axis = _first_bad_dim(d, <const int64_t*><const char*><bytes>packed)
+        axis = _first_bad_dim(d, <const int64_t*><const char*><bytes>packed, UNBOUNDED)
     else:  # bounds beyond int64 (or a duck-typed spec): compare as Python ints
         for lo, hi in dims:
             if i >= d.rank:
@@ -789,9 +657,7 @@ cdef int _check_dims(desc_t* d, _ContractView c, int idx) except -1:
             i += 1
     if axis >= 0:
         lo, hi = dims[axis]
-        want = str(lo) if lo == hi else (f"{lo} <= d" + ("" if hi == UNBOUNDED else f" <= {hi}"))
-        raise _bad(KEY_SHAPE, f"dimension {axis} of {_shape_list(d)} is {d.shape[axis]}; "
-                              f"this task needs {want}")
+        raise err_dim(axis, _shape_list(d), lo, hi)
     return 0
 
 
@@ -802,35 +668,27 @@ cdef Descriptor _check_tensor(desc_t* d, object payload_nbytes, _ContractView c)
     _tensor_shape(d, c)                         # 1. dtype, 2. shape
     _check_layout(d, c)                         # 3. layout
     if not _payload_matches(d, payload_nbytes):  # 4. payload length
-        raise _bad(FIELD_PAYLOAD, f"payload is {payload_nbytes} bytes but "
-                                  f"{_DTYPE_OBJS[d.dtype]} {_shape_list(d)} needs exactly "
-                                  f"{d.nbytes}")
+        raise err_payload(payload_nbytes, _DTYPE_OBJS[d.dtype], _shape_list(d), d.nbytes)
     v = d.vals[S_PP_ID]                         # 5. preprocess id
     if v == NULL:
-        raise _bad(KEY_PREPROCESS_ID, f"{KEY_PREPROCESS_ID} is required for tensor input; "
-                                      f"accepted: {_names(c.preprocess_ids)}")
+        raise err_required(KEY_PREPROCESS_ID, c.preprocess_ids)
     pp = <object>v
     triples = c.by_pp.get(pp)
     if triples is None:
-        raise _bad(KEY_PREPROCESS_ID, f"preprocess id {_short(pp)} is not accepted by this "
-                                      f"task; accepted: {_names(c.preprocess_ids)}")
+        raise err_preprocess_refused(pp, c.preprocess_ids)
     batch_axis = LAYOUTS.b[d.layout]            # 6. no payload batches
     if batch_axis >= 0 and d.shape[batch_axis] != 1:
-        raise _bad(KEY_SHAPE, f"the batch dimension of {_shape_list(d)} must be 1: send many "
-                              f"inputs as many requests, batching is the runtime's job")
+        raise err_batch_dim(_shape_list(d))
     _check_model(d, c)                          # 7. model id / version
     v = d.vals[S_FORMAT]                        # 8. format / byte order
     if v != NULL and not _equals(v, V_CONTIGUOUS):
-        raise _bad(KEY_FORMAT, f"{KEY_FORMAT} must be 'contiguous', got {_short(<object>v)}")
+        raise err_format(<object>v)
     v = d.vals[S_BYTE_ORDER]
     if v != NULL and not _equals(v, V_LITTLE):
-        raise _bad(KEY_BYTE_ORDER, f"{KEY_BYTE_ORDER} must be 'little', got {_short(<object>v)}")
+        raise err_byte_order(<object>v)
     idx = _find_spec(d, triples)                # 9. the task's per-dimension constraints
     if idx < 0:
-        raise _bad(KEY_PREPROCESS_ID, f"no tensor signature of this task has "
-                                      f"dtype={_DTYPE_OBJS[d.dtype]} "
-                                      f"layout={_LAYOUT_OBJS[d.layout]} preprocess={pp}; "
-                                      f"accepted: {[s.describe() for s in c.specs]}")
+        raise err_no_signature(_DTYPE_OBJS[d.dtype], _LAYOUT_OBJS[d.layout], pp, c.specs)
     _check_dims(d, c, idx)
     cdef Descriptor out = _new_descriptor()
     out.dtype = _DTYPE_OBJS[d.dtype]
@@ -865,7 +723,7 @@ cdef inline void _fill_request_fields(Descriptor out, desc_t* d):
 
 
 def parse_meta(meta, payload_nbytes, contract=_EMPTY_CONTRACT) -> Descriptor:
-    """Validate ``meta`` against ``contract``; see ``lumen_core.contract.parse_meta``."""
+    """Validate ``meta`` against ``contract``; see ``lumen_core.descriptor.parse_meta``."""
     cdef desc_t d
     cdef Descriptor out
     cdef PyObject* v
@@ -889,17 +747,16 @@ def parse_meta(meta, payload_nbytes, contract=_EMPTY_CONTRACT) -> Descriptor:
 
 
 def parse_shape(text: str) -> tuple:
-    """Compiled ``contract.parse_shape``: ``[d0, d1, ...]`` -> tuple of non-negative ints."""
+    """Compiled ``descriptor.parse_shape``: ``[d0, d1, ...]`` -> tuple of non-negative ints."""
     cdef desc_t d
     cdef Py_ssize_t n
     if not isinstance(text, str):
-        return _c.parse_shape(text)  # the contract's behaviour for a non-str, whatever it is
+        return _py_parse_shape(text)  # the pure twin's behaviour for a non-str, whatever it is
     n = PyUnicode_GET_LENGTH(<PyObject*>text)
     d.rank = -1
     if n <= MAX_SHAPE_CHARS and PyUnicode_IS_ASCII(<PyObject*>text):
-        d.rank = _parse_shape(<const char*>PyUnicode_DATA(<PyObject*>text), n, d.shape)
+        d.rank = _parse_shape(&SHAPE, <const char*>PyUnicode_DATA(<PyObject*>text), n, d.shape)
     if d.rank < 0:
-        _c.parse_shape(text)
-        raise InternalError(f"compiled shape parser refused {_short(text)}; "
-                            f"contract.parse_shape accepted it", KEY_SHAPE)
+        _py_parse_shape(text)  # cold: raises
+        raise _disagree("parse_shape", text)
     return _shape_tuple(&d)

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Batch assembly, compiled (twin of lumen_core/engine/assemble.py; same behaviour, same errors).
+"""Batch assembly, compiled (twin of ``lumen_core.assemble``; same behaviour, same errors).
 
 Why compiled: a batch is N payload buffers that must end up in one contiguous tensor.  The pure
 twin pays a numpy slice assignment (and a memoryview) per item with the GIL held; here all
@@ -10,6 +10,11 @@ Python threads -- the event loop, the next batch's preprocessing -- keep running
 Shape of the code follows uvloop's ``_StreamWriteContext``: a ``bytes`` fast path
 (``PyBytes_AS_STRING``, no buffer acquisition), ``PyObject_GetBuffer`` for everything else, a
 small inline array of ``Py_buffer`` with a heap fallback, every buffer released in one place.
+
+Only the hot path lives here.  Each check tests the common case in C; when that test fails,
+the pure twin's check (or error builder) is called to raise, so every message and the order
+of the checks have one home (``lumen_core.assemble``).  A pure check that does not raise where
+the C test refused is a bug in this file and surfaces as ``InternalError``.
 """
 from cpython.buffer cimport (PyBUF_FULL_RO, PyBuffer_IsContiguous, PyBuffer_Release,
                              PyObject_GetBuffer)
@@ -19,24 +24,48 @@ from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
-import operator
 
-import numpy as np
+from lumen_core import assemble as _py
+from lumen_core.errors import InternalError
 
 cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h" nogil:
+    # the flag behind ``dtype.hasobject``
+    bint PyDataType_REFCHK(cnp.dtype dtype)
 
 cdef extern from "assemble_copy.h" nogil:
     # memcpy with a vector loop for slot-sized copies and memmove for aliasing (see the header)
     void lumen_copy(char* dst, const char* src, size_t n)
 
-__all__ = ["gather", "gather_ragged", "scatter"]
+__all__ = list(_py.__all__)
 
 cdef enum:
     # items whose Py_buffer lives inline (no malloc); larger batches use one heap block
     INLINE_ITEMS = 32
 
-#: integer kinds accepted for the mask of gather_ragged (same table as the pure twin)
-MASK_KINDS = "iub"
+# the pure twin's definitions, read once
+cdef object _check_dest = _py.check_dest
+cdef object _check_ragged_dest = _py.check_ragged_dest
+cdef object _check_mask = _py.check_mask
+cdef object _check_count = _py.check_count
+cdef object _not_a_buffer = _py.not_a_buffer
+cdef object _not_contiguous = _py.not_contiguous
+cdef object _slot_mismatch = _py.slot_mismatch
+cdef object _ragged_length = _py.ragged_length
+cdef object _pad_element = _py.pad_element
+cdef object _scatter_count = _py.scatter_count
+# integer kinds accepted for the mask of gather_ragged: the pure twin's MASK_KINDS as C flags
+cdef bint MASK_KIND_OK[256]
+memset(MASK_KIND_OK, 0, sizeof(MASK_KIND_OK))
+for _kind in _py.MASK_KINDS:
+    MASK_KIND_OK[ord(_kind)] = True
+
+
+cdef object _disagree(str check):
+    """The error for a C test that refused what the pure twin's ``check`` accepts."""
+    return InternalError(f"lumen_core._assemble refused an argument that "
+                         f"lumen_core.assemble.{check} accepts")
 
 
 cdef struct _Src:
@@ -83,12 +112,11 @@ cdef class _Sources:
             try:
                 PyObject_GetBuffer(item, &self.views[i], PyBUF_FULL_RO)
             except TypeError:
-                raise TypeError(f"item {i}: {type(item).__name__} does not support the "
-                                f"buffer protocol") from None
+                raise _not_a_buffer(i, item) from None
             self.src[i].held = True
             self.acquired += 1
             if not PyBuffer_IsContiguous(&self.views[i], b'C'):
-                raise ValueError(f"item {i} is not C-contiguous")
+                raise _not_contiguous(i)
             self.src[i].ptr = <const char*>self.views[i].buf
             self.src[i].nbytes = self.views[i].len
         return 0
@@ -114,24 +142,26 @@ cdef class _Sources:
         self.release()
 
 
-cdef cnp.ndarray _check_dest(object dest, str what):
+cdef inline bint _dest_ok(object dest) noexcept:
+    """The C test of ``lumen_core.assemble.check_dest``."""
     if not isinstance(dest, cnp.ndarray):
-        raise TypeError(f"{what} must be a numpy.ndarray, not {type(dest).__name__}")
+        return False
     cdef cnp.ndarray d = <cnp.ndarray>dest
-    if cnp.PyArray_NDIM(d) < 1:
-        raise ValueError(f"{what} must have at least one dimension")
-    if not cnp.PyArray_IS_C_CONTIGUOUS(d):
-        raise ValueError(f"{what} must be C-contiguous")
-    if not cnp.PyArray_ISWRITEABLE(d):
-        raise ValueError(f"{what} is read-only")
-    if d.dtype.hasobject:
-        raise ValueError(f"{what} must not hold Python objects (dtype {d.dtype})")
-    return d
+    return (cnp.PyArray_NDIM(d) >= 1 and cnp.PyArray_IS_C_CONTIGUOUS(d)
+            and cnp.PyArray_ISWRITEABLE(d) and not PyDataType_REFCHK(d.descr))
 
 
-cdef inline int _check_count(Py_ssize_t n, Py_ssize_t rows) except -1:
+cdef cnp.ndarray _dest(object dest, str what):
+    if not _dest_ok(dest):
+        _check_dest(dest, what)  # cold: raises with the twin's message
+        raise _disagree("check_dest")
+    return <cnp.ndarray>dest
+
+
+cdef inline int _count(Py_ssize_t n, Py_ssize_t rows) except -1:
     if n > rows:
-        raise ValueError(f"{n} items do not fit in dest with {rows} rows")
+        _check_count(n, rows)  # cold: raises
+        raise _disagree("check_count")
     return 0
 
 
@@ -142,18 +172,18 @@ def gather(items, dest) -> None:
     first byte is written, so a bad item leaves ``dest`` unchanged.
     """
     cdef tuple seq = tuple(items)
-    cdef cnp.ndarray d = _check_dest(dest, "dest")
+    cdef cnp.ndarray d = _dest(dest, "dest")
     cdef Py_ssize_t rows = cnp.PyArray_DIM(d, 0)
     cdef Py_ssize_t slot = cnp.PyArray_NBYTES(d) // rows if rows else 0
     cdef Py_ssize_t i, n = len(seq)
     cdef char* out = <char*>cnp.PyArray_DATA(d)
     cdef _Sources s = _Sources()
-    _check_count(n, rows)
+    _count(n, rows)
     try:
         s.acquire(seq)
         for i in range(n):
             if s.src[i].nbytes != slot:
-                raise ValueError(f"item {i} has {s.src[i].nbytes} bytes, the batch slot has {slot}")
+                raise _slot_mismatch(i, s.src[i].nbytes, slot)
         with nogil:
             for i in range(n):
                 lumen_copy(out + i * slot, s.src[i].ptr, <size_t>slot)
@@ -197,14 +227,24 @@ cdef bint _is_uniform(const char* elem, Py_ssize_t isz) noexcept:
     return True
 
 
-cdef cnp.ndarray _check_mask(object mask, cnp.ndarray d):
-    cdef cnp.ndarray m = _check_dest(mask, "mask")
-    if mask.shape != (<object>d).shape:
-        raise ValueError(f"mask shape {mask.shape} differs from dest shape {(<object>d).shape}")
-    dt = m.dtype
-    if dt.kind not in MASK_KINDS or not dt.isnative:
-        raise ValueError(f"mask must have a native integer or bool dtype, not {dt}")
-    return m
+cdef inline bint _ragged_dest_ok(object dest) noexcept:
+    """The C test of ``lumen_core.assemble.check_ragged_dest``."""
+    return (_dest_ok(dest) and cnp.PyArray_NDIM(<cnp.ndarray>dest) == 2
+            and cnp.PyArray_ITEMSIZE(<cnp.ndarray>dest) != 0)
+
+
+cdef bint _mask_ok(object mask, cnp.ndarray d):
+    """The C test of ``lumen_core.assemble.check_mask`` (``d`` passed ``_ragged_dest_ok``)."""
+    cdef cnp.ndarray m
+    cdef cnp.dtype dt
+    if not _dest_ok(mask):
+        return False
+    m = <cnp.ndarray>mask
+    if (cnp.PyArray_NDIM(m) != 2 or cnp.PyArray_DIM(m, 0) != cnp.PyArray_DIM(d, 0)
+            or cnp.PyArray_DIM(m, 1) != cnp.PyArray_DIM(d, 1)):
+        return False
+    dt = m.descr
+    return MASK_KIND_OK[<unsigned char>dt.kind] and cnp.PyArray_ISNBO(dt.byteorder)
 
 
 def gather_ragged(items, dest, mask, pad_value) -> int:
@@ -218,13 +258,15 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
     different orders).
     """
     cdef tuple seq = tuple(items)
-    cdef cnp.ndarray d = _check_dest(dest, "dest")
-    if cnp.PyArray_NDIM(d) != 2:
-        raise ValueError(f"dest must be 2-D [N, Lmax], got shape {dest.shape}")
-    if cnp.PyArray_ITEMSIZE(d) == 0:
-        raise ValueError("dest has zero-size elements")
-    cdef cnp.ndarray m = None if mask is None else _check_mask(mask, d)
-    cdef bytes pad = np.array(pad_value, dtype=d.dtype).tobytes()
+    if not _ragged_dest_ok(dest):
+        _check_ragged_dest(dest)  # cold: raises
+        raise _disagree("check_ragged_dest")
+    cdef cnp.ndarray d = <cnp.ndarray>dest
+    if mask is not None and not _mask_ok(mask, d):
+        _check_mask(mask, dest)  # cold: raises
+        raise _disagree("check_mask")
+    cdef cnp.ndarray m = <cnp.ndarray>mask if mask is not None else None
+    cdef bytes pad = _pad_element(pad_value, dest.dtype).tobytes()
     cdef Py_ssize_t rows = cnp.PyArray_DIM(d, 0)
     cdef Py_ssize_t lmax = cnp.PyArray_DIM(d, 1)
     cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(d)
@@ -241,16 +283,14 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
     cdef _Sources s = _Sources()
     if (<const char*>&one)[0] != 1:                      # big-endian host: 1 sits in the last bytes
         one_elem = (<const char*>&one) + 8 - msz
-    _check_count(n, rows)
+    _count(n, rows)
     try:
         s.acquire(seq)
         for i in range(n):
-            if s.src[i].nbytes % isz:
-                raise ValueError(f"item {i} has {s.src[i].nbytes} bytes, not a multiple of the "
-                                 f"element size {isz}")
             length = s.src[i].nbytes // isz
-            if length > lmax:
-                raise ValueError(f"item {i} has {length} elements, the batch row has {lmax}")
+            if s.src[i].nbytes % isz or length > lmax:
+                _ragged_length(i, s.src[i].nbytes, isz, lmax)  # cold: raises
+                raise _disagree("ragged_length")
             total += length
         with nogil:
             for i in range(rows):
@@ -271,18 +311,13 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
 
 def scatter(batch_out, n) -> list:
     """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
-    if not isinstance(batch_out, cnp.ndarray):
-        raise TypeError(f"batch_out must be a numpy.ndarray, not {type(batch_out).__name__}")
-    cdef cnp.ndarray b = <cnp.ndarray>batch_out
-    if cnp.PyArray_NDIM(b) < 1:
-        raise ValueError("batch_out must have at least one dimension")
-    count = operator.index(n)
-    cdef Py_ssize_t rows = cnp.PyArray_DIM(b, 0)
-    if count < 0 or count > rows:
-        raise ValueError(f"n={count} is outside 0..{rows}")
-    cdef Py_ssize_t k = count
+    cdef Py_ssize_t i, k
     cdef list out = []
-    cdef Py_ssize_t i
+    if (isinstance(batch_out, cnp.ndarray) and cnp.PyArray_NDIM(<cnp.ndarray>batch_out) >= 1
+            and type(n) is int and 0 <= n <= cnp.PyArray_DIM(<cnp.ndarray>batch_out, 0)):
+        k = n
+    else:  # cold: an error, or an ``__index__`` count such as numpy.int64
+        k = _scatter_count(batch_out, n)
     for i in range(k):
-        out.append(b[i, ...])
+        out.append(batch_out[i, ...])
     return out
