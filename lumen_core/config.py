@@ -3,13 +3,24 @@
 A config error names the file, the key and what is wrong (``lumen.toml: tasks[0].batching.
 max_batch_size: must be an integer >= 1, got -1``), because a server that refuses to start must
 say exactly which line to fix.
+
+Backend-specific keys are declared by the backends, read here: ``[tasks.options]`` against a
+backend's :class:`Option` schema (:func:`read_options`), and the stateful inputs a backend
+declares for its model filled into ``[tasks.sequence]`` (:func:`effective_sequence`).  Both
+return new objects; a parsed :class:`TaskConfig` is never changed after parsing.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from .contract import DTYPES, MAX_RANK
+from .errors import ConfigError  # lives in errors.py; runtime.py, engine/state.py import it here
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HTTP_PORT = 8000
@@ -27,11 +38,14 @@ DEFAULT_MAX_SEQUENCE_IDLE_US = 1_000_000  # Triton's default: 1 s
 MAX_SEQUENCE_IDLE_US = 3_600_000_000  # one hour
 MAX_SEQUENCE_SLOTS = 65536
 CONTROL_KINDS = ("START", "END", "READY", "CORRID")
-CONTROL_DTYPES = ("fp32", "int32", "bool")
+#: a state or constant input may have any tensor dtype of the metadata contract
+STATE_DTYPES = CONSTANT_DTYPES = tuple(DTYPES)
+#: START / END / READY controls: the contract dtypes Triton allows for them
+CONTROL_DTYPES = tuple(d for d in DTYPES if d in ("fp32", "int32", "bool"))
+#: a CORRID control carries the correlation id: int64 (a contract dtype), uint64 or string
+#: (engine/state.py's CORRID_NUMPY maps these three)
 CORRID_DTYPES = ("uint64", "int64", "string")
-STATE_DTYPES = ("fp32", "fp16", "int64", "int32", "int8", "uint8", "bool")
-CONSTANT_DTYPES = ("fp32", "fp16", "int64", "int32", "int8", "uint8", "bool")
-MAX_STATE_RANK = 8
+MAX_STATE_RANK = MAX_RANK
 
 
 #: [tasks.batching] keys the sequence batcher does not use, and what to do instead
@@ -41,16 +55,6 @@ SEQUENCE_UNUSED_BATCHING_KEYS = {
     "priority_levels": "requests of a sequence run in order; priorities do not apply",
     "default_priority_level": "requests of a sequence run in order; priorities do not apply",
 }
-
-
-class ConfigError(ValueError):
-    """A configuration problem: ``source: key: problem``."""
-
-    def __init__(self, source: str, key: str, problem: str):
-        super().__init__(f"{source}: {key}: {problem}")
-        self.source = source
-        self.key = key
-        self.problem = problem
 
 
 @dataclass
@@ -137,8 +141,11 @@ class TaskConfig:
     intra_op_threads: int = 0  # 0: cores // instances
     allow_spinning: Optional[bool] = None  # None: off when instances share cores
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    #: [tasks.options] as written; the backend reads it through read_options(its schema)
     options: dict = field(default_factory=dict)
-    sequence: Optional[SequenceConfig] = None  # [tasks.sequence]; None when absent
+    #: [tasks.sequence] as written (None when absent); a stateful backend's effective one is
+    #: effective_sequence(this, what it declares), see TaskBackend.sequence
+    sequence: Optional[SequenceConfig] = None
     source: str = "<dict>"  # where this task was declared, for error messages
     key: str = "tasks[0]"
 
@@ -205,6 +212,102 @@ class _Reader:
         unknown = sorted(set(self.table) - self.used)
         if unknown:
             raise self.err(unknown[0], f"unknown key (known: {', '.join(sorted(self.used))})")
+
+
+#: the value types an :class:`Option` may declare (``list``: a list of non-empty strings)
+OPTION_KINDS = (int, bool, str, list)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``[tasks.options]`` key a backend declares (``TaskBackend.options_schema``).
+
+    ``kind`` is ``int``, ``bool``, ``str`` or ``list`` (a list of non-empty strings; a single
+    string stands for a list of one).  ``lo`` / ``hi`` bound an ``int``; ``choices`` lists the
+    values a ``str`` may take; a ``str`` is never empty.  ``default`` is what a task that leaves
+    the key out gets (``None``: the backend derives it, e.g. from the model, as ``doc`` says).
+    ``doc`` says what the value is, as a noun phrase; error messages quote it.
+    """
+
+    name: str
+    kind: type
+    default: Any
+    doc: str
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+    choices: Optional[tuple] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTION_KINDS:
+            raise TypeError(f"option {self.name!r}: kind must be one of {OPTION_KINDS}")
+
+    def read(self, r: _Reader) -> Any:
+        """The option's value in ``r``'s table (its default when absent), or a ConfigError."""
+        r.used.add(self.name)
+        if self.name not in r.table:
+            return self.default
+        v = r.table[self.name]
+        if self.kind is int:
+            if (isinstance(v, bool) or not isinstance(v, int)
+                    or (self.lo is not None and v < self.lo)
+                    or (self.hi is not None and v > self.hi)):
+                raise r.err(self.name, f"must be an integer{self._range()}, got {v!r}")
+        elif self.kind is bool:
+            if not isinstance(v, bool):
+                raise r.err(self.name, f"must be true or false, got {v!r}")
+        elif self.kind is str:
+            if not isinstance(v, str) or not v:
+                raise r.err(self.name, f"must be a non-empty string ({self.doc}), got {v!r}")
+            if self.choices is not None and v not in self.choices:
+                raise r.err(self.name, f"must be one of {', '.join(self.choices)} ({self.doc}), "
+                                       f"got {v!r}")
+        else:
+            items = [v] if isinstance(v, str) else v
+            if (not isinstance(items, list) or not items
+                    or not all(isinstance(x, str) and x for x in items)):
+                raise r.err(self.name, f"must be a list of non-empty strings ({self.doc}), "
+                                       f"got {v!r}")
+            v = tuple(items)
+        return v
+
+    def _range(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f" in {self.lo}..{self.hi}"
+        if self.lo is not None:
+            return f" >= {self.lo}"
+        return f" <= {self.hi}" if self.hi is not None else ""
+
+
+def read_options(task: TaskConfig, schema: Sequence[Option]) -> dict:
+    """``task.options`` checked against a backend's declared ``schema``: a new dict holding
+    every declared option (defaults filled in).  An undeclared key is a ConfigError naming the
+    keys the backend knows; ``task`` itself is not changed."""
+    r = _Reader(task.source, f"{task.key}.options", task.options)
+    known = [o.name for o in schema]
+    unknown = sorted(str(k) for k in r.table if k not in known)
+    if unknown:
+        if not known:
+            raise r.err(unknown[0], f"backend {task.backend!r} takes no options")
+        raise r.err(unknown[0], f"unknown option for backend {task.backend!r} "
+                                f"(known: {', '.join(known)})")
+    return {o.name: o.read(r) for o in schema}
+
+
+def effective_sequence(configured: Optional[SequenceConfig],
+                       declared: Optional[SequenceConfig]) -> Optional[SequenceConfig]:
+    """The ``[tasks.sequence]`` a stateful task runs with.
+
+    ``declared`` is what the backend declares for its model (its stateful inputs and policy
+    defaults; None when the config must say everything).  No ``[tasks.sequence]`` in the
+    config: ``declared``.  A ``[tasks.sequence]`` that declares neither state nor constant
+    inputs (only policy, perhaps controls): it, with the declared state and constants.
+    Otherwise the configured one, as is.  Never changes either argument.
+    """
+    if declared is None or (configured is not None and (configured.state or configured.constant)):
+        return configured
+    if configured is None:
+        return declared
+    return dataclasses.replace(configured, state=declared.state, constant=declared.constant)
 
 
 def _parse_device(r: _Reader) -> str:
@@ -286,10 +389,6 @@ def _parse_control(r: _Reader) -> ControlConfig:
 
 
 def _parse_constant(r: _Reader) -> ConstantConfig:
-    import numpy as np
-
-    from .contract import DTYPES
-
     name = _required_str(r, "input_name")
     dtype = r.get("dtype", str, "", choices=CONSTANT_DTYPES)
     if not dtype:

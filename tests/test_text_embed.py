@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 import lumen_core as lc
 from lumen_core import models
 from lumen_core.batching.dynamic import DynamicBatcher, _length_window
-from lumen_core.config import BatchingConfig, ConfigError
+from lumen_core.config import BatchingConfig
+from lumen_core.engine.session import cpu_session
+from lumen_core.errors import ConfigError, ModelMissingError
 from lumen_core.models import minilm
 from lumen_core.tasks import default_task_tables
 from lumen_core.tasks import text_embedding as te
@@ -154,7 +156,7 @@ def test_many_concurrent_mixed_length_callers_get_their_own_vectors(rt, prepared
     distinct = [" ".join(rng.choice(vocab) for _ in range(n))
                 for n in [rng.choice((1, 2, 3, 5, 8, 13, 30, 90)) for _ in range(48)]]
     tok = minilm.load_tokenizer(models.model_dir(models.MINILM, prepared_home) / minilm.TOKENIZER_FILE)
-    sess = minilm.session(models.model_dir(models.MINILM, prepared_home) / models.MODEL_FILE)
+    sess = cpu_session(models.model_dir(models.MINILM, prepared_home) / models.MODEL_FILE)
     expected = np.concatenate([minilm.embed(sess, tok, [t]) for t in distinct])
     picks = [rng.randrange(len(distinct)) for _ in range(320)]
     reqs = [raw(distinct[k]) if i % 3 else tensor(tok.encode(distinct[k]).ids)
@@ -352,7 +354,7 @@ def test_default_runtime_registers_text_embed_when_prepared(prepared_home, monke
 def test_configured_task_without_prepared_model_fails_naming_the_command(monkeypatch, tmp_path):
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
     runtime = lc.Runtime.from_dict({"tasks": [{"name": TASK, "backend": te.BACKEND_NAME}]})
-    with pytest.raises(models.ModelMissingError, match="lumen models prepare"):
+    with pytest.raises(ModelMissingError, match="lumen models prepare"):
         asyncio.run(runtime.start())
 
 

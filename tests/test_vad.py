@@ -12,6 +12,7 @@ import pytest
 
 import lumen_core as lc
 from lumen_core import models
+from lumen_core.engine.session import cpu_session
 from lumen_core.models import silero
 from lumen_core.tasks import vad
 
@@ -112,7 +113,7 @@ def test_interleaved_streams_match_reference_on_every_route(model_path, referenc
             return out
 
     got = run(main())
-    sess = silero.session(model_path, threads=1)
+    sess = cpu_session(model_path, intra_op_threads=1)
     probs_l16 = silero.run_streams(sess, quantised(audio))
     for k in range(len(streams)):
         want = probs_l16[k // STREAMS_PER_REFERENCE] if routes[k] == "l16" else probs[k // STREAMS_PER_REFERENCE]
@@ -124,7 +125,7 @@ def test_interleaved_streams_match_reference_on_every_route(model_path, referenc
 def test_l16_route_stays_close_to_the_float_reference(model_path, reference):
     """PCM16 rounding moves probabilities by ~1e-4 at most on the fixture audio."""
     audio, probs = reference
-    sess = silero.session(model_path, threads=1)
+    sess = cpu_session(model_path, intra_op_threads=1)
     assert np.abs(silero.run_streams(sess, quantised(audio)) - probs).max() < 5 * TOLERANCE
 
 
@@ -225,6 +226,21 @@ def test_tensor_and_sequence_errors(model_path):
                            "lumen.sequence.id"]
 
 
+def test_loading_serves_the_declared_state_and_leaves_the_config_unchanged(model_path):
+    # the config declares policy only; the backend supplies Silero's state and sr constant
+    async def main():
+        rt = lc.Runtime.from_dict(vad_config(model_path))
+        seq = rt.config.tasks[0].sequence
+        async with rt:
+            first = await rt.infer(chunk_request(np.zeros(CHUNK, np.float32), "l16", "c", True,
+                                                 True))
+        return seq, rt.config.tasks[0].sequence, first
+
+    before, after, first = run(main())
+    assert after is before and after.state == () and after.constant == ()
+    assert 0.0 <= float(first.outputs["speech_prob"][0]) <= 1.0
+
+
 def test_describe_and_model_identity(model_path):
     async def main():
         async with lc.Runtime.from_dict(vad_config(model_path)) as rt:
@@ -264,7 +280,7 @@ def test_default_runtime_serves_vad_when_prepared(home, monkeypatch, tmp_path, r
 
     got = run(main())
     np.testing.assert_allclose(got[1:], probs[1:], atol=TOLERANCE)
-    sess = silero.session(str(models.model_dir(models.SILERO_VAD, home) / models.MODEL_FILE), 1)
+    sess = cpu_session(models.model_dir(models.SILERO_VAD, home) / models.MODEL_FILE, 1)
     np.testing.assert_allclose(got[0], silero.run_streams(sess, quantised(audio[:1]))[0],
                                atol=TOLERANCE)
 

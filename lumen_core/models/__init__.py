@@ -11,7 +11,8 @@ Nothing is downloaded at run time: the model files come from PyPI packages insta
 file, the preparer's revision, and the sha256 and size of every output.  ``prepare`` skips a
 model whose manifest matches and whose outputs still hash-check, so it is cheap to run again.
 Backends call ``require_model`` when a task loads: it checks presence cheaply (sizes, not
-hashes) and raises ``ModelMissingError`` naming the command that fixes it.
+hashes) and raises :class:`~lumen_core.errors.ModelMissingError` naming the command that
+fixes it.
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import shutil
 from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
+from ..errors import ModelMissingError  # also read here by cli.py (old home of the class)
 from . import minilm, silero
 from ._files import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    MODEL_FILE,
     PREPARE_COMMAND,
-    ModelMissingError,
     ProgressFn,
     output_entries,
     outputs_intact,
@@ -42,7 +44,6 @@ __all__ = [
     "PREPARE_COMMAND",
     "SILERO_VAD",
     "DEFAULT_MODELS",
-    "ModelMissingError",
     "lumen_home",
     "model_dir",
     "models_dir",
@@ -55,7 +56,6 @@ HOME_ENV = "LUMEN_HOME"
 DEFAULT_HOME = pathlib.Path("~/.cache/lumen")
 MODELS_SUBDIR = "models"
 LOCK_NAME = ".prepare.lock"
-MODEL_FILE = "model.onnx"
 
 MINILM = minilm.MODEL_ID
 SILERO_VAD = silero.MODEL_ID
@@ -106,13 +106,15 @@ def require_model(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path
     if manifest is None or not outputs_intact(directory, manifest, deep=False):
         raise ModelMissingError(
             f"model {name!r} is not prepared under {directory}; run `{PREPARE_COMMAND}`"
-            f"{_home_hint(home)} (it builds the embedded models offline from installed packages)"
+            f"{_home_hint(home)} (it builds the embedded models offline from installed packages)",
+            command=PREPARE_COMMAND,
         )
     if not _manifest_current(manifest, name, preparer):
         raise ModelMissingError(
             f"model {name!r} under {directory} was prepared by an older lumen-core "
             f"(revision {manifest.get('revision')!r}, now {preparer.REVISION}); run `{PREPARE_COMMAND}`"
-            f"{_home_hint(home)}"
+            f"{_home_hint(home)}",
+            command=PREPARE_COMMAND,
         )
     return directory
 

@@ -12,24 +12,16 @@ import os
 import pathlib
 from typing import Any, Callable, Optional
 
+from ..errors import ModelMissingError
+
 PREPARE_COMMAND = "lumen models prepare"
+#: the ONNX file every prepared model directory holds
+MODEL_FILE = "model.onnx"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_CHUNK_BYTES = 1 << 20
 
 ProgressFn = Callable[[str], None]
-
-
-class ModelMissingError(RuntimeError):
-    """A prepared model, or the PyPI package it is prepared from, is not there.
-
-    ``command`` is the one thing the user has to run to fix it, so callers (the CLI, a task
-    that fails to load) can show it without parsing the message.
-    """
-
-    def __init__(self, message: str, command: str = PREPARE_COMMAND):
-        super().__init__(message)
-        self.command = command
 
 
 def sha256_file(path: pathlib.Path) -> str:

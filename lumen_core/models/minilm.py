@@ -11,8 +11,9 @@ pattern ONNX Runtime's transformer optimizer recognises: it fuses it completely 
 ``EmbedLayerNormalization`` / 6 ``Attention`` / 12 ``SkipLayerNormalization`` / 6 ``BiasGelu``
 (``build(..., fuse=True)``).  ``prepare`` nevertheless writes the plain graph (see FUSE):
 ONNX Runtime rewrites it at session load (``FusedMatMul`` for the scaled QK, ``BiasGelu``)
-and that ran faster on CPU than the fully fused graph.  Token type ids are always zero for single sentences, so the type-0 embedding row is folded
-into the position table (the DistilBERT embedding pattern, one Gather fewer).
+and that ran faster on CPU than the fully fused graph.  Token type ids are always zero for
+single sentences, so the type-0 embedding row is folded into the position table (the
+DistilBERT embedding pattern, one Gather fewer).
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..engine.session import cpu_session
+from ..errors import ModelMissingError
 from ._files import (
-    ModelMissingError,
+    MODEL_FILE,
     ProgressFn,
     distribution_version,
     packaged_path,
@@ -40,18 +43,24 @@ TOKENIZER_FILE = "tokenizer.json"
 WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 SOURCE_FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE)
 
-MODEL_FILE = "model.onnx"
 MODEL_ID = "all-minilm-l6-v2"
 MODEL_VERSION = "1"
 # Bump when the graph this module writes changes, so `prepare` rebuilds old outputs.
 REVISION = 2
 OPSET = 17
+# The graph's I/O facts (the ``text_embedding`` task imports them from here).
+#: sentence-transformers' max_seq_length for all-MiniLM-L6-v2 (tokens incl. [CLS]/[SEP])
 MAX_SEQ_LENGTH = 256
+#: BERT's position table (``max_position_embeddings``): no input may be longer
+MAX_POSITIONS = 512
 PAD_TOKEN_ID = 0
 EMBEDDING_DIM = 384
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 OUTPUT = "embedding"
+#: dtypes (contract names) of both inputs and of the output
+TOKEN_DTYPE = "int64"
+OUTPUT_DTYPE = "fp32"
 
 # Additive attention mask for padded keys; exp(-10000 + s) is exactly 0 in fp32 for any
 # realistic score, and -10000 is the optimizer's default mask_filter_value.
@@ -77,9 +86,8 @@ SELF_CHECK_TEXTS = (
 
 def source_dir() -> pathlib.Path:
     """The package's bundled model folder; a clear error naming the pip command if absent."""
-    directory = packaged_path(MODULE, MODEL_SUBDIR, SOURCE_FILES, DIST, DIST_VERSION,
-                              f"the {MODEL_ID} weights")
-    return directory
+    return packaged_path(MODULE, MODEL_SUBDIR, SOURCE_FILES, DIST, DIST_VERSION,
+                         f"the {MODEL_ID} weights")
 
 
 def source_info() -> dict[str, Any]:
@@ -300,17 +308,6 @@ def pad_batch(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return input_ids, mask
 
 
-def session(path: pathlib.Path, threads: int = 2) -> Any:
-    """An ORT CPU session with the settings the project measures with (no spinning)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-
-
 def embed(sess: Any, tokenizer: Any, texts: list[str]) -> np.ndarray:
     ids, mask = pad_batch([enc.ids for enc in tokenizer.encode_batch(list(texts))])
     return sess.run([OUTPUT], {INPUT_IDS: ids, ATTENTION_MASK: mask})[0]
@@ -386,8 +383,8 @@ def build(out_dir: pathlib.Path, progress: Optional[ProgressFn] = None, fuse: bo
         except Exception as exc:  # an optimizer that cannot handle the graph must not block prepare
             say(f"{MODEL_ID}: the optimizer failed ({type(exc).__name__}: {exc}); keeping the plain graph")
         else:
-            reference = embed(session(plain), tokenizer, list(SELF_CHECK_TEXTS))
-            candidate = embed(session(fused), tokenizer, list(SELF_CHECK_TEXTS))
+            reference = embed(cpu_session(plain), tokenizer, list(SELF_CHECK_TEXTS))
+            candidate = embed(cpu_session(fused), tokenizer, list(SELF_CHECK_TEXTS))
             diff = float(np.abs(reference - candidate).max())
             use_fused = diff <= FUSED_TOLERANCE
             say(f"{MODEL_ID}: fused {stats}, max |fused - plain| = {diff:.1e}"

@@ -19,8 +19,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..engine.session import cpu_session
+from ..errors import ModelMissingError
 from ._files import (
-    ModelMissingError,
+    MODEL_FILE,
     ProgressFn,
     distribution_version,
     packaged_path,
@@ -33,23 +35,30 @@ DIST_VERSION = "6.2.3"
 MODULE = "silero_vad"
 SOURCE_FILE = "data/silero_vad.onnx"
 
-MODEL_FILE = "model.onnx"
 MODEL_ID = "silero-vad"
 MODEL_VERSION = "1"
 # Bump when what this module writes changes, so `prepare` redoes old outputs.
 REVISION = 1
 
+# The model's I/O facts (the ``vad`` task imports them from here).
 SAMPLE_RATE = 16000
 CHUNK_SAMPLES = 512
 CONTEXT_SAMPLES = 64
 STATE_LAYERS = 2
 STATE_SIZE = 128
+#: per-stream state dims (the batch axis left out) and where the batch axis sits
+STATE_DIMS = (STATE_LAYERS, STATE_SIZE)
 STATE_BATCH_AXIS = 1
 INPUT = "input"
 STATE = "state"
 SAMPLE_RATE_INPUT = "sr"
 OUTPUT = "output"
 STATE_OUTPUT = "stateN"
+#: dtypes (contract names) of the window input, the state, the scalar sample rate, the output
+INPUT_DTYPE = "fp32"
+STATE_DTYPE = "fp32"
+SAMPLE_RATE_DTYPE = "int64"
+OUTPUT_DTYPE = "fp32"
 EXPECTED_INPUTS = (INPUT, STATE, SAMPLE_RATE_INPUT)
 EXPECTED_OUTPUTS = (OUTPUT, STATE_OUTPUT)
 
@@ -67,17 +76,6 @@ def source_info() -> dict[str, Any]:
         "files": {SOURCE_FILE: sha256_file(source_path())},
         "revision": REVISION,
     }
-
-
-def session(path: pathlib.Path, threads: int = 2) -> Any:
-    """An ORT CPU session with the settings the project measures with (no spinning)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def _check_signature(sess: Any) -> None:
@@ -120,7 +118,7 @@ def build(out_dir: pathlib.Path, progress: Optional[ProgressFn] = None) -> dict[
     say(f"{MODEL_ID}: copying {MODULE}/{SOURCE_FILE}")
     shutil.copyfile(src, out_dir / MODEL_FILE)
     say(f"{MODEL_ID}: checking the model loads in ONNX Runtime")
-    sess = session(out_dir / MODEL_FILE, threads=1)
+    sess = cpu_session(out_dir / MODEL_FILE, intra_op_threads=1)
     _check_signature(sess)
     # one silent step: the model must run at the batch size the scheduler will use (N > 1)
     probs = run_streams(sess, np.zeros((2, CHUNK_SAMPLES), dtype=np.float32))

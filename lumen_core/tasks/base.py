@@ -4,6 +4,12 @@ A backend turns requests of one task into :class:`PreparedModelRequest` objects 
 decode + preprocess; tensor route: the validated descriptor) and turns its slice of a batch
 output into the task's outputs.  It declares a :class:`TensorContract` and a :class:`ModelSpec`;
 it never sees queues, threads or ORT sessions.
+
+Configuration: a backend declares the ``[tasks.options]`` it takes (``options_schema``, read
+and checked by :func:`lumen_core.config.read_options` into ``self.options``) and, if stateful,
+the stateful inputs its model needs by default (``declared_sequence``, merged by
+:func:`lumen_core.config.effective_sequence` into ``self.sequence``).  It never writes to its
+:class:`TaskConfig`.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .. import native
-from ..config import TaskConfig
+from ..config import Option, SequenceConfig, TaskConfig, effective_sequence, read_options
 from ..contract import TensorContract
 from ..descriptor import Descriptor
 from ..engine.plan import ModelSpec, PreparedModelRequest
@@ -47,12 +53,25 @@ class TaskBackend(abc.ABC):
     inline_prepare_max_bytes: int = sys.maxsize
     #: True: the raw route also takes the payload as a ``str`` (text tasks; no encode/decode)
     accepts_text: bool = False
+    #: the ``[tasks.options]`` keys this backend takes; any other key is a config error
+    options_schema: tuple[Option, ...] = ()
 
     def __init__(self, config: TaskConfig):
         self.config = config
         self.name = config.name
+        #: ``[tasks.options]`` checked against ``options_schema``, every default filled in
+        self.options: dict = read_options(config, self.options_schema)
+        #: the ``[tasks.sequence]`` the task runs with: the config's, completed by
+        #: ``declared_sequence`` (None for a stateless task configured without one)
+        self.sequence: Optional[SequenceConfig] = effective_sequence(config.sequence,
+                                                                     self.declared_sequence())
         self.contract: TensorContract = TensorContract()
         self.model: Optional[ModelSpec] = None
+
+    def declared_sequence(self) -> Optional[SequenceConfig]:
+        """Stateful backends: the stateful inputs (state, constants) the model needs, used when
+        the config declares none of them.  None: the config must declare them."""
+        return None
 
     # -- lifecycle --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -60,12 +60,12 @@ import numpy as np
 from PIL import Image
 
 from ..batching.signature import signature
-from ..config import ConfigError, TaskConfig
+from ..config import Option, TaskConfig
 from ..contract import TensorContract, TensorSpec
 from ..descriptor import Descriptor
 from ..engine.plan import ImageInput, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
-from ..errors import InternalError
+from ..errors import ConfigError, InternalError
 from ..request import InferRequest, new_infer_request
 from .base import TaskBackend, split_outputs
 from .imaging import (
@@ -107,53 +107,32 @@ RECIPES = {
     CLIP_PREPROCESS_ID: Recipe(CLIP_PREPROCESS_ID, CLIP_UINT8_PREPROCESS_ID, CLIP_MEAN, CLIP_STD,
                                CLIP_SIZE),
 }
-KNOWN_OPTIONS = ("max_image_pixels", "normalize", "output", "preprocess_id")
 
 
 class ImageEmbeddingBackend(TaskBackend):
     raw_mimes = tuple(MIME_FORMATS)
     prepare_off_loop = True  # decode + resize: milliseconds of CPU per image
+    options_schema = (
+        Option("preprocess_id", str, CLIP_PREPROCESS_ID, "the preprocessing recipe",
+               choices=tuple(sorted(RECIPES))),
+        Option("output", str, None, "the model output returned as 'embedding'; needed when "
+                                    "the model has several"),
+        Option("normalize", bool, True, "L2-normalise the embedding"),
+        Option("max_image_pixels", int, DEFAULT_MAX_IMAGE_PIXELS,
+               "decompression-bomb limit on decoded and resized pixels", lo=1),
+    )
 
     def __init__(self, config: TaskConfig):
         super().__init__(config)
-        self.recipe = RECIPES[CLIP_PREPROCESS_ID]
-        self.max_pixels = DEFAULT_MAX_IMAGE_PIXELS
-        self.normalize = True
-        self.input_name = ""
-        self.output_name = ""
+        self.recipe = RECIPES[self.options["preprocess_id"]]
+        self.max_pixels: int = self.options["max_image_pixels"]
+        self.normalize: bool = self.options["normalize"]
+        self.output_name: str = self.options["output"] or ""
         self.model_id = ""
-
-    # -- configuration ----------------------------------------------------------------------
-    def _options(self) -> None:
-        cfg = self.config
-        src, key = cfg.source, f"{cfg.key}.options"
-        opts = dict(cfg.options)
-        unknown = sorted(set(opts) - set(KNOWN_OPTIONS))
-        if unknown:
-            raise ConfigError(src, f"{key}.{unknown[0]}", f"unknown option for backend "
-                                                          f"'image_embedding' (known: {', '.join(KNOWN_OPTIONS)})")
-        pp = opts.get("preprocess_id", CLIP_PREPROCESS_ID)
-        if pp not in RECIPES:
-            raise ConfigError(src, f"{key}.preprocess_id",
-                              f"unknown recipe {pp!r} (known: {', '.join(sorted(RECIPES))})")
-        self.recipe = RECIPES[pp]
-        norm = opts.get("normalize", True)
-        if not isinstance(norm, bool):
-            raise ConfigError(src, f"{key}.normalize", f"must be true or false, got {norm!r}")
-        self.normalize = norm
-        mp = opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
-        if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1:
-            raise ConfigError(src, f"{key}.max_image_pixels", f"must be an integer >= 1, got {mp!r}")
-        self.max_pixels = mp
-        out = opts.get("output")
-        if out is not None and (not isinstance(out, str) or not out):
-            raise ConfigError(src, f"{key}.output", f"must be a model output name, got {out!r}")
-        self.output_name = out or ""
 
     def load(self) -> ModelSpec:
         cfg = self.config
         src, key = cfg.source, cfg.key
-        self._options()
         if not cfg.model:
             raise ConfigError(src, f"{key}.model", "is required for backend 'image_embedding' "
                                                    "(a CLIP-style vision encoder ONNX)")
@@ -177,7 +156,6 @@ class ImageEmbeddingBackend(TaskBackend):
         self.output_name = self._pick_output(outputs)
         odims = next(d for n, _, d in outputs if n == self.output_name)
         item = (odims[1],) if len(odims) == 2 and odims[1] is not None else None
-        self.input_name = in_name
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         r = self.recipe
         self.contract = TensorContract(

@@ -2,8 +2,9 @@
 
 Its contract is derived from the model itself: the input's element type gives the dtype, its
 non-batch dimensions the per-dimension constraints (a fixed size stays fixed, a symbolic one is
-``1 <= d``), and ``options`` name the layout and the accepted preprocess ids.  Outputs whose
-non-batch dims are all fixed are bound to preallocated buffers by the engine.
+``1 <= d``, up to ``options.max_dim`` when set), and ``options`` name the layout and the
+accepted preprocess ids.  Outputs whose non-batch dims are all fixed are bound to preallocated
+buffers by the engine.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import numpy as np
 
 from ..batching.signature import signature
-from ..config import ConfigError
+from ..config import Option
 from ..contract import (
     DEFAULT_LAYOUT_FOR_RANK,
     DTYPES,
@@ -23,6 +24,7 @@ from ..contract import (
 )
 from ..engine.plan import DenseInput, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
+from ..errors import ConfigError
 from ..request import new_infer_request
 from .base import TaskBackend
 
@@ -33,6 +35,15 @@ MAX_CACHED_SIGNATURES = 256
 
 class OnnxBackend(TaskBackend):
     raw_mimes = ()
+    options_schema = (
+        Option("layout", str, None, "the input's layout, of the input's rank; default by rank: "
+                                    + ", ".join(DEFAULT_LAYOUT_FOR_RANK.values()),
+               choices=tuple(LAYOUTS)),
+        Option("preprocess_ids", list, (DEFAULT_PREPROCESS_ID,),
+               "the preprocess ids a request may name (lumen.preprocess.id)"),
+        Option("max_dim", int, UNBOUNDED, "largest size of each symbolic non-batch dimension; "
+                                          "default: unbounded", lo=1),
+    )
 
     def load(self) -> ModelSpec:
         cfg = self.config
@@ -50,23 +61,15 @@ class OnnxBackend(TaskBackend):
             raise ConfigError(src, f"{key}.model", f"input {in_name!r} has unsupported type {dtype}")
         if not dims:
             raise ConfigError(src, f"{key}.model", f"input {in_name!r} has no batch dimension")
-        opts = dict(cfg.options)
-        layout = opts.pop("layout", DEFAULT_LAYOUT_FOR_RANK.get(len(dims), ""))
-        if layout not in LAYOUTS or LAYOUTS[layout].rank != len(dims):
+        layout = self.options["layout"] or DEFAULT_LAYOUT_FOR_RANK.get(len(dims), "")
+        if LAYOUTS.get(layout) is None or LAYOUTS[layout].rank != len(dims):
+            fits = ", ".join(n for n, lay in LAYOUTS.items() if lay.rank == len(dims))
             raise ConfigError(src, f"{key}.options.layout",
-                              f"must be a layout of rank {len(dims)} (known: {', '.join(LAYOUTS)}), "
-                              f"got {layout!r}")
-        pps = opts.pop("preprocess_ids", [DEFAULT_PREPROCESS_ID])
-        if isinstance(pps, str):
-            pps = [pps]
-        if not pps or not all(isinstance(p, str) and p for p in pps):
-            raise ConfigError(src, f"{key}.options.preprocess_ids", "must be a list of non-empty strings")
-        max_dim = opts.pop("max_dim", UNBOUNDED)
-        if opts:
-            raise ConfigError(src, f"{key}.options.{sorted(opts)[0]}",
-                              "unknown option for backend 'onnx' (known: layout, preprocess_ids, max_dim)")
+                              f"must be a layout of rank {len(dims)} for input {in_name!r} "
+                              f"({fits or 'no known layout has that rank'}), got {layout!r}")
+        pps = self.options["preprocess_ids"]
+        max_dim = self.options["max_dim"]
         spec_dims = ((1, 1),) + tuple((d, d) if d else (1, max_dim) for d in dims[1:])
-        self.input_name = in_name
         self._signatures: dict = {}
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         self.contract = TensorContract(

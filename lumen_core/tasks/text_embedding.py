@@ -19,6 +19,10 @@ stall the loop: payloads above ``INLINE_PREPARE_MAX_BYTES`` go to a worker threa
 honours ``inline_prepare_max_bytes``) and use ``encode_batch``, which releases the GIL.  Long
 texts are never tokenized in full when a prefix proves enough (see :meth:`_token_ids`).
 
+The model's graph I/O (input / mask / output names, token dtype, embedding size, default and
+largest sequence length) is defined once, in :mod:`lumen_core.models.minilm`; a configured
+``model`` must have the same I/O.
+
 Batching: the backend asks the dynamic batcher for length-aware formation with a token budget
 (``max_batch_tokens``), see ``lumen_core/batching/dynamic.py``.
 """
@@ -31,10 +35,23 @@ from typing import Any, Optional
 import numpy as np
 
 from ..batching.signature import signature
-from ..config import ConfigError
-from ..contract import TensorContract, TensorSpec
+from ..config import Option
+from ..contract import DTYPES, TensorContract, TensorSpec
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
-from ..errors import InvalidArgument, UnsupportedMediaType
+from ..errors import ConfigError, InvalidArgument, ModelMissingError, UnsupportedMediaType
+from ..models import MINILM, MODEL_FILE, require_model
+from ..models.minilm import (
+    ATTENTION_MASK,
+    EMBEDDING_DIM,
+    INPUT_IDS,
+    MAX_POSITIONS,
+    MAX_SEQ_LENGTH,
+    OUTPUT,
+    OUTPUT_DTYPE,
+    PAD_TOKEN_ID,
+    TOKEN_DTYPE,
+    TOKENIZER_FILE,
+)
 from ..request import new_infer_request
 from .base import TaskBackend
 
@@ -43,20 +60,15 @@ BACKEND_NAME = "text_embedding"
 PREPROCESS_ID = "bert_wordpiece_uncased_v1"
 TEXT_MIME = "text/plain"
 DEFAULT_CHARSET = "utf-8"
-TOKEN_DTYPE = "int64"
 LAYOUT = "NL"
-INPUT_IDS = "input_ids"
-ATTENTION_MASK = "attention_mask"
-OUTPUT = "embedding"
-EMBEDDING_DIM = 384
-PAD_TOKEN_ID = 0
-TOKENIZER_FILE = "tokenizer.json"
-#: sentence-transformers' max_seq_length for all-MiniLM-L6-v2 (tokens incl. [CLS]/[SEP])
-DEFAULT_MAX_SEQ_LENGTH = 256
-#: BERT's position table: no option may ask for longer inputs
-MAX_POSITIONS = 512
+#: numpy dtype of token ids (the model's, little-endian as on the wire)
+TOKEN_NP = DTYPES[TOKEN_DTYPE]
+#: tokens per input (incl. [CLS]/[SEP]) unless ``options.max_seq_length`` says otherwise
+DEFAULT_MAX_SEQ_LENGTH = MAX_SEQ_LENGTH
 #: token budget of one batch (rows x padded length), see batching/dynamic.py; 0 = length-blind
 DEFAULT_MAX_BATCH_TOKENS = 8192
+#: the largest ``options.max_batch_tokens`` (16 Mi tokens: 32 Ki rows of 512)
+MAX_BATCH_TOKENS = 1 << 24
 #: raw payloads above this many bytes are tokenized in a worker thread, not on the event loop
 INLINE_PREPARE_MAX_BYTES = 4096
 #: texts up to this many characters are tokenized whole; longer ones prefix-first
@@ -101,12 +113,22 @@ class TextEmbeddingBackend(TaskBackend):
     raw_mimes = (TEXT_MIME,)
     inline_prepare_max_bytes = INLINE_PREPARE_MAX_BYTES
     accepts_text = True
+    options_schema = (
+        Option("tokenizer", str, None, "path of the model's tokenizer.json; default: the "
+                                       "tokenizer.json beside the model"),
+        Option("max_seq_length", int, DEFAULT_MAX_SEQ_LENGTH,
+               "tokens per input, [CLS] and [SEP] included; longer texts are truncated",
+               lo=2, hi=MAX_POSITIONS),
+        Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
+               "token budget of one batch (rows x padded length); 0: length-blind batching",
+               lo=0, hi=MAX_BATCH_TOKENS),
+    )
 
     def __init__(self, config):
         super().__init__(config)
         self.tokenizer: Any = None
-        self.max_seq_length = DEFAULT_MAX_SEQ_LENGTH
-        self.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
+        self.max_seq_length: int = self.options["max_seq_length"]
+        self.max_batch_tokens: int = self.options["max_batch_tokens"]
         self.vocab_size = 0
         self.model_id = ""
         self._signature: tuple = ()
@@ -118,21 +140,12 @@ class TextEmbeddingBackend(TaskBackend):
         cfg = self.config
         src, key = cfg.source, cfg.key
         model_path, tok_default = self._model_files()
-        opts = dict(cfg.options)
-        tok_path = opts.pop("tokenizer", tok_default)
-        if not isinstance(tok_path, str) or not os.path.isfile(tok_path):
+        tok_path = self.options["tokenizer"] or tok_default
+        if not os.path.isfile(tok_path):
             raise ConfigError(src, f"{key}.options.tokenizer",
                               f"must name the model's tokenizer.json; no such file: {tok_path!r}")
-        self.max_seq_length = _int_option(opts, "max_seq_length", DEFAULT_MAX_SEQ_LENGTH, 2,
-                                          MAX_POSITIONS, src, key)
-        self.max_batch_tokens = _int_option(opts, "max_batch_tokens", DEFAULT_MAX_BATCH_TOKENS, 0,
-                                            1 << 24, src, key)
-        if opts:
-            raise ConfigError(src, f"{key}.options.{sorted(opts)[0]}",
-                              f"unknown option for backend {BACKEND_NAME!r} (known: tokenizer, "
-                              f"max_seq_length, max_batch_tokens)")
         self._load_tokenizer(tok_path)
-        self.model_id = cfg.model_id or _default_model_id()
+        self.model_id = cfg.model_id or MINILM
         self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
                                     None, LAYOUT, PREPROCESS_ID)
         self.contract = TensorContract(
@@ -142,9 +155,9 @@ class TextEmbeddingBackend(TaskBackend):
             raw_preprocess_ids=frozenset({PREPROCESS_ID}))
         self.model = ModelSpec(
             model_path,
-            [RaggedInput(INPUT_IDS, np.int64, pad_value=PAD_TOKEN_ID, mask_name=ATTENTION_MASK,
-                         mask_dtype=np.int64)],
-            [OutputSpec(OUTPUT, np.float32, (EMBEDDING_DIM,))])
+            [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=PAD_TOKEN_ID, mask_name=ATTENTION_MASK,
+                         mask_dtype=TOKEN_NP)],
+            [OutputSpec(OUTPUT, DTYPES[OUTPUT_DTYPE], (EMBEDDING_DIM,))])
         return self.model
 
     def _model_files(self) -> tuple:
@@ -156,10 +169,8 @@ class TextEmbeddingBackend(TaskBackend):
                                   f"no such file: {cfg.model} (leave it out to use the prepared "
                                   f"all-MiniLM-L6-v2 from `lumen models prepare`)")
             return cfg.model, os.path.join(os.path.dirname(cfg.model), TOKENIZER_FILE)
-        from .. import models
-
-        directory = models.require_model(models.MINILM)  # names `lumen models prepare` if absent
-        return str(directory / models.MODEL_FILE), str(directory / TOKENIZER_FILE)
+        directory = require_model(MINILM)  # names `lumen models prepare` if absent
+        return str(directory / MODEL_FILE), str(directory / TOKENIZER_FILE)
 
     def _load_tokenizer(self, path: str) -> None:
         from tokenizers import Tokenizer
@@ -185,7 +196,7 @@ class TextEmbeddingBackend(TaskBackend):
     def warmup_requests(self) -> list:
         """A raw text and a longest-possible tensor: both routes, the largest buffers."""
         longest = np.full((1, self.max_seq_length), self.tokenizer.token_to_id("[UNK]") or 100,
-                          dtype=np.int64)
+                          dtype=TOKEN_NP)
         return [
             new_infer_request(self.name).for_raw_input(b"lumen warm-up", TEXT_MIME).build(),
             new_infer_request(self.name).for_tensor_array(longest, LAYOUT, PREPROCESS_ID).build(),
@@ -193,7 +204,7 @@ class TextEmbeddingBackend(TaskBackend):
 
     def describe(self) -> dict:
         return {**super().describe(), "max_seq_length": self.max_seq_length,
-                "max_batch_tokens": self.max_batch_tokens, "outputs": {OUTPUT: ["fp32", [EMBEDDING_DIM]]}}
+                "max_batch_tokens": self.max_batch_tokens, "outputs": {OUTPUT: [OUTPUT_DTYPE, [EMBEDDING_DIM]]}}
 
     # -- request path -----------------------------------------------------------------------
     def prepare_raw(self, req, desc, payload: memoryview, mime: str,
@@ -217,12 +228,12 @@ class TextEmbeddingBackend(TaskBackend):
             how = "is" if type(payload) is str else f"decodes ({codec}) to"
             raise InvalidArgument(f"payload {how} text with unpaired surrogate code points, "
                                   f"which is not text", "payload") from None
-        arr = np.array(ids, dtype=np.int64)
+        arr = np.array(ids, dtype=TOKEN_NP)
         return PreparedModelRequest(self._signature, (arr,), (), len(ids))
 
     def prepare_tensor(self, req, desc, payload: memoryview) -> PreparedModelRequest:
         # dtype, layout, [1, L] with 1 <= L <= max_seq_length and the byte count are checked
-        ids = np.frombuffer(payload, dtype="<i8")
+        ids = np.frombuffer(payload, dtype=TOKEN_NP)
         # negative ids wrap to huge unsigned values: one reduction checks both bounds
         if int(ids.view("<u8").max()) >= self.vocab_size:
             pos = int(np.argmax(ids.view("<u8") >= self.vocab_size))
@@ -264,19 +275,6 @@ class TextEmbeddingBackend(TaskBackend):
         return ids
 
 
-def _int_option(opts: dict, name: str, default: int, lo: int, hi: int, src: str, key: str) -> int:
-    v = opts.pop(name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ConfigError(src, f"{key}.options.{name}", f"must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-def _default_model_id() -> str:
-    from .. import models
-
-    return models.MINILM
-
-
 #: engine instances of the built-in text_embed task (see default_task_table)
 DEFAULT_INSTANCES = 2
 
@@ -284,15 +282,13 @@ DEFAULT_INSTANCES = 2
 def default_task_table() -> Optional[dict]:
     """The built-in ``text_embed`` task on the prepared all-MiniLM-L6-v2, or None when
     ``lumen models prepare`` has not been run (``Runtime.default()`` then leaves it out)."""
-    from .. import models
-
     try:
-        models.require_model(models.MINILM)
-    except models.ModelMissingError:
+        require_model(MINILM)
+    except ModelMissingError:
         return None
     # Two instances (threads per instance default to cores // instances): on the 2-core
     # reference box two single-thread sessions ran the in-process corpus at 1.11x the offline
     # best (sorted batches of 32, 2 threads) against 0.99x for one 2-thread session
     # (bench/README.md, "text_embed (in process)").
-    return {"name": TASK_NAME, "backend": BACKEND_NAME, "model_id": models.MINILM,
+    return {"name": TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM,
             "model_version": "1", "instances": DEFAULT_INSTANCES}

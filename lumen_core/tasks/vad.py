@@ -1,12 +1,15 @@
 """``vad`` backend: Silero VAD v5, one 512-sample chunk (32 ms at 16 kHz) per request.
 
-The task is stateful: a stream is a sequence (``lumen.sequence.id``, ``start`` on the first
-chunk, ``end`` on the last) served by the sequence batcher.  The runtime keeps both pieces of
-per-stream memory the model needs, so a client sends only its new samples:
+Every fact about the model itself (sizes, I/O names, dtypes) lives in
+:mod:`lumen_core.models.silero`.  The task is stateful: a stream is a sequence
+(``lumen.sequence.id``, ``start`` on the first chunk, ``end`` on the last) served by the
+sequence batcher.  The runtime keeps both pieces of per-stream memory the model needs, so a
+client sends only its new samples:
 
 - the recurrent state ``[2, N, 128]`` (batch axis 1), declared as implicit state
-  ``state -> stateN`` in ``[[tasks.sequence.state]]`` (the backend supplies that declaration
-  when the config leaves it out);
+  ``state -> stateN`` in ``[[tasks.sequence.state]]``, with the scalar ``sr`` as a
+  ``[[tasks.sequence.constant]]`` (the backend declares both, :func:`default_sequence`, for a
+  config that declares neither);
 - the 64-sample context: the model's input is ``[N, 576]`` = the last 64 samples of the
   stream's previous chunk (zeros at the start) followed by the new 512
   (:class:`~lumen_core.engine.state.ContextInput`).
@@ -27,8 +30,9 @@ from typing import Optional
 import numpy as np
 
 from ..batching.signature import signature
-from ..config import ConfigError, ConstantConfig, SequenceConfig, StateConfig
+from ..config import ConstantConfig, SequenceConfig, StateConfig
 from ..contract import (
+    DTYPES,
     KEY_SEQUENCE_END,
     KEY_SEQUENCE_ID,
     KEY_SEQUENCE_START,
@@ -38,20 +42,33 @@ from ..contract import (
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..engine.state import ContextInput, check_model_io, sequence_plans
-from ..errors import InvalidArgument, UnsupportedMediaType
+from ..errors import ConfigError, InvalidArgument, ModelMissingError, UnsupportedMediaType
+from ..models import MODEL_FILE, SILERO_VAD, require_model
+from ..models.silero import (
+    CHUNK_SAMPLES,
+    CONTEXT_SAMPLES,
+    INPUT,
+    INPUT_DTYPE,
+    MODEL_ID,
+    OUTPUT,
+    OUTPUT_DTYPE,
+    SAMPLE_RATE,
+    SAMPLE_RATE_DTYPE,
+    SAMPLE_RATE_INPUT,
+    STATE,
+    STATE_BATCH_AXIS,
+    STATE_DIMS,
+    STATE_DTYPE,
+    STATE_OUTPUT,
+)
 from ..request import InferRequest
 from .base import TaskBackend, split_outputs
 
 PREPROCESS_ID = "silero_vad_16k_v5"
-SAMPLE_RATE = 16000
-CHUNK_SAMPLES = 512
-CONTEXT_SAMPLES = 64
-STATE_DIMS = (2, 128)
-STATE_BATCH_AXIS = 1
 MIME_L16 = "audio/l16"
 MIME_PCM = "audio/pcm"
 PCM_FORMAT = "f32le"
-INPUT, STATE, STATE_OUT, SAMPLE_RATE_INPUT, PROB_OUT = "input", "state", "stateN", "sr", "output"
+LAYOUT = "NL"
 OUTPUT_NAME = "speech_prob"
 #: PCM16 full scale (Silero and torchaudio normalise int16 samples by 1/32768)
 PCM16_SCALE = np.float32(1.0 / 32768.0)
@@ -72,8 +89,9 @@ MAX_CACHED_MIMES = 64
 def default_sequence() -> SequenceConfig:
     """Silero's stateful inputs: the ``state`` tensor and the scalar sample rate ``sr``."""
     return SequenceConfig(
-        state=(StateConfig(STATE, STATE_OUT, "fp32", STATE_DIMS, STATE_BATCH_AXIS),),
-        constant=(ConstantConfig(SAMPLE_RATE_INPUT, "int64", (), np.array(SAMPLE_RATE, np.int64)),),
+        state=(StateConfig(STATE, STATE_OUTPUT, STATE_DTYPE, STATE_DIMS, STATE_BATCH_AXIS),),
+        constant=(ConstantConfig(SAMPLE_RATE_INPUT, SAMPLE_RATE_DTYPE, (),
+                                 np.array(SAMPLE_RATE, DTYPES[SAMPLE_RATE_DTYPE])),),
     )
 
 
@@ -85,44 +103,36 @@ class VadBackend(TaskBackend):
         super().__init__(config)
         self._mime_cache: dict = {}  # payload_mime string -> validated prepare function
 
+    def declared_sequence(self) -> SequenceConfig:
+        return default_sequence()
+
     def load(self) -> ModelSpec:
         cfg = self.config
         path = cfg.model
         if not path:
-            from ..models import MODEL_FILE, SILERO_VAD, require_model
-
             path = str(require_model(SILERO_VAD) / MODEL_FILE)
         elif not os.path.isfile(path):
             raise ConfigError(cfg.source, f"{cfg.key}.model", f"no such file: {path}")
-        if cfg.options:
-            raise ConfigError(cfg.source, f"{cfg.key}.options.{sorted(cfg.options)[0]}",
-                              "backend 'vad' takes no options")
-        seq = cfg.sequence
-        if seq is None:
-            seq = cfg.sequence = default_sequence()
-        elif not seq.state and not seq.constant:
-            base = default_sequence()
-            seq.state, seq.constant = base.state, base.constant
         inputs, outputs = read_io(path)
         in_names = [i[0] for i in inputs]
         out_names = [o[0] for o in outputs]
-        plans = sequence_plans(seq, cfg.source, cfg.key)
+        plans = sequence_plans(self.sequence, cfg.source, cfg.key)
         check_model_io(plans, in_names, out_names, cfg.source, cfg.key)
-        missing = [n for n in (INPUT, PROB_OUT) if n not in in_names + out_names]
+        missing = [n for n in (INPUT, OUTPUT) if n not in in_names + out_names]
         if missing:
             raise ConfigError(cfg.source, f"{cfg.key}.model", f"{path} is not a Silero VAD v5 "
                                                               f"model (no {missing})")
-        self.model_id = cfg.model_id or "silero-vad"
-        self.signature = signature(self.name, self.model_id, cfg.model_version, "fp32",
-                                   ITEM_SHAPE, "NL", PREPROCESS_ID)
+        self.model_id = cfg.model_id or MODEL_ID
+        self.signature = signature(self.name, self.model_id, cfg.model_version, INPUT_DTYPE,
+                                   ITEM_SHAPE, LAYOUT, PREPROCESS_ID)
         self.contract = TensorContract(
-            specs=(TensorSpec("fp32", "NL", frozenset({PREPROCESS_ID}), ((1, 1), (CHUNK_SAMPLES,
-                                                                                   CHUNK_SAMPLES))),),
+            specs=(TensorSpec(INPUT_DTYPE, LAYOUT, frozenset({PREPROCESS_ID}),
+                              ((1, 1), (CHUNK_SAMPLES, CHUNK_SAMPLES))),),
             model_id=self.model_id, model_version=cfg.model_version,
             raw_preprocess_ids=frozenset({PREPROCESS_ID}))
-        window = ContextInput(INPUT, np.dtype(np.float32), CHUNK_SAMPLES, CONTEXT_SAMPLES)
-        outs = [OutputSpec(PROB_OUT, np.float32, (1,))]
-        outs += [OutputSpec(p.output_name, p.dtype, None) for p in plans if hasattr(p, "output_name")]
+        window = ContextInput(INPUT, DTYPES[INPUT_DTYPE], CHUNK_SAMPLES, CONTEXT_SAMPLES)
+        outs = [OutputSpec(OUTPUT, DTYPES[OUTPUT_DTYPE], (1,))]
+        outs += [p.output_spec() for p in plans if hasattr(p, "output_spec")]
         self.model = ModelSpec(path, [window] + plans, outs)
         return self.model
 
@@ -193,7 +203,7 @@ class VadBackend(TaskBackend):
         return PreparedModelRequest(self.signature, (self._finite(payload),), ITEM_SHAPE)
 
     def postprocess(self, outputs: dict, items) -> list:
-        return split_outputs({OUTPUT_NAME: outputs[PROB_OUT]}, len(items))
+        return split_outputs({OUTPUT_NAME: outputs[OUTPUT]}, len(items))
 
     def warmup_requests(self) -> list:
         """One silent chunk as a whole (start + end) sequence through the raw route."""
@@ -208,9 +218,10 @@ DEFAULT_INSTANCES = 2
 
 
 def default_task_table() -> Optional[dict]:
-    """The built-in ``vad`` task, or None when Silero VAD is not prepared."""
-    from ..models import SILERO_VAD, ModelMissingError, require_model
+    """The built-in ``vad`` task, or None when Silero VAD is not prepared.
 
+    Its ``[tasks.sequence]`` holds policy only: the backend declares Silero's stateful inputs
+    (:func:`default_sequence`)."""
     try:
         require_model(SILERO_VAD)
     except ModelMissingError:
@@ -231,10 +242,5 @@ def default_task_table() -> Optional[dict]:
             "max_sequence_idle_us": DEFAULT_IDLE_US,
             "max_queue_delay_us": DEFAULT_QUEUE_DELAY_US,
             "minimum_slot_utilization": DEFAULT_SLOT_UTILIZATION,
-            "state": [{"input_name": STATE, "output_name": STATE_OUT, "dtype": "fp32",
-                       "dims": list(STATE_DIMS), "batch_axis": STATE_BATCH_AXIS,
-                       "initial": "zeros"}],
-            "constant": [{"input_name": SAMPLE_RATE_INPUT, "dtype": "int64",
-                          "value": SAMPLE_RATE}],
         },
     }
