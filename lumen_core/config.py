@@ -26,6 +26,12 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# [server] connection limits (lumen_core/serve/limits.py enforces them)
+DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+DEFAULT_READ_TIMEOUT_MS = 10_000
+DEFAULT_MAX_CONNECTIONS = 1000
+#: endpoints that may be opened to callers without an API key (/healthz always is)
+AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics")
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_US = 2000
 DEFAULT_MAX_QUEUE_SIZE = 1024
@@ -63,6 +69,22 @@ class ServerConfig:
     http_port: int = DEFAULT_HTTP_PORT
     grpc_port: int = DEFAULT_GRPC_PORT
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    read_timeout_ms: int = DEFAULT_READ_TIMEOUT_MS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: API keys (Bearer tokens); empty: no authentication.  ``api_key_file`` (one key a line,
+    #: ``#`` comments) is read when the server starts and its keys added to these
+    api_keys: tuple = ()
+    api_key_file: str = ""
+    #: of AUTH_OPTIONAL_ENDPOINTS, the ones served without a key when keys are on
+    open_endpoints: tuple = ()
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    def __repr__(self) -> str:  # never print the keys
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                           if f.name != "api_keys")
+        return f"ServerConfig({fields}, api_keys=<{len(self.api_keys)} keys>)"
 
 
 @dataclass
@@ -499,6 +521,33 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     return cfg
 
 
+def _string_list(r: _Reader, name: str, choices: Optional[tuple] = None) -> list:
+    items = r.get(name, list, [])
+    for v in items:
+        if not isinstance(v, str) or not v:
+            raise r.err(name, f"must be an array of non-empty strings, got {v!r}")
+        if choices is not None and v not in choices:
+            raise r.err(name, f"entries must be among {', '.join(choices)}, got {v!r}")
+    return items
+
+
+def _parse_api_keys(r: _Reader) -> tuple:
+    keys = _string_list(r, "api_keys")
+    for i, k in enumerate(keys):
+        if k != k.strip() or not k.isprintable() or not k.isascii():
+            # a key is a header value: no whitespace at the ends, printable ASCII (never echoed)
+            raise r.err("api_keys", f"entry {i} must be printable ASCII without surrounding "
+                                    f"whitespace")
+    return tuple(keys)
+
+
+def _server_path(r: _Reader, name: str, base_dir: Optional[str]) -> str:
+    path = r.get(name, str, "")
+    if path and base_dir and not os.path.isabs(path):
+        path = os.path.join(base_dir, path)
+    return path
+
+
 def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] = None) -> LumenConfig:
     root = _Reader(source, "", data)
     srv = root.sub("server")
@@ -507,7 +556,18 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         http_port=srv.get("http_port", int, DEFAULT_HTTP_PORT, lo=0, hi=65535),
         grpc_port=srv.get("grpc_port", int, DEFAULT_GRPC_PORT, lo=0, hi=65535),
         max_payload_bytes=srv.get("max_payload_bytes", int, DEFAULT_MAX_PAYLOAD_BYTES, lo=1),
+        max_header_bytes=srv.get("max_header_bytes", int, DEFAULT_MAX_HEADER_BYTES, lo=1024),
+        read_timeout_ms=srv.get("read_timeout_ms", int, DEFAULT_READ_TIMEOUT_MS, lo=1),
+        max_connections=srv.get("max_connections", int, DEFAULT_MAX_CONNECTIONS, lo=1),
+        api_keys=_parse_api_keys(srv),
+        api_key_file=_server_path(srv, "api_key_file", base_dir),
+        open_endpoints=tuple(_string_list(srv, "open_endpoints", AUTH_OPTIONAL_ENDPOINTS)),
+        tls_cert_file=_server_path(srv, "tls_cert_file", base_dir),
+        tls_key_file=_server_path(srv, "tls_key_file", base_dir),
     )
+    if bool(server.tls_cert_file) != bool(server.tls_key_file):
+        missing = "tls_key_file" if server.tls_cert_file else "tls_cert_file"
+        raise srv.err(missing, "TLS needs both tls_cert_file and tls_key_file")
     srv.finish()
     tables = root.get("tasks", list, [])
     tasks = []

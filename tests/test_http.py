@@ -97,11 +97,15 @@ def test_concurrent_requests_batch_and_each_get_their_own_result(server):
 
 
 def test_introspection_routes(server, client):
+    import lumen_core
+
     health = client.get("/healthz").json()
-    assert health == {"status": "ok", "extensions": server.runtime.extensions()}
+    ext = server.runtime.extensions()
+    assert health == {"status": "ok", "version": lumen_core.__version__,
+                      "compiled_extensions": all(ext.values()), "extensions": ext}
     assert health["extensions"] and all(isinstance(v, bool) for v in health["extensions"].values())
     if native.NO_EXTENSIONS:
-        assert not any(health["extensions"].values())
+        assert not any(health["extensions"].values()) and not health["compiled_extensions"]
     ready = client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["tasks"] == ["mlp", "nan", "slow"]
     tasks = client.get("/v1/tasks").json()["tasks"]

@@ -30,9 +30,10 @@ from typing import Any, AsyncIterator, Optional
 
 import grpc
 
-from ..errors import InternalError, LumenError, Overloaded, Unavailable
+from ..errors import InternalError, LumenError, Overloaded, PayloadTooLarge, Unavailable
 from ..request import InferRequest
 from . import codec
+from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
 from .proto import lumen_pb2, lumen_pb2_grpc
 
@@ -40,6 +41,11 @@ log = logging.getLogger("lumen.grpc")
 
 #: headroom over ``max_payload_bytes`` for the rest of a request message (meta, names)
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
+#: gRPC's own receive limit is this many times Lumen's message limit, so a message over
+#: Lumen's limit still reaches the servicer and is answered INVALID_ARGUMENT
+#: ``payload_too_large`` (a client reads grpc's RESOURCE_EXHAUSTED as "retry"); only one over
+#: this multiple gets grpc's own status, and it is never parsed
+OVERSIZE_ANSWER_FACTOR = 4
 #: replies carry whole output tensors; allow well above the default 4 MiB
 MAX_SEND_MESSAGE_BYTES = 256 * 1024 * 1024
 ERROR_CODE_KEY = "lumen-error-code"
@@ -54,9 +60,40 @@ STREAM_MAX_IN_FLIGHT = 256
 STREAM_MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 
 
-def to_request(msg: Any) -> InferRequest:
+class Oversized:
+    """What the request deserializer hands the servicer for a message over the limit (it is
+    never parsed)."""
+
+    __slots__ = ("nbytes", "limit", "correlation_id", "payload")
+
+    def __init__(self, nbytes: int, limit: int):
+        self.nbytes = nbytes
+        self.limit = limit
+        self.correlation_id = ""
+        self.payload = b""
+
+    def error(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request message is {self.nbytes} bytes; the limit is "
+                               f"{self.limit} (server.max_payload_bytes + "
+                               f"{MESSAGE_OVERHEAD_BYTES} bytes for the rest of the message)",
+                               "payload")
+
+
+def request_deserializer(limit: int) -> Any:
+    parse = lumen_pb2.InferRequest.FromString
+
+    def deserialize(data: bytes) -> Any:
+        if len(data) > limit:
+            return Oversized(len(data), limit)
+        return parse(data)
+
+    return deserialize
+
+
+def to_request(msg: Any, scope: Optional[str] = None) -> InferRequest:
     """Proto -> runtime request; ``payload`` stays the message's ``bytes`` object (no copy)."""
-    return InferRequest(msg.task, msg.payload, msg.payload_mime, dict(msg.meta), msg.correlation_id)
+    meta = ApiKeys.scoped_meta(dict(msg.meta), scope)
+    return InferRequest(msg.task, msg.payload, msg.payload_mime, meta, msg.correlation_id)
 
 
 def to_proto(resp: Any) -> Any:
@@ -122,9 +159,11 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
 
     def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None,
                  stream_window: int = STREAM_MAX_IN_FLIGHT,
-                 stream_window_bytes: int = STREAM_MAX_IN_FLIGHT_BYTES):
+                 stream_window_bytes: int = STREAM_MAX_IN_FLIGHT_BYTES,
+                 keys: Optional[ApiKeys] = None):
         self.runtime = runtime
         self.observer = observer
+        self.keys = keys if keys is not None else ApiKeys()
         self.draining = False
         self.stream_window = stream_window
         self.stream_window_bytes = stream_window_bytes
@@ -135,20 +174,32 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         if self.observer is not None:
             self.observer.transport_request("grpc", method, status)
 
-    async def _infer(self, msg: Any) -> Any:
+    def _scope(self, context: grpc.aio.ServicerContext) -> Optional[str]:
+        """The caller's key scope (None when keys are off); Unauthenticated without a key."""
+        if not self.keys.enabled:
+            return None
+        auth = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                auth = value
+        return self.keys.check(auth)
+
+    async def _infer(self, msg: Any, scope: Optional[str] = None) -> Any:
         if self.draining:
             raise Unavailable("the server is shutting down; not accepting new requests")
+        if isinstance(msg, Oversized):
+            raise msg.error()
         try:
-            return await self.runtime.infer(to_request(msg))
-        except LumenError:
-            raise
+            return await self.runtime.infer(to_request(msg, scope))
+        except LumenError as exc:
+            raise unscope_error(exc, scope) from None
         except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL, never kills the server
             log.exception("unhandled error in Infer")
             raise InternalError(f"internal server error: {exc}") from exc
 
     async def Infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         try:
-            resp = await self._infer(request)
+            resp = await self._infer(request, self._scope(context))
         except LumenError as exc:
             self._count("Infer", exc.grpc_status)
             context.set_trailing_metadata(error_metadata(exc))
@@ -156,12 +207,12 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self._count("Infer", "OK")
         return to_proto(resp)
 
-    async def _stream_one(self, msg: Any) -> Any:
+    async def _stream_one(self, msg: Any, scope: Optional[str]) -> Any:
         """One stream message -> its reply message (a response or an error, never a raise)."""
         cid = msg.correlation_id
         try:
-            reply = lumen_pb2.InferStreamResponse(correlation_id=cid,
-                                                  response=to_proto(await self._infer(msg)))
+            reply = lumen_pb2.InferStreamResponse(
+                correlation_id=cid, response=to_proto(await self._infer(msg, scope)))
         except LumenError as exc:
             self._count("InferStream", exc.grpc_status)
             return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(exc))
@@ -184,6 +235,12 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
 
     async def InferStream(self, request_iterator: AsyncIterator,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator:
+        try:
+            scope = self._scope(context)
+        except LumenError as exc:
+            self._count("InferStream", exc.grpc_status)
+            context.set_trailing_metadata(error_metadata(exc))
+            await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
         replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes); None: no more
         running: set = set()
@@ -202,7 +259,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
                     self._admitted(nbytes)
                     # Tasks start in creation order and Runtime.infer admits a request before
                     # it first suspends, so requests reach their batcher in arrival order.
-                    task = asyncio.ensure_future(self._stream_one(msg))
+                    task = asyncio.ensure_future(self._stream_one(msg, scope))
                     running.add(task)
                     task.add_done_callback(lambda t, n=nbytes: finished(n, t))
                 if running:
@@ -235,25 +292,54 @@ class GrpcServer:
     """A ``grpc.aio`` server for one runtime; ``port`` is the bound port (0 picks one)."""
 
     def __init__(self, runtime: Any, observer: Optional[PrometheusObserver], host: str, port: int,
-                 max_payload_bytes: int):
-        self.servicer = InferenceServicer(runtime, observer)
+                 max_payload_bytes: int, keys: Optional[ApiKeys] = None,
+                 tls: Optional[tuple] = None):
+        self.servicer = InferenceServicer(runtime, observer, keys=keys)
         self.host = host
         self.requested_port = port
         self.port = 0
         self._max_recv = max_payload_bytes + MESSAGE_OVERHEAD_BYTES
+        self._tls = tls  # (cert PEM bytes, key PEM bytes) or None
         self._server: Optional[grpc.aio.Server] = None
+
+    def _add_handlers(self, server: Any) -> None:
+        """The generated registration, but with a deserializer that answers an oversized
+        message instead of parsing it (see :class:`Oversized`)."""
+        s = self.servicer
+        deserialize = request_deserializer(self._max_recv)
+        handlers = {
+            "Infer": grpc.unary_unary_rpc_method_handler(
+                s.Infer, request_deserializer=deserialize,
+                response_serializer=lumen_pb2.InferResponse.SerializeToString),
+            "InferStream": grpc.stream_stream_rpc_method_handler(
+                s.InferStream, request_deserializer=deserialize,
+                response_serializer=lumen_pb2.InferStreamResponse.SerializeToString),
+        }
+        service = "lumen.v1.Inference"
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
 
     async def start(self) -> None:
         server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", self._max_recv),
+            ("grpc.max_receive_message_length", self._max_recv * OVERSIZE_ANSWER_FACTOR),
             ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        lumen_pb2_grpc.add_InferenceServicer_to_server(self.servicer, server)
+        self._add_handlers(server)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self.port = server.add_insecure_port(f"{host}:{self.requested_port}")
+        address = f"{host}:{self.requested_port}"
+        try:
+            if self._tls is not None:
+                creds = grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc >= 1.5x raises instead of returning 0
+            self.port = 0
         if not self.port:
-            raise OSError(f"gRPC could not bind {self.host}:{self.requested_port}")
+            raise OSError(f"gRPC cannot listen on {self.host}:{self.requested_port}: the address "
+                          f"is in use or not available; pick another port with --grpc-port "
+                          f"([server] grpc_port; 0 disables gRPC)")
         await server.start()
         self._server = server
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any, Awaitable, Callable, Optional
 
@@ -49,10 +50,13 @@ from ..errors import (
 )
 from ..request import InferRequest
 from . import codec
+from .auth import ApiKeys, Unauthenticated, unscope_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
 
 log = logging.getLogger("lumen.http")
+#: one line per finished request when the access log is on (never a header or a body)
+access_log = logging.getLogger("lumen.access")
 
 JSON = "application/json"
 OCTET_STREAM = "application/octet-stream"
@@ -70,6 +74,10 @@ MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
 ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, GET /v1/tasks, "
                "/v1/models, /healthz, /readyz, /metrics")
+#: the one endpoint that never needs an API key (a liveness probe carries no secret)
+ALWAYS_OPEN = frozenset({"/healthz"})
+#: a lone UTF-16 surrogate (JSON can carry one as \ud800): no encoding can represent it
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ClientGone(Exception):
@@ -88,6 +96,8 @@ def error_response(exc: LumenError) -> Response:
         headers["Retry-After"] = str(exc.retry_after_s)
     elif isinstance(exc, PayloadTooLarge):
         headers["Connection"] = "close"
+    elif isinstance(exc, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
     return json_response({"error": exc.to_dict()}, exc.http_status, headers)
 
 
@@ -108,10 +118,14 @@ class HttpApp:
     """
 
     def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None,
-                 max_body_bytes: Optional[int] = None):
+                 max_body_bytes: Optional[int] = None, keys: Optional[ApiKeys] = None,
+                 access_log: bool = False, version: str = ""):
         self.runtime = runtime
         self.observer = observer
         self.max_body = max_body_bytes or runtime.config.server.max_payload_bytes
+        self.keys = keys if keys is not None else ApiKeys()
+        self.access_log = access_log
+        self.version = version
         self.draining = False
         ep = self._endpoint
         self.app = Starlette(routes=[
@@ -130,14 +144,22 @@ class HttpApp:
 
     # -- plumbing -------------------------------------------------------------------------
     def _endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]]) -> Callable:
-        """Wrap a route: LumenError -> JSON error, anything else -> logged 500, count it."""
+        """Wrap a route: check the API key, LumenError -> JSON error, anything else -> logged
+        500, count it (and log it when the access log is on)."""
         observer = self.observer
+        keys = self.keys
+        needs_key = keys.enabled and name not in ALWAYS_OPEN and name not in keys.open_endpoints
 
         async def endpoint(request: Request) -> Response:
+            t0 = time.perf_counter()
+            scope = None
             try:
+                if needs_key:
+                    scope = keys.check(request.headers.get("authorization"))
+                request.state.key_scope = scope
                 resp = await fn(request)
             except LumenError as exc:
-                resp = error_response(exc)
+                resp = error_response(unscope_error(exc, scope))
             except ClientGone:
                 resp = Response(status_code=CLIENT_CLOSED_STATUS)
             except Exception as exc:  # noqa: BLE001 - a bug must answer 500, not drop the socket
@@ -145,6 +167,11 @@ class HttpApp:
                 resp = error_response(InternalError(f"internal server error: {exc}"))
             if observer is not None:
                 observer.transport_request("http", name, str(resp.status_code))
+            if self.access_log:
+                client = request.client
+                access_log.info("%s %s %s %d %.1fms", client.host if client else "-",
+                                request.method, request.url.path[:MAX_PATH_ECHO],
+                                resp.status_code, (time.perf_counter() - t0) * 1000)
             return resp
 
         return endpoint
@@ -221,8 +248,9 @@ class HttpApp:
         task = request.path_params["task"]
         headers = request.headers
         body = await self._read_body(request, "payload")
-        req = InferRequest(task, body, headers.get("content-type", ""),
-                           dict(request.query_params), headers.get("x-correlation-id", ""))
+        meta = self.keys.scoped_meta(dict(request.query_params), request.state.key_scope)
+        req = InferRequest(task, body, headers.get("content-type", ""), meta,
+                           headers.get("x-correlation-id", ""))
         resp = await self._until_done_or_gone(request, self.runtime.infer(req))
         accept = headers.get("accept", "")
         if OCTET_STREAM in accept and JSON not in accept:
@@ -268,7 +296,8 @@ class HttpApp:
             raise InvalidArgument("the body's JSON is nested too deeply", "body") from None
         model, items, fmt = self._parse_embeddings(obj)
         cid = request.headers.get("x-correlation-id", "")
-        reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "")
+        reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "",
+                                        "input" if len(items) == 1 else f"input[{i}]")
                 for i, item in enumerate(items)]
         rt = self.runtime
         try:
@@ -325,12 +354,18 @@ class HttpApp:
                                   f"{MAX_EMBEDDING_INPUTS} per call", "input")
         return model, items, fmt
 
-    def _embedding_request(self, model: str, item: Any, cid: str) -> InferRequest:
+    def _embedding_request(self, model: str, item: Any, cid: str, field: str) -> InferRequest:
         """A text goes as the ``str`` itself (no encode here, no decode in the task); token ids
         go through the tensor route under the preprocess id the task declares for them (the
         tokenizer contract stays the task's: the runtime builds that request)."""
         rt = self.runtime
         if isinstance(item, str):
+            if not item.isascii():
+                bad = _SURROGATE.search(item)
+                if bad is not None:
+                    raise InvalidArgument(f"{field} holds a lone UTF-16 surrogate "
+                                          f"(U+{ord(bad.group()):04X}) at character {bad.start()}:"
+                                          f" not a valid Unicode string", field)
             return rt.text_request(model, item, cid)
         if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in item):
@@ -364,7 +399,10 @@ class HttpApp:
     async def healthz(self, request: Request) -> Response:
         """Live (no runtime state needed), and which compiled extensions this build runs, so
         an operator can tell a build without them (``LUMEN_NO_EXTENSIONS=1``) from a fast one."""
-        return json_response({"status": "ok", "extensions": self.runtime.extensions()})
+        ext = self.runtime.extensions()
+        return json_response({"status": "ok", "version": self.version,
+                              "compiled_extensions": bool(ext) and all(ext.values()),
+                              "extensions": ext})
 
     async def readyz(self, request: Request) -> Response:
         if self.draining:

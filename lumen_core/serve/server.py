@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import uvicorn
 
+from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
+from .limits import HttpLimits, protocol_class
 from .metrics import PrometheusObserver
 
 log = logging.getLogger("lumen.serve")
@@ -50,14 +53,52 @@ class _Uvicorn(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0 picks a free one; the caller reads the real port)."""
+    """A listening TCP socket (port 0 picks a free one; the caller reads the real port).
+
+    A port that cannot be bound is one ``OSError`` line naming host:port and the flag."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(BACKLOG)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        why = ("is already in use" if exc.errno == errno.EADDRINUSE
+               else f"cannot be bound ({exc.strerror or exc})")
+        raise OSError(exc.errno, f"HTTP port {host}:{port} {why}; pick another with "
+                                 f"--http-port ([server] http_port; 0 picks a free one)") from None
     sock.setblocking(False)
     return sock
+
+
+def _package_version() -> str:
+    try:
+        from importlib import metadata
+
+        return metadata.version("lumen-core")
+    except Exception:  # noqa: BLE001 - a source tree that is not installed
+        return "unknown"
+
+
+def read_tls(server_cfg: Any, cert: Optional[str] = None, key: Optional[str] = None) -> Optional[tuple]:
+    """(cert path, key path, cert PEM, key PEM) from the flags or ``[server] tls_*``; None for
+    plain HTTP / insecure gRPC.  A missing or unreadable file is one OSError line."""
+    cert = cert or server_cfg.tls_cert_file
+    key = key or server_cfg.tls_key_file
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("TLS needs both a certificate and a key: --tls-cert and --tls-key "
+                         "([server] tls_cert_file, tls_key_file)")
+    out = [cert, key]
+    for what, path in (("certificate", cert), ("key", key)):
+        try:
+            with open(path, "rb") as fh:
+                out.append(fh.read())
+        except OSError as exc:
+            raise OSError(f"TLS {what} {path!r}: {exc.strerror or exc}") from None
+    return tuple(out)
 
 
 class LumenServer:
@@ -69,8 +110,14 @@ class LumenServer:
 
     def __init__(self, runtime: Any, host: Optional[str] = None, http_port: Optional[int] = None,
                  grpc_port: Optional[int] = -1, grace_s: float = SHUTDOWN_GRACE_S,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", api_keys: Iterable[str] = (),
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 access_log: bool = False):
         server_cfg = runtime.config.server
+        self.keys = ApiKeys.from_config(server_cfg, api_keys)
+        self.tls = read_tls(server_cfg, tls_cert, tls_key)
+        self.limits = HttpLimits.from_config(server_cfg)
+        self.version = _package_version()
         self.runtime = runtime
         self.host = host if host is not None else server_cfg.host
         self.http_port = http_port if http_port is not None else server_cfg.http_port
@@ -79,7 +126,8 @@ class LumenServer:
         self.grpc_port = grpc_port
         self.grace_s = grace_s
         self.observer = PrometheusObserver(runtime)
-        self.http = HttpApp(runtime, self.observer)
+        self.http = HttpApp(runtime, self.observer, keys=self.keys, access_log=access_log,
+                            version=self.version)
         self.grpc: Optional[GrpcServer] = None
         self._uvicorn: Optional[_Uvicorn] = None
         self._serve_task: Optional[asyncio.Task] = None
@@ -104,15 +152,21 @@ class LumenServer:
         rt.observer = self.observer
         max_payload = rt.config.server.max_payload_bytes
         if self.grpc_port is not None:
-            self.grpc = GrpcServer(rt, self.observer, self.host, self.grpc_port, max_payload)
+            self.grpc = GrpcServer(rt, self.observer, self.host, self.grpc_port, max_payload,
+                                   keys=self.keys, tls=self.tls[2:] if self.tls else None)
             await self.grpc.start()
             self.grpc_port = self.grpc.port
         sock = bind_socket(self.host, self.http_port)
         self.http_port = sock.getsockname()[1]
+        limits = self.limits
+        tls = ({"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]}
+               if self.tls is not None else {})
         config = uvicorn.Config(self.http, log_level=self._log_level, access_log=False,
                                 lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
-                                server_header=False, date_header=False)
+                                server_header=False, date_header=False,
+                                http=protocol_class(limits),
+                                h11_max_incomplete_event_size=limits.max_header_bytes, **tls)
         self._uvicorn = _Uvicorn(config)
         self._serve_task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -120,9 +174,13 @@ class LumenServer:
                 self._serve_task.result()  # raises the start-up error
                 raise RuntimeError("the HTTP server exited during start-up")
             await asyncio.sleep(0.01)
-        grpc_txt = f", grpc {self.host}:{self.grpc_port}" if self.grpc is not None else ""
-        log.info("lumen ready: tasks %s on http://%s:%d%s", ", ".join(rt.task_names()),
-                 self.host, self.http_port, grpc_txt)
+        scheme = "https" if self.tls is not None else "http"
+        grpc_txt = (f", grpc{'+tls' if self.tls else ''} {self.host}:{self.grpc_port}"
+                    if self.grpc is not None else "")
+        auth_txt = f"; {len(self.keys)} API key(s) required" if self.keys.enabled else ""
+        log.info("lumen ready: tasks %s on %s://%s:%d%s%s (lumen-core %s)",
+                 ", ".join(rt.task_names()), scheme, self.host, self.http_port, grpc_txt, auth_txt,
+                 self.version)
 
     def shutdown(self) -> "asyncio.Task":
         """Begin the graceful stop (idempotent); returns the task that performs it."""

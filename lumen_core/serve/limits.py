@@ -1,0 +1,202 @@
+"""Connection-level limits for the HTTP server: what uvicorn/httptools do not bound themselves.
+
+uvicorn bounds idle keep-alive connections (``timeout_keep_alive``) and h11 bounds its header
+buffer (``h11_max_incomplete_event_size``), but with httptools (the parser Lumen runs on) a
+header section of any size is buffered and parsed, a socket that never sends a byte -- or sends
+half a header, or half a body -- stays open forever, and every accepted socket holds a file
+descriptor.  :func:`protocol_class` returns an httptools protocol with three named limits:
+
+- **header size** (:data:`DEFAULT_MAX_HEADER_BYTES`, ``[server] max_header_bytes``): the bytes
+  of a request line plus header section are counted as they arrive, before the parser sees
+  them; past the limit the connection answers ``431`` (the JSON error shape) and closes;
+- **read timeout** (:data:`DEFAULT_READ_TIMEOUT_MS`, ``[server] read_timeout_ms``): a request's
+  line and headers must arrive within it, counted from the connection opening (or from the
+  first byte of a keep-alive request), however slowly they trickle in (slowloris); once the
+  headers are in, each gap between body chunks must stay under it.  A request whose headers
+  are late is answered ``408`` and closed; a body that stalls closes the connection, which
+  the app sees as a client disconnect (its queued work is cancelled);
+- **connections** (:data:`DEFAULT_MAX_CONNECTIONS`, ``[server] max_connections``): a
+  connection accepted while that many are open is answered ``503`` with ``Retry-After`` and
+  closed at once, so its descriptor is freed; :func:`effective_max_connections` also keeps
+  the cap under the process's descriptor limit.
+
+Inference time is no read: once a request is fully read no timer runs until its response has
+been sent (then uvicorn's keep-alive timeout applies).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# the defaults live with the [server] keys: the most bytes of request line + header section
+# (nginx allows 4 x 8 KiB, Node 16 KiB), ms a request's headers (or a gap between body chunks)
+# may take to arrive, concurrently open HTTP connections (further ones get 503 and are closed)
+from ..config import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_READ_TIMEOUT_MS
+
+log = logging.getLogger("lumen.http")
+
+#: descriptors kept free for everything but HTTP connections (model files, gRPC, logs)
+RESERVED_FDS = 64
+#: seconds a 503 for the connection cap tells the client to wait
+CONNECTION_RETRY_AFTER_S = 1
+_END_OF_HEADERS = b"\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_MS / 1000.0
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    @classmethod
+    def from_config(cls, server_cfg: Any) -> "HttpLimits":
+        return cls(server_cfg.max_header_bytes, server_cfg.read_timeout_ms / 1000.0,
+                   effective_max_connections(server_cfg.max_connections))
+
+
+def effective_max_connections(configured: int) -> int:
+    """``configured``, lowered to fit the process's open-file limit (minus RESERVED_FDS)."""
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return configured
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return configured
+    fit = max(1, soft - RESERVED_FDS)
+    if fit < configured:
+        log.warning("server.max_connections %d lowered to %d to fit the open-file limit (%d); "
+                    "raise it with `ulimit -n`", configured, fit, soft)
+        return fit
+    return configured
+
+
+def error_bytes(status: int, reason: str, code: str, message: str, field: Optional[str],
+                extra_headers: tuple = ()) -> bytes:
+    """A complete ``Connection: close`` HTTP/1.1 response with the JSON error shape."""
+    body = json.dumps({"error": {"code": code, "message": message, "field": field}}).encode()
+    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json",
+            f"content-length: {len(body)}", "connection: close", *extra_headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+def protocol_class(limits: HttpLimits) -> type:
+    """An httptools-based uvicorn protocol class enforcing ``limits`` (uvicorn instantiates
+    the class per connection); h11's own protocol when httptools is not installed."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - httptools is part of the [serve] extra
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        log.warning("httptools is not installed: only the header-size limit applies (h11)")
+        return H11Protocol
+
+    max_header = limits.max_header_bytes
+    timeout_s = limits.read_timeout_s
+    max_conns = limits.max_connections
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        """httptools + header-size cap, read timeout and connection cap."""
+
+        # phases: "headers" (reading a request line + headers), "body" (headers in, body
+        # incomplete), "idle" (request complete: no read timer; keep-alive applies)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._phase = "headers"
+            self._header_bytes = 0
+            self._read_timer: Optional[asyncio.TimerHandle] = None
+            self._refused = False
+
+        # -- connection ---------------------------------------------------------------
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_conns:
+                self._refused = True
+                self.transport = transport
+                transport.write(error_bytes(
+                    503, "Service Unavailable", "unavailable",
+                    f"the server has {max_conns} open connections, its limit "
+                    f"(server.max_connections); retry shortly", None,
+                    (f"retry-after: {CONNECTION_RETRY_AFTER_S}",)))
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._arm(self._headers_late)
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            self._disarm()
+            if self._refused:
+                return
+            super().connection_lost(exc)
+
+        # -- timers -------------------------------------------------------------------
+        def _arm(self, handler: Any) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(timeout_s, handler)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _headers_late(self) -> None:
+            self._read_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.write(error_bytes(
+                    408, "Request Timeout", "deadline_exceeded",
+                    f"the request line and headers did not arrive within {timeout_s:g} s "
+                    f"(server.read_timeout_ms)", "headers"))
+            self.transport.close()
+
+        def _body_stalled(self) -> None:
+            self._read_timer = None
+            if not self.transport.is_closing():
+                log.info("closing a connection whose request body stalled for %g s", timeout_s)
+                self.transport.close()  # the app sees http.disconnect
+
+        # -- data -----------------------------------------------------------------------
+        def data_received(self, data: bytes) -> None:
+            if self._refused or self._phase == "closed":
+                return
+            if self._phase == "idle":
+                self._phase = "headers"
+                self._header_bytes = 0
+                self._arm(self._headers_late)  # from the first byte; not reset by more
+            elif self._phase == "body":
+                self._arm(self._body_stalled)
+            if self._phase == "headers":
+                before = self._header_bytes
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header:
+                    end = data.find(_END_OF_HEADERS)
+                    if end < 0 or before + end + len(_END_OF_HEADERS) > max_header:
+                        self._too_large()
+                        return
+            super().data_received(data)
+
+        def _too_large(self) -> None:
+            self._disarm()
+            self._phase = "closed"
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.write(error_bytes(
+                    431, "Request Header Fields Too Large", "payload_too_large",
+                    f"the request line and headers exceed {max_header} bytes "
+                    f"(server.max_header_bytes)", "headers"))
+            self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._phase = "body"
+            self._arm(self._body_stalled)
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._phase = "idle"
+            self._disarm()
+            super().on_message_complete()
+
+    return LimitedHttpToolsProtocol
