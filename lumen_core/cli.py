@@ -17,6 +17,38 @@ from .errors import LumenError
 EXIT_OK = 0
 EXIT_USAGE = 2
 PROG = "lumen"
+#: top-level module of a missing dependency -> the extra that installs it
+EXTRA_FOR_MODULE = {
+    "uvicorn": "serve", "starlette": "serve", "httptools": "serve", "grpc": "serve",
+    "prometheus_client": "serve", "google": "serve", "uvloop": "serve",
+    "onnxruntime": "cpu", "onnx": "cpu", "tokenizers": "cpu", "safetensors": "cpu", "PIL": "cpu",
+    "httpx": "test", "matplotlib": "bench",
+}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+#: `lumen infer TASK FILE.wav`: the WAV is cut into chunks of this many samples, one request
+#: each, sent in order as one sequence (Silero VAD's 32 ms at 16 kHz)
+WAV_CHUNK_SAMPLES = 512
+WAV_RATE = 16000
+WAV_MIME = f"audio/L16;rate={WAV_RATE}"
+
+
+def _package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("lumen-core")
+    except metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "unknown"
+
+
+def missing_extra_message(exc: ModuleNotFoundError) -> str:
+    """What to install for a missing optional dependency."""
+    top = (exc.name or "").split(".")[0]
+    extra = EXTRA_FOR_MODULE.get(top)
+    if extra is None:
+        return f"missing Python module {exc.name!r}: {exc}"
+    return (f"this command needs the [{extra}] extra (module {top!r} is missing): "
+            f'pip install "lumen-core[{extra}]"')
 
 
 class _StepPrinter:
@@ -75,12 +107,17 @@ INFER_HTTP_TIMEOUT_S = 120.0
 DEFAULT_CONCURRENCY = (16, 64)
 
 
-def _configure_logging() -> None:
-    """Warnings from everything, plus the server's own lifecycle lines (one when ready)."""
+def _configure_logging(level: str = "warning", access_log: bool = False) -> None:
+    """``level`` for everything, plus the server's own lifecycle lines (one when ready) and
+    the access log when asked for."""
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("lumen.serve").setLevel(logging.INFO)
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger("lumen.serve").setLevel(logging.INFO)
+    if access_log:
+        logging.getLogger("lumen.access").setLevel(logging.INFO)
 
 
 def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
@@ -93,9 +130,13 @@ def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
         if only_task not in names:
             from .errors import TaskNotFound
 
-            raise TaskNotFound(f"unknown task {only_task!r}; "
-                               f"{'the config' if config else 'the default runtime'} has "
-                               f"{', '.join(names) or 'no tasks'}", "task")
+            if config:
+                raise TaskNotFound(f"unknown task {only_task!r}; {config} has "
+                                   f"{', '.join(names) or 'no tasks'}", "task")
+            raise TaskNotFound(f"unknown task {only_task!r}: the default runtime has "
+                               f"{', '.join(names) or 'no tasks'} (only tasks whose models are "
+                               f"prepared). Run `lumen models prepare` to build the default "
+                               f"models, or pass --config lumen.toml", "task")
         rt.config.tasks = [t for t in rt.config.tasks if t.name == only_task]
     if not rt.config.tasks:
         raise ValueError("no tasks to serve: no default model is prepared. Run `lumen models "
@@ -115,12 +156,15 @@ def _run(coro) -> object:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _configure_logging()
+    _configure_logging(args.log_level, args.access_log)
     from .serve.server import LumenServer
 
     rt = _build_runtime(args.config)
     grpc_port = -1 if args.grpc_port is None else (args.grpc_port or None)
-    server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port)
+    server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port,
+                         log_level=args.log_level, api_keys=args.api_key,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         access_log=args.access_log)
     _run(server.run())
     return EXIT_OK
 
@@ -178,7 +222,50 @@ def _print_json(obj: object) -> None:
     sys.stdout.write("\n")
 
 
+def read_wav_chunks(path: str) -> list:
+    """A 16 kHz mono PCM16 WAV as WAV_CHUNK_SAMPLES-sample PCM16 chunks (the last one padded
+    with silence); anything else is one ValueError saying how to convert it."""
+    import wave
+
+    try:
+        with wave.open(path, "rb") as w:
+            rate, channels, width = w.getframerate(), w.getnchannels(), w.getsampwidth()
+            frames = w.readframes(w.getnframes())
+    except (wave.Error, EOFError) as exc:
+        raise ValueError(f"{path}: not a PCM WAV file ({exc})") from None
+    if (rate, channels, width) != (WAV_RATE, 1, 2):
+        raise ValueError(f"{path}: {rate} Hz, {channels} channel(s), {8 * width}-bit; this takes "
+                         f"{WAV_RATE} Hz mono 16-bit PCM (convert with: ffmpeg -i {path} -ar "
+                         f"{WAV_RATE} -ac 1 -c:a pcm_s16le out.wav)")
+    step = 2 * WAV_CHUNK_SAMPLES
+    if not frames:
+        raise ValueError(f"{path}: the WAV file holds no samples")
+    chunks = [frames[i:i + step] for i in range(0, len(frames), step)]
+    chunks[-1] = chunks[-1].ljust(step, b"\0")
+    return chunks
+
+
+def _sequence_metas(meta: dict, n: int) -> list:
+    """Per-chunk meta of one sequence: a fresh id, start on the first, end on the last."""
+    import uuid
+
+    from .contract import KEY_SEQUENCE_END, KEY_SEQUENCE_ID, KEY_SEQUENCE_START
+
+    sid = meta.get(KEY_SEQUENCE_ID) or f"lumen-cli-{uuid.uuid4().hex[:12]}"
+    out = []
+    for i in range(n):
+        m = dict(meta, **{KEY_SEQUENCE_ID: sid})
+        if i == 0:
+            m[KEY_SEQUENCE_START] = "true"
+        if i == n - 1:
+            m[KEY_SEQUENCE_END] = "true"
+        out.append(m)
+    return out
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
+    if args.file.lower().endswith(".wav") and args.mime is None:
+        return _infer_wav(args)
     payload, mime, meta = _infer_request(args)
     if args.url:
         return _infer_http(args, payload, mime, meta)
@@ -189,6 +276,25 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with rt:
         resp = rt.infer_sync(InferRequest(args.task, payload, mime, meta))
     _print_json(response_json(resp))  # the JSON reply of POST /v1/infer/{task}
+    return EXIT_OK
+
+
+def _infer_wav(args: argparse.Namespace) -> int:
+    """FILE.wav streamed as one sequence, a chunk per request, in order; one JSON reply per
+    chunk, one a line (JSON Lines)."""
+    chunks = read_wav_chunks(args.file)
+    metas = _sequence_metas(_parse_meta(args.meta), len(chunks))
+    if args.url:
+        for chunk, meta in zip(chunks, metas, strict=True):
+            _infer_http(args, chunk, WAV_MIME, meta)
+        return EXIT_OK
+    from .request import InferRequest
+    from .serve.codec import response_json
+
+    rt = _build_runtime(args.config, only_task=args.task)
+    with rt:
+        for chunk, meta in zip(chunks, metas, strict=True):
+            _print_json(response_json(rt.infer_sync(InferRequest(args.task, chunk, WAV_MIME, meta))))
     return EXIT_OK
 
 
@@ -217,6 +323,10 @@ def _infer_http(args: argparse.Namespace, payload: bytes, mime: str, meta: dict)
             # not Lumen's error shape (a proxy, another server): say what came back
             raise OSError(f"{url}: HTTP {exc.code} {exc.reason}") from None
         raise from_code(err.get("code", "internal"), err.get("message", ""), err.get("field")) from None
+    except urllib.error.URLError as exc:  # connection refused, unknown host, TLS failure
+        raise OSError(f"cannot reach the server at {args.url}: {exc.reason}") from None
+    except (TimeoutError, ConnectionError) as exc:
+        raise OSError(f"the server at {args.url} did not answer: {exc}") from None
     sys.stdout.write(body.decode("utf-8") + "\n")
     return EXIT_OK
 
@@ -297,6 +407,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="HTTP port (default: [server].http_port, 8000; 0 picks a free one)")
     p.add_argument("--grpc-port", type=int, default=None, metavar="P",
                    help="gRPC port (default: [server].grpc_port, 8001; 0 disables gRPC)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (HTTP) / authorization metadata "
+                        "(gRPC); repeatable, adds to [server].api_keys / api_key_file")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve HTTPS and gRPC over TLS with this certificate chain "
+                        "(default: [server].tls_cert_file)")
+    p.add_argument("--tls-key", default=None, metavar="PEM",
+                   help="the certificate's private key (default: [server].tls_key_file)")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                   help="log level (default: warning; the ready line is always logged)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one line per HTTP request (client, method, path, status, time)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -308,7 +430,10 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
                                    "comes from the extension (or --mime); a .npy file is sent as a "
                                    f"tensor ({KEY_INPUT_KIND}=tensor) with its own dtype and shape.")
     p.add_argument("task", metavar="TASK")
-    p.add_argument("file", metavar="FILE", help="the payload file ('-' reads stdin as text)")
+    p.add_argument("file", metavar="FILE",
+                   help="the payload file ('-' reads stdin as text); a 16 kHz mono PCM16 .wav "
+                        f"is streamed as one sequence of {WAV_CHUNK_SAMPLES}-sample chunks "
+                        "(one JSON reply a line)")
     p.add_argument("--mime", default=None, help="payload mime type (default: from the extension)")
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                    help=f"a request meta key (repeatable), e.g. {KEY_PRIORITY}=1")
@@ -353,18 +478,34 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Lumen Core: task-wise ONNX Runtime inference.")
+    parser.add_argument("--version", action="version", version=f"lumen-core {_package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _GROUPS:
         add(sub)
     return parser
 
 
+def _model_missing_error() -> type:
+    from . import errors
+
+    cls = getattr(errors, "ModelMissingError", None)
+    if cls is None:
+        try:
+            from .models import ModelMissingError as cls
+        except ModuleNotFoundError:  # the [cpu] extra is missing: nothing raises it then
+            return LumenError
+    return cls
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .models import ModelMissingError
+    ModelMissingError = _model_missing_error()  # noqa: N806 - a class
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        print(f"{PROG}: error: {missing_extra_message(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except (ModelMissingError, LumenError, OSError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

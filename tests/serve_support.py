@@ -65,15 +65,17 @@ def mlp_input(seed: int = 0) -> np.ndarray:
 class ServerThread:
     """A started LumenServer (HTTP + gRPC on free loopback ports) on its own event loop."""
 
-    def __init__(self, runtime: Runtime, grpc: bool = True, grace_s: float = 5.0):
+    def __init__(self, runtime: Runtime, grpc: bool = True, grace_s: float = 5.0,
+                 **server_kwargs: Any):
         self.runtime = runtime
         self.loop = asyncio.new_event_loop()
         self.server = LumenServer(runtime, host="127.0.0.1", http_port=0,
-                                  grpc_port=0 if grpc else None, grace_s=grace_s)
+                                  grpc_port=0 if grpc else None, grace_s=grace_s, **server_kwargs)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.call(self.server.start())
-        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        scheme = "https" if self.server.tls is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.http_port}"
         self.grpc_target = f"127.0.0.1:{self.server.grpc_port}"
 
     def call(self, coro: Any, timeout: float = 60.0) -> Any:
@@ -144,14 +146,27 @@ def lumen_home_env(home: pathlib.Path) -> Iterator[None]:
             os.environ["LUMEN_HOME"] = old
 
 
-def default_server(home: pathlib.Path, extra_tasks: Sequence[dict] = (), **server: Any) -> ServerThread:
+def default_server(home: pathlib.Path, extra_tasks: Sequence[dict] = (),
+                   server_kwargs: Optional[dict] = None, **server: Any) -> ServerThread:
     """A started server with the built-in default tasks on the models prepared under ``home``
-    (plus ``extra_tasks`` tables)."""
+    (plus ``extra_tasks`` tables); ``server_kwargs`` go to LumenServer."""
     from lumen_core.tasks import default_task_tables
 
     with lumen_home_env(home):
         cfg = {"server": server, "tasks": default_task_tables() + list(extra_tasks)}
-        return ServerThread(Runtime.from_dict(cfg))
+        return ServerThread(Runtime.from_dict(cfg), **(server_kwargs or {}))
+
+
+def self_signed_cert(directory: pathlib.Path) -> tuple:
+    """(cert.pem, key.pem) for CN/SAN localhost + 127.0.0.1, made with the openssl CLI."""
+    import subprocess
+
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
 
 
 def to_toml(cfg: dict) -> str:

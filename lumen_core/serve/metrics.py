@@ -28,6 +28,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 NAMESPACE = "lumen"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _US = 1e-6
+CREATED_SUFFIX = "_created"
 
 
 class PrometheusObserver(Observer):
@@ -89,8 +90,24 @@ class PrometheusObserver(Observer):
         self.transport.labels(transport, endpoint, status).inc()
 
     def exposition(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text format, without prometheus_client's
+        ``*_created`` series (a creation timestamp per label set that doubles the series count
+        and that no Lumen dashboard reads)."""
+        return generate_latest(_NoCreated(self.registry))
+
+
+class _NoCreated:
+    """A registry view whose families leave out their ``*_created`` samples (process-local:
+    ``prometheus_client.disable_created_metrics`` would change every registry in the process)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        for fam in self.registry.collect():
+            if any(s.name.endswith(CREATED_SUFFIX) for s in fam.samples):
+                fam.samples = [s for s in fam.samples if not s.name.endswith(CREATED_SUFFIX)]
+            yield fam
 
 
 class RuntimeCollector:
