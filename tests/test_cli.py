@@ -248,3 +248,86 @@ def test_corpus_is_seeded_and_length_mixed():
     assert len(words) == loadgen.DEFAULT_SIZE
     assert sum(w <= 20 for w in words) >= 0.45 * len(words)
     assert max(words) <= 200 and sum(w > 80 for w in words) >= 0.08 * len(words)
+
+
+# -- issue 12: errors a newcomer can act on, WAV sequences, flags ---------------------------------
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["--version"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lumen-core ") and out.split()[1] != ""
+
+
+def test_serve_flags_parse():
+    args = cli.build_parser().parse_args(
+        ["serve", "--api-key", "a", "--api-key", "b", "--tls-cert", "c.pem", "--tls-key", "k.pem",
+         "--log-level", "info", "--access-log"])
+    assert args.api_key == ["a", "b"] and args.tls_cert == "c.pem" and args.tls_key == "k.pem"
+    assert args.log_level == "info" and args.access_log
+
+
+def test_a_missing_extra_names_the_pip_command(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn -> ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "lumen_core.serve.server", raising=False)
+    rc, _, err = run_cli(capsys, "serve", "--http-port", "0")
+    assert rc == cli.EXIT_USAGE and 'pip install "lumen-core[serve]"' in err
+    assert "Traceback" not in err
+
+
+def test_in_process_infer_with_nothing_prepared_says_to_prepare(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path / "empty"))
+    f = tmp_path / "a.txt"
+    f.write_text("hi")
+    rc, _, err = run_cli(capsys, "infer", "text_embed", str(f))
+    assert rc == cli.EXIT_USAGE and "lumen models prepare" in err
+
+
+def test_url_connection_errors_name_the_url(tmp_path, capsys):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    f = tmp_path / "a.txt"
+    f.write_text("hi")
+    url = f"http://127.0.0.1:{port}"
+    rc, _, err = run_cli(capsys, "infer", "text_embed", str(f), "--url", url)
+    assert rc == cli.EXIT_USAGE and url in err and "Traceback" not in err
+
+
+def _wav(path, samples: np.ndarray, rate: int = 16000, channels: int = 1) -> None:
+    import wave
+
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+
+
+def test_infer_vad_streams_a_wav_as_one_sequence(tmp_path, capsys, embed_server, tmp_path_factory,
+                                                 monkeypatch, fixtures_dir):
+    audio = np.load(fixtures_dir / "silero_vad_reference.npz")["audio"][0]
+    n = 3 * cli.WAV_CHUNK_SAMPLES
+    pcm = np.round(np.clip(audio[:n - 100], -1, 1) * 32767).astype(np.int16)
+    f = tmp_path / "speech.wav"
+    _wav(f, pcm)
+    monkeypatch.setenv("LUMEN_HOME", str(S.prepared_home(tmp_path_factory)))
+    rc, out_local, _ = run_cli(capsys, "infer", "vad", str(f))
+    assert rc == 0
+    rc, out_url, _ = run_cli(capsys, "infer", "vad", str(f), "--url", embed_server.url)
+    assert rc == 0
+    for out in (out_local, out_url):
+        lines = [json.loads(ln) for ln in out.splitlines()]
+        assert len(lines) == 3 and all(ln["task"] == "vad" for ln in lines)
+    local = [json.loads(ln)["outputs"] for ln in out_local.splitlines()]
+    remote = [json.loads(ln)["outputs"] for ln in out_url.splitlines()]
+    for a, b in zip(local, remote, strict=True):  # the same stateful sequence either way
+        for name in a:
+            np.testing.assert_allclose(a[name]["data"], b[name]["data"], atol=1e-5)
+    bad = tmp_path / "stereo48k.wav"
+    _wav(bad, np.zeros(2000, np.int16), rate=48000, channels=2)
+    rc, _, err = run_cli(capsys, "infer", "vad", str(bad))
+    assert rc == cli.EXIT_USAGE and "16000 Hz mono" in err and "ffmpeg" in err
