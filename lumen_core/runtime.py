@@ -222,60 +222,10 @@ class Runtime:
             raise Unavailable("the runtime is shutting down; not accepting requests")
         return task
 
-    async def infer(self, req: InferRequest) -> InferResponse:
-        """Run one request: route by task, validate, prepare, queue, await its batch."""
-        task = self.tasks.get(req.task)
-        if task is None or self._closing:
-            task = self._route(req.task)
-        observe = self._observe
-        t0 = time.perf_counter_ns() if observe is not None else 0
-        route = "raw"
-        backend = task.backend
-        try:
-            # the common case inline (a C-contiguous buffer within the limit); anything else
-            # (a str, a bad buffer, too large) takes ``_payload``, which accepts or explains
-            try:
-                payload = memoryview(req.payload)
-                nbytes = payload.nbytes
-                if nbytes > self._max_payload or not payload.c_contiguous:
-                    raise TypeError
-            except TypeError:
-                payload, nbytes = self._payload(req.payload, backend)
-            desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
-            if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
-                    and not backend.stateful:  # stateful: admitted in arrival order, inline
-                prepared = await asyncio.to_thread(self._prepare, task, req, desc)
-            else:
-                try:
-                    prepared = backend.prepare(req, desc, payload)
-                except LumenError:
-                    raise
-                except Exception as exc:
-                    raise self._prepare_failed(task, exc) from exc
-            route = desc.kind
-            priority, timeout_ms = task.policy(desc)
-            batcher = task.batcher
-            entry = batcher.submit(prepared, desc, priority, timeout_ms)
-            try:
-                value = await entry.waiter
-            except asyncio.CancelledError:
-                batcher.cancel(entry)
-                raise
-        except LumenError as exc:
-            if observe is not None:
-                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
-            raise
-        except asyncio.CancelledError:
-            if observe is not None:
-                observe(task.name, route, "cancelled", (time.perf_counter_ns() - t0) // 1000)
-            raise
-        queue_us = entry.queue_us
-        if observe is not None:
-            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000, queue_us,
-                    entry.compute_us)
-        return InferResponse(req.correlation_id, req.task, value, None,
-                             ResponseStats(entry.batch_size, queue_us, entry.compute_us,
-                                           prepared.length))
+    #: ``await rt.infer(req)``: run one request (route by task, validate, prepare, queue, await
+    #: its batch, respond).  The per-request hot path lives in ``lumen_core/scheduler.py`` and
+    #: its compiled twin ``csrc/_scheduler.pyx``; this is whichever ``native`` chose.
+    infer = native.scheduler.infer
 
     def _validate(self, task: Task, req: InferRequest) -> tuple:
         """(descriptor, prepared request or None when it must be prepared off the loop)."""

@@ -161,12 +161,12 @@ def test_many_concurrent_mixed_length_callers_get_their_own_vectors(rt, prepared
     picks = [rng.randrange(len(distinct)) for _ in range(320)]
     reqs = [raw(distinct[k]) if i % 3 else tensor(tok.encode(distinct[k]).ids)
             for i, k in enumerate(picks)]
-    before = dict(rt.tasks[TASK].instances[0].stats)
+    before = dict(rt.tasks[TASK].runners[0].stats)
     res = gather(rt, reqs)
     for k, r in zip(picks, res, strict=True):
         np.testing.assert_allclose(r.outputs["embedding"], expected[k], atol=FIXTURE_TOLERANCE)
     assert max(int(r.meta["lumen.batch.size"]) for r in res) > 1
-    stats = rt.tasks[TASK].instances[0].stats
+    stats = rt.tasks[TASK].runners[0].stats
     real = stats["real_tokens"] - before["real_tokens"]
     slots = stats["padded_tokens"] - before["padded_tokens"]
     # length-blind batches of 32 over these lengths pad most slots; sorted ones very few
@@ -234,7 +234,14 @@ def test_raw_and_tensor_requests_of_one_text_share_a_batch(rt):
     text = "raw and tensor requests converge on one signature"
     ids = task.backend._token_ids(text, False)
     gate = threading.Event()
-    blocker = task.instances[0].executor.submit(gate.wait, WAIT_S)  # holds the only worker
+    engine = task.instances[0]
+    real_run = engine.run
+
+    def gated_run(feeds, n):  # the first batch holds the only worker until the pair queued
+        gate.wait(WAIT_S)
+        return real_run(feeds, n)
+
+    engine.run = gated_run
 
     async def main():
         first = asyncio.ensure_future(rt.infer(raw("occupies the worker")))
@@ -251,7 +258,7 @@ def test_raw_and_tensor_requests_of_one_text_share_a_batch(rt):
         a, b = on_loop(rt, main())
     finally:
         gate.set()
-        blocker.result(WAIT_S)
+        engine.run = real_run
     assert a.meta["lumen.batch.size"] == b.meta["lumen.batch.size"] == "2"
     np.testing.assert_array_equal(a.outputs["embedding"], b.outputs["embedding"])
 
@@ -265,14 +272,15 @@ class _Item:
 
 
 class _Worker:
-    def __init__(self, gate):
-        from concurrent.futures import ThreadPoolExecutor
+    """A runner whose batches wait for ``gate``; ``started`` is set once the first is taken."""
 
-        self.executor = ThreadPoolExecutor(1)
+    def __init__(self, gate):
         self.gate = gate
+        self.started = threading.Event()
         self.batches: list = []
 
     def execute(self, items):
+        self.started.set()
         self.gate.wait(WAIT_S)
         self.batches.append([it.length for it in items])
         return [it.length for it in items]
@@ -287,7 +295,7 @@ def test_length_aware_formation_groups_lengths_and_never_starves_the_oldest():
 
     async def main():
         first = asyncio.ensure_future(batcher.infer(_Item(5)))  # dispatched at once, gated
-        await asyncio.sleep(0)
+        await asyncio.to_thread(worker.started.wait, WAIT_S)
         rest = [asyncio.ensure_future(batcher.infer(_Item(n))) for n in lengths]
         await asyncio.sleep(0)
         gate.set()
@@ -295,7 +303,6 @@ def test_length_aware_formation_groups_lengths_and_never_starves_the_oldest():
         return [r.value for r in await asyncio.gather(*rest)]
 
     assert asyncio.run(main()) == lengths  # each caller gets its own result
-    worker.executor.shutdown()
     batches = worker.batches[1:]
     assert sorted(n for b in batches for n in b) == sorted(lengths)
     assert 200 in batches[0]  # the oldest request is in the first batch formed
@@ -327,7 +334,7 @@ def test_fifo_is_unchanged_without_a_token_budget():
 
     async def main():
         first = asyncio.ensure_future(batcher.infer(_Item(1)))
-        await asyncio.sleep(0)
+        await asyncio.to_thread(worker.started.wait, WAIT_S)
         rest = [asyncio.ensure_future(batcher.infer(_Item(n))) for n in (200, 3, 150, 2, 9)]
         await asyncio.sleep(0)
         gate.set()
@@ -335,7 +342,6 @@ def test_fifo_is_unchanged_without_a_token_budget():
         await asyncio.gather(*rest)
 
     asyncio.run(main())
-    worker.executor.shutdown()
     assert worker.batches == [[1], [200, 3, 150, 2], [9]]
 
 

@@ -40,7 +40,7 @@ from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import BatchingConfig
-from .policy import QUEUED, RUNNING, UNSET, Entry, Group, QueuePolicy
+from .policy import QUEUED, RUNNING, UNSET, Entry, QueuePolicy
 from .runner import Batch, CompletionQueue, Runner, Worker, run_split
 
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
@@ -68,28 +68,6 @@ class BatchResult:
     @classmethod
     def of(cls, e: Entry) -> "BatchResult":
         return cls(e.outcome, e.batch_size, e.queue_us, e.compute_us)
-
-
-class DynEntry(Entry):
-    """A dynamic-batcher entry: its signature queue and absolute deadline (0: none)."""
-
-    __slots__ = ("queue", "deadline_ns")
-
-    def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
-                 queue: "SignatureQueue", deadline_ns: int):
-        # Entry's fields set here directly: one call per request instead of two
-        self.item = item
-        self.waiter = waiter
-        self.priority = priority
-        self.arrival_ns = arrival_ns
-        self.dispatch_ns = 0
-        self.timer = None
-        self.state = QUEUED
-        self.outcome = UNSET
-        self.batch_size = 0
-        self.compute_us = 0
-        self.queue = queue
-        self.deadline_ns = deadline_ns
 
 
 class SignatureQueue:
@@ -231,6 +209,7 @@ class DynamicBatcher(QueuePolicy):
         self._max_tokens = max(0, int(max_batch_tokens))
         self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
         self._done = CompletionQueue(self._deliver)
+        self._enqueue = self._sched.enqueue  # the compiled admission path (or its twin)
         self._workers = [Worker(r, self, f"{name}#{i}", i, self._done.flush)
                          for i, r in enumerate(self.runners)]
         self._started = False
@@ -265,24 +244,12 @@ class DynamicBatcher(QueuePolicy):
         needed here."""
         if not self._started:
             self.start()
-        loop = self._loop
-        now = time.monotonic_ns()
-        sig = item.signature
-        with self.lock:
-            self._admit(1)
-            q = self._queues.get(sig)
-            if q is None:
-                q = self._queues[sig] = SignatureQueue(sig, self._levels)
-            e = DynEntry(item, loop.create_future(), priority, now, q,
-                         now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
-            q.levels[priority - 1].append(e)
-            q.live += 1
-            self._pending += 1
-            if self._waiting:
-                self._cond.notify()
-        if timeout_ms > 0:
-            self._arm_deadline((e,), timeout_ms)
-        return e
+        return self._enqueue(self, item, priority, timeout_ms)
+
+    def _new_queue(self, sig: Any) -> "SignatureQueue":
+        """Under the lock: the queue of a signature seen for the first time."""
+        q = self._queues[sig] = SignatureQueue(sig, self._levels)
+        return q
 
     def submit_many(self, specs: Sequence[tuple]) -> tuple:
         """Admit a group ``[(item, desc, priority, timeout_ms), ...]`` as a unit (all or
@@ -292,7 +259,8 @@ class DynamicBatcher(QueuePolicy):
             self.start()
         loop = self._loop
         now = time.monotonic_ns()
-        group = Group(loop.create_future(), len(specs))
+        sched = self._sched
+        group = sched.Group(loop.create_future(), len(specs))
         entries = []
         deadlines: dict = {}
         with self.lock:
@@ -303,8 +271,8 @@ class DynamicBatcher(QueuePolicy):
                 q = queues.get(sig)
                 if q is None:
                     q = queues[sig] = SignatureQueue(sig, self._levels)
-                e = DynEntry(item, group, priority, now, q,
-                             now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+                e = sched.Entry(item, group, priority, now, q,
+                          now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
                 q.levels[priority - 1].append(e)
                 q.live += 1
                 entries.append(e)

@@ -32,6 +32,7 @@ import logging
 import threading
 from typing import Any, Callable, Optional, Sequence
 
+from .. import native
 from ..contract import KEY_TIMEOUT_MS
 from ..errors import (
     Cancelled,
@@ -45,90 +46,32 @@ from ..errors import (
 
 log = logging.getLogger("lumen.batching")
 
-QUEUED, RUNNING, DONE = 0, 1, 2
 #: Retry-After hint (seconds) sent with ``Overloaded``
 OVERLOAD_RETRY_AFTER_S = 1
 #: the deadline error's field
 DEADLINE_FIELD = KEY_TIMEOUT_MS
-#: ``Entry.outcome`` before the entry is answered
-UNSET: Any = object()
 
-
-class Group:
-    """One future for several entries (``infer_many``): resolves when all are answered."""
-
-    __slots__ = ("future", "remaining", "timers")
-
-    def __init__(self, future: asyncio.Future, n: int):
-        self.future = future
-        self.remaining = n
-        self.timers: list = []  # deadline timers shared by the group's entries
-
-    def one_done(self) -> None:
-        self.remaining -= 1
-        if self.remaining == 0:
-            for t in self.timers:
-                t.cancel()
-            if not self.future.done():
-                self.future.set_result(None)
-
-
-class Entry:
-    """A queued request: the item, who waits for it, its timing and (once answered) outcome.
-
-    ``waiter`` is an asyncio future (a single caller) or a :class:`Group`.  ``outcome`` is the
-    item's result or its :class:`LumenError` once ``state`` is ``DONE`` (groups read it; single
-    callers get it through their future).  ``batch_size`` and ``compute_us`` describe the batch
-    it ran in.
-    """
-
-    __slots__ = ("item", "waiter", "priority", "arrival_ns", "dispatch_ns", "timer", "state",
-                 "outcome", "batch_size", "compute_us")
-
-    def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int):
-        self.item = item
-        self.waiter = waiter
-        self.priority = priority
-        self.arrival_ns = arrival_ns
-        self.dispatch_ns = 0
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.state = QUEUED
-        self.outcome: Any = UNSET
-        self.batch_size = 0
-        self.compute_us = 0
-
-    @property
-    def queue_us(self) -> int:
-        return (self.dispatch_ns - self.arrival_ns) // 1000 if self.dispatch_ns else 0
-
-
-def answer(e: Entry, outcome: Any) -> None:
-    """Answer ``e`` once (loop thread): a later answer for the same entry is dropped."""
-    if e.outcome is not UNSET:
-        return
-    e.state = DONE
-    e.outcome = outcome
-    timer = e.timer
-    if timer is not None:
-        e.timer = None
-        timer.cancel()
-    w = e.waiter
-    if type(w) is Group:
-        w.one_done()
-    elif not w.done():
-        if isinstance(outcome, LumenError):
-            w.set_exception(outcome)
-        else:
-            w.set_result(outcome)
+# the entry, its states and its answering are the per-request hot path: compiled twin or pure
+_sched = native.scheduler
+QUEUED, RUNNING, DONE = _sched.QUEUED, _sched.RUNNING, _sched.DONE
+UNSET = _sched.UNSET
+Entry = _sched.Entry
+Group = _sched.Group
+answer = _sched.answer
 
 
 class QueuePolicy:
     """Admission, deadlines, cancellation, delivery and draining for one batcher.
 
+    ``_sched`` is the hot-path module whose entries this batcher makes and answers (the
+    twin ``native`` chose; tests pin one twin by subclassing).
+
     Subclasses (the batchers) implement formation and two hooks: ``_unqueue(entry)`` (under
     the lock: a queued entry died; drop it from the formation structures) and ``_wake()``
     (under the lock: new work may be formable; wake an idle worker).
     """
+
+    _sched = _sched
 
     def __init__(self, name: str, max_queue_size: int,
                  on_batch: Optional[Callable[[int, int], None]] = None):
@@ -190,7 +133,7 @@ class QueuePolicy:
                     self._kill(e)
             # DONE here: formation already dropped it for its deadline, before it could run
             where = "while its batch was running" if state == RUNNING else "in the queue"
-            answer(e, DeadlineExceeded(f"deadline of {timeout_ms} ms expired {where}",
+            self._sched.answer(e, DeadlineExceeded(f"deadline of {timeout_ms} ms expired {where}",
                                        DEADLINE_FIELD))
         self._maybe_idle()
 
@@ -201,7 +144,7 @@ class QueuePolicy:
         with self.lock:
             if entry.state == QUEUED:
                 self._kill(entry)
-        answer(entry, Cancelled("the request was cancelled by its caller"))
+        self._sched.answer(entry, Cancelled("the request was cancelled by its caller"))
         self._maybe_idle()
 
     def cancel_group(self, entries: Sequence[Entry]) -> None:
@@ -226,12 +169,8 @@ class QueuePolicy:
             err = results if isinstance(results, LumenError) else InternalError(
                 f"worker failed: {results}")
             results = [err] * n
-        for e, res in zip(entries, results, strict=True):
-            if e.outcome is not UNSET:  # answered already (expired or cancelled while running)
-                continue
-            e.batch_size = n
-            e.compute_us = compute_us
-            answer(e, res)
+        # entries answered already (expired or cancelled while running) are skipped
+        self._sched.deliver(entries, results, compute_us)
         if self.on_batch is not None:
             try:
                 self.on_batch(n, compute_us)

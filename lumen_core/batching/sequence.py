@@ -67,7 +67,7 @@ from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
 from ..engine.state import SequenceBatch, SlotStore, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
 from .dynamic import BatchResult
-from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, Group, QueuePolicy
+from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, QueuePolicy
 from .runner import Batch, CompletionQueue, Runner, Worker
 
 #: how many ended / idled-out ids are remembered for a precise error message
@@ -81,18 +81,15 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 ENDED, IDLED = "ended", "idled"
 
 
-class SeqEntry(Entry):
-    """A queued request of a sequence."""
-
-    __slots__ = ("seq", "start", "end", "was_open")
-
-    def __init__(self, item: Any, waiter: Any, arrival_ns: int, seq: "_Sequence",
-                 start: bool, end: bool):
-        super().__init__(item, waiter, 1, arrival_ns)
-        self.seq = seq
-        self.start = start
-        self.end = end
-        self.was_open = True  # the sequence's ``open`` flag before this request was accepted
+def seq_entry(sched: Any, item: Any, waiter: Any, arrival_ns: int, seq: "_Sequence",
+              start: bool, end: bool) -> Entry:
+    """A queued request of a sequence (``Entry.seq/start/end``; ``was_open`` is the
+    sequence's ``open`` flag before this request was accepted)."""
+    e = sched.Entry(item, waiter, 1, arrival_ns)
+    e.seq = seq
+    e.start = start
+    e.end = end
+    return e
 
 
 class _Sequence:
@@ -226,7 +223,7 @@ class SequenceBatcher(QueuePolicy):
             raise
         return BatchResult.of(entry)
 
-    def submit(self, item: Any, desc: Any, priority: int = 1, timeout_ms: int = 0) -> SeqEntry:
+    def submit(self, item: Any, desc: Any, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""
         if not self._started:
             self.start()
@@ -246,7 +243,7 @@ class SequenceBatcher(QueuePolicy):
         if not self._started:
             self.start()
         loop = self._loop
-        group = Group(loop.create_future(), len(specs))
+        group = self._sched.Group(loop.create_future(), len(specs))
         entries: list = []
         now = time.monotonic_ns()
         with self.lock:
@@ -270,7 +267,7 @@ class SequenceBatcher(QueuePolicy):
             self._arm_deadline(es, timeout_ms, group)
         return group, entries
 
-    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int) -> SeqEntry:
+    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int) -> Entry:
         """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
         if self._closed:
             self._admit()  # raises Unavailable
@@ -305,7 +302,7 @@ class SequenceBatcher(QueuePolicy):
             self._sig0 = sig
         elif not self._multi_sig and sig != self._sig0:
             self._multi_sig = True
-        entry = SeqEntry(item, waiter, now, seq, start, desc.sequence_end)
+        entry = seq_entry(self._sched, item, waiter, now, seq, start, desc.sequence_end)
         entry.was_open = was_open
         seq.queue.append(entry)
         seq.last_ns = now
@@ -405,7 +402,7 @@ class SequenceBatcher(QueuePolicy):
             self._sweep = self._loop.call_later(self._sweep_s, self._sweep_idle)
 
     # -- queue policy (under the lock) ------------------------------------------------------
-    def _unqueue(self, entry: SeqEntry) -> None:
+    def _unqueue(self, entry: Entry) -> None:
         seq = entry.seq
         q = seq.queue
         if entry.end or entry.start:
