@@ -27,6 +27,7 @@ import time
 import urllib.request
 
 from lumen_core import loadgen, models
+from lumen_core.engine.session import cpu_session  # noqa: E402
 from lumen_core.models import minilm
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -46,7 +47,7 @@ def offline_best(home: pathlib.Path, texts: list, threads: int) -> dict:
     """Texts/s of ORT over the corpus in length-sorted batches (tokenising each batch in the
     timed loop, as a server must); best of two passes per batch size."""
     model_dir = models.model_dir(models.MINILM, home)
-    sess = minilm.session(model_dir / minilm.MODEL_FILE, threads)
+    sess = cpu_session(model_dir / minilm.MODEL_FILE, threads)
     tok = minilm.load_tokenizer(model_dir / minilm.TOKENIZER_FILE)
     order = sorted(range(len(texts)), key=lambda i: len(tok.encode(texts[i]).ids))
     ordered = [texts[i] for i in order]

@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from lumen_core import models  # noqa: E402
+from lumen_core.engine.session import cpu_session  # noqa: E402
 from lumen_core.models import minilm  # noqa: E402
 
 DEFAULT_SHAPES = "1x16,32x32,32x128"
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
             print(f"{label}: export failed: {type(exc).__name__}: {exc}")
             continue
         graphs[label] = path
-    sessions = {label: minilm.session(path, threads=args.threads) for label, path in graphs.items()}
+    sessions = {label: cpu_session(path, args.threads) for label, path in graphs.items()}
     print(f"onnxruntime {ort.__version__}, torch {torch.__version__}; intra_op_num_threads={args.threads}, "
           "inter_op=1, allow_spinning=0, default graph optimisation; calls alternate between graphs")
     print(f"per graph: its time / ours as median wall / p{LOW_PERCENTILE} wall / median cpu (> 1: ours faster)")

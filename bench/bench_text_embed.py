@@ -85,7 +85,10 @@ def in_process(rt: lc.Runtime, texts: list) -> tuple:
     payloads = [t.encode("utf-8") for t in texts]
     out = np.empty((len(texts), minilm.EMBEDDING_DIM), np.float32)
     task = rt.tasks["text_embed"]
-    before = [dict(i.stats) for i in task.instances]
+    def counters() -> list:  # engine counters (batches, items) + the runners' plan counters
+        return [{**i.stats, **r.stats} for i, r in zip(task.instances, task.runners, strict=True)]
+
+    before = counters()
 
     async def caller(next_index: list) -> None:
         while next_index[0] < len(payloads):
@@ -100,8 +103,10 @@ def in_process(rt: lc.Runtime, texts: list) -> tuple:
         await asyncio.gather(*[caller(shared) for _ in range(CONCURRENCY)])
 
     asyncio.run_coroutine_threadsafe(main(), rt._loop).result()
+    after = counters()
+
     def delta(key: str) -> int:
-        return sum(i.stats[key] - b[key] for i, b in zip(task.instances, before, strict=True))
+        return sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))
 
     real, slots, batches = delta("real_tokens"), delta("padded_tokens"), delta("batches")
     in_process.mean_batch = len(texts) / max(1, batches)  # type: ignore[attr-defined]

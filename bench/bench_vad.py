@@ -9,7 +9,7 @@ is the runtime's efficiency under the same machine conditions.  The ideal's thre
 chosen by measuring 1 and 2 threads and keeping the faster (``--threads`` overrides).
 
     LUMEN_HOME=... python bench/bench_vad.py [--streams 256] [--chunks 200] [--threads 0]
-        [--route pcm|l16|tensor] [--instances 1] [--strategy direct|oldest] [--delay-us 2000] [--util 0.5]
+        [--route pcm|l16|tensor] [--instances 1] [--strategy direct|oldest] [--delay-us 0] [--util 0.5]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import lumen_core as lc
 from lumen_core import native
 from lumen_core.engine.session import session_options
 from lumen_core.models import MODEL_FILE, SILERO_VAD, require_model, silero
+from lumen_core.tasks import vad as vad_task
 
 CHUNK = silero.CHUNK_SAMPLES
 CONTEXT = silero.CONTEXT_SAMPLES
@@ -120,9 +121,9 @@ def main() -> None:
     ap.add_argument("--route", choices=("pcm", "l16", "tensor"), default="pcm")
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--strategy", choices=("direct", "oldest"), default="direct")
-    ap.add_argument("--delay-us", type=int, default=2000,
+    ap.add_argument("--delay-us", type=int, default=vad_task.DEFAULT_QUEUE_DELAY_US,
                     help="max_queue_delay_us (default: the built-in vad task's)")
-    ap.add_argument("--util", type=float, default=0.5,
+    ap.add_argument("--util", type=float, default=vad_task.DEFAULT_SLOT_UTILIZATION,
                     help="minimum_slot_utilization (default: the built-in vad task's)")
     ap.add_argument("--max-batch", type=int, default=0,
                     help="batching.max_batch_size (0: streams per instance)")

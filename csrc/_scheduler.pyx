@@ -12,7 +12,7 @@ import time
 from lumen_core import native
 from lumen_core.errors import LumenError
 from lumen_core.request import InferResponse, ResponseStats
-from lumen_core.scheduler import UNSET
+from lumen_core.scheduler import UNSET, route_of
 
 #: the twin API (the constants QUEUED, RUNNING, DONE and UNSET are shared module attributes)
 __all__ = ["Entry", "Group", "answer", "deliver", "enqueue", "infer"]
@@ -156,6 +156,8 @@ async def infer(rt, req):
     observe = rt._observe
     cdef long long t0 = _perf_ns() if observe is not None else 0
     cdef object route = "raw"
+    if observe is not None:  # a request refused before its descriptor parses keeps its route
+        route = route_of(req.meta)
     cdef Py_ssize_t nbytes
     cdef Entry entry
     backend = task.backend

@@ -31,6 +31,7 @@ from .errors import (
     Unavailable,
 )
 from .request import InferRequest, InferResponse, ResponseStats, new_infer_request
+from .scheduler import route_of
 from .tasks import backend_class, default_task_tables
 from .tasks.base import TaskBackend
 
@@ -289,7 +290,8 @@ class Runtime:
         t0 = time.perf_counter_ns() if observe is not None else 0
         per_task: dict = {}
         for i, req in enumerate(requests):
-            route = "raw"
+            route = route_of(req.meta) if observe is not None and isinstance(req, InferRequest) \
+                else "raw"
             task = None
             try:
                 task = self._route(req.task) if isinstance(req, InferRequest) else None

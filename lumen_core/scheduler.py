@@ -15,6 +15,8 @@ import time
 from typing import Any
 
 from . import native
+from .contract import KEY_INPUT_KIND
+from .descriptor import KIND_TENSOR
 from .errors import LumenError
 from .request import InferResponse, ResponseStats
 
@@ -126,6 +128,12 @@ def deliver(entries: list, results: list, compute_us: int) -> None:
             answer(e, results[i])
 
 
+def route_of(meta: Any) -> str:
+    """The metrics route a request claims (``tensor`` or ``raw``), before it is validated."""
+    kind = meta.get(KEY_INPUT_KIND) if isinstance(meta, dict) else None
+    return "tensor" if kind == KIND_TENSOR else "raw"
+
+
 def enqueue(b: Any, item: Any, priority: int, timeout_ms: int) -> Entry:
     """Admit ``item`` into dynamic batcher ``b`` (loop thread); raise at once when the
     batcher is closed or full.  The deadline timer is ``b``'s to arm."""
@@ -162,6 +170,8 @@ async def infer(rt: Any, req: Any) -> InferResponse:
     observe = rt._observe
     t0 = _perf_ns() if observe is not None else 0
     route = "raw"
+    if observe is not None:  # a request refused before its descriptor parses keeps its route
+        route = route_of(req.meta)
     backend = task.backend
     try:
         try:

@@ -99,6 +99,11 @@ def codec_for(charset: Optional[str]) -> str:
             info = codecs.lookup(charset)
         except (LookupError, ValueError):  # ValueError: a NUL in the name
             info = None
+    if info is not None:
+        try:  # a codec that cannot decode at all (``undefined``) is no text encoding either
+            info.decode(b"")
+        except Exception:  # noqa: BLE001 - whatever it raises, it decodes nothing
+            info = None
     if info is None or not getattr(info, "_is_text_encoding", True):
         shown = charset if len(charset) <= MAX_CHARSET_CHARS else charset[:MAX_CHARSET_CHARS] + "..."
         raise UnsupportedMediaType(
@@ -221,6 +226,10 @@ class TextEmbeddingBackend(TaskBackend):
                     f"payload is not valid {codec} text: bytes {exc.start}..{exc.end - 1} "
                     f"({exc.reason}); send {codec} or name the right charset in payload_mime",
                     "payload") from None
+            except UnicodeError as exc:  # e.g. idna: the base class, no byte range
+                raise InvalidArgument(f"payload is not valid {codec} text ({exc}); send {codec} "
+                                      f"or name the right charset in payload_mime",
+                                      "payload") from None
             off_loop = payload.nbytes > self.inline_prepare_max_bytes
         try:
             ids = self._token_ids(text, off_loop)
