@@ -70,16 +70,31 @@ async def ours(path: str, xs: np.ndarray, callers: int, batch: int, threads: int
             await rt.infer(r)
         per = len(reqs) // callers
         sizes: list = []
+        task = rt.tasks["mlp"]
+        busy_us: list = []  # the workers' time per batch (assemble + run + postprocess)
+        task.batcher.on_batch = lambda n, us: busy_us.append(us)
+        runs_ns: list = []  # the model run alone, inside the runtime
+        for engine in task.instances:
+            def timed(feeds, n, _run=engine.run):
+                t = time.perf_counter_ns()
+                out = _run(feeds, n)
+                runs_ns.append(time.perf_counter_ns() - t)
+                return out
+            engine.run = timed
 
         async def caller(k: int) -> None:
             for r in reqs[k * per:(k + 1) * per]:
                 resp = await rt.infer(r)
-                sizes.append(int(resp.meta["lumen.batch.size"]))
+                sizes.append(resp.stats.batch_size)
 
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         await asyncio.gather(*[caller(k) for k in range(callers)])
         dt = time.perf_counter() - t0
-    return per * callers / dt, float(np.mean(sizes))
+        loop_cpu = time.thread_time() - c0
+    diag = {"busy": sum(busy_us) / 1e6 / dt / instances, "run_us": float(np.mean(runs_ns)) / 1000,
+            "loop_cpu_us": loop_cpu / (per * callers) * 1e6}
+    return per * callers / dt, float(np.mean(sizes)), diag
 
 
 def main() -> None:
@@ -94,14 +109,15 @@ def main() -> None:
         xs = np.random.default_rng(0).standard_normal((a.requests, D_IN)).astype(np.float32)
         single = single_call_us(path, xs, a.threads)
         best_ideal = ideal(path, xs, a.batch, a.threads)
-        got, mean_batch = asyncio.run(ours(path, xs, a.callers, a.batch, a.threads))
+        got, mean_batch, diag = asyncio.run(ours(path, xs, a.callers, a.batch, a.threads))
+        ideal_run_us = a.batch / best_ideal * 1e6
         got_uv = None
         try:
             import uvloop
         except ImportError:
             uvloop = None
         if uvloop is not None:
-            got_uv, mean_uv = uvloop.run(ours(path, xs, a.callers, a.batch, a.threads))
+            got_uv, mean_uv, _ = uvloop.run(ours(path, xs, a.callers, a.batch, a.threads))
         best_ideal = max(best_ideal, ideal(path, xs, a.batch, a.threads))
     print(f"model: MLP {D_IN}-{D_HIDDEN}-{D_OUT} fp32, single call {single:.0f} us, "
           f"ORT intra-op threads {a.threads}, spinning off; extensions {native.using_extensions()}")
@@ -112,6 +128,10 @@ def main() -> None:
         print(f"runtime under uvloop:  {got_uv:,.0f} items/s, mean batch {mean_uv:.1f}, "
               f"ratio {got_uv / best_ideal:.3f}, overhead {(1 / got_uv - 1 / best_ideal) * 1e6:.1f} us")
     print(f"per-request overhead: {(1 / got - 1 / best_ideal) * 1e6:.1f} us")
+    print(f"where it goes: worker busy {diag['busy']:.0%} of the wall time; model run inside the "
+          f"runtime {diag['run_us']:.0f} us per batch vs {ideal_run_us:.0f} us in the ideal loop; "
+          f"event loop CPU {diag['loop_cpu_us']:.1f} us per request; load average "
+          f"{os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
