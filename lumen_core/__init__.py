@@ -20,6 +20,7 @@ from .errors import (
     Overloaded,
     PayloadTooLarge,
     TaskNotFound,
+    Unauthenticated,
     Unavailable,
     UnsupportedMediaType,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "PayloadTooLarge",
     "Runtime",
     "TaskNotFound",
+    "Unauthenticated",
     "TensorContract",
     "TensorDescriptor",
     "TensorSpec",

@@ -491,7 +491,7 @@ def _model_missing_error() -> type:
     cls = getattr(errors, "ModelMissingError", None)
     if cls is None:
         try:
-            from .models import ModelMissingError as cls
+            from .errors import ModelMissingError as cls
         except ModuleNotFoundError:  # the [cpu] extra is missing: nothing raises it then
             return LumenError
     return cls

@@ -19,8 +19,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .contract import CORRID_DTYPES as CONTRACT_CORRID_DTYPES
 from .contract import DTYPES, MAX_RANK
-from .errors import ConfigError  # lives in errors.py; runtime.py, engine/state.py import it here
+from .errors import ConfigError  # noqa: F401 - lives in errors.py; re-exported for old importers
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HTTP_PORT = 8000
@@ -49,8 +50,8 @@ STATE_DTYPES = CONSTANT_DTYPES = tuple(DTYPES)
 #: START / END / READY controls: the contract dtypes Triton allows for them
 CONTROL_DTYPES = tuple(d for d in DTYPES if d in ("fp32", "int32", "bool"))
 #: a CORRID control carries the correlation id: int64 (a contract dtype), uint64 or string
-#: (engine/state.py's CORRID_NUMPY maps these three)
-CORRID_DTYPES = ("uint64", "int64", "string")
+#: (their numpy dtypes: contract.CORRID_DTYPES)
+CORRID_DTYPES = tuple(CONTRACT_CORRID_DTYPES)
 MAX_STATE_RANK = MAX_RANK
 
 

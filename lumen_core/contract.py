@@ -29,6 +29,10 @@ KEY_SEQUENCE_START = "lumen.sequence.start"
 KEY_SEQUENCE_END = "lumen.sequence.end"
 KEY_PRIORITY = "lumen.priority"
 KEY_TIMEOUT_MS = "lumen.timeout_ms"
+#: embedding tasks: keep the first D components, then L2-normalise again
+KEY_EMBEDDING_DIMENSIONS = "lumen.embedding.dimensions"
+#: embedding tasks: the element type of the returned vector (see ``EMBEDDING_TYPES``)
+KEY_EMBEDDING_TYPE = "lumen.embedding.type"
 
 #: ``field`` used when the payload length disagrees with dtype x shape.
 FIELD_PAYLOAD = "payload"
@@ -38,6 +42,7 @@ RESERVED_KEYS = frozenset(
         KEY_INPUT_KIND, KEY_DTYPE, KEY_SHAPE, KEY_LAYOUT, KEY_FORMAT, KEY_BYTE_ORDER,
         KEY_PREPROCESS_ID, KEY_PREPROCESS_SKIP, KEY_MODEL_ID, KEY_MODEL_VERSION,
         KEY_SEQUENCE_ID, KEY_SEQUENCE_START, KEY_SEQUENCE_END, KEY_PRIORITY, KEY_TIMEOUT_MS,
+        KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE,
     }
 )
 #: keys that only make sense on the tensor route
@@ -50,6 +55,8 @@ RESP_QUEUE_US = "lumen.queue_us"
 RESP_COMPUTE_US = "lumen.compute_us"
 #: the input's token count (ragged inputs); the OpenAI-compatible ``usage`` sums it
 RESP_TOKENS = "lumen.tokens"
+#: ``"true"`` when the input was cut to the task's token limit (absent otherwise)
+RESP_TRUNCATED = "lumen.truncated"
 
 # --------------------------------------------------------------------------- limits
 MAX_META_VALUE_CHARS = 1024  # any lumen.* value; bounds the work on hostile input
@@ -59,7 +66,19 @@ MAX_DIM_DIGITS = 19
 MAX_PRIORITY_DIGITS = 9
 MAX_TIMEOUT_DIGITS = 12
 MAX_SEQUENCE_ID_CHARS = 256
+MAX_EMBEDDING_DIM_DIGITS = 9
 INT64_MAX = (1 << 63) - 1
+
+# --------------------------------------------------------------------------- embeddings
+#: ``lumen.embedding.type`` values -> the dtype name of the vector returned (infinity's set):
+#: ``float`` fp32; ``int8`` / ``uint8`` scalar quantisation over ``EMBEDDING_QUANT_RANGE``;
+#: ``binary`` / ``ubinary`` the sign bits (x > 0) packed MSB first, ceil(D / 8) bytes
+#: (``binary`` = ``ubinary`` - 128 as int8, as sentence-transformers and infinity define it)
+EMBEDDING_TYPES: dict[str, str] = {"float": "fp32", "int8": "int8", "uint8": "uint8",
+                                   "binary": "int8", "ubinary": "uint8"}
+#: the fixed range of int8 / uint8 quantisation: every component of an L2-normalised vector
+#: lies in it, so none saturates; 256 levels of width (hi - lo) / 255 (see text_embedding.py)
+EMBEDDING_QUANT_RANGE = (-1.0, 1.0)
 
 # --------------------------------------------------------------------------- dtypes, layouts
 #: dtype name -> numpy dtype (little-endian on the wire)
@@ -74,6 +93,10 @@ DTYPES: dict[str, np.dtype] = {
 }
 DTYPE_SIZES: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
 #: numpy dtype -> our name (for ``for_tensor_array`` and the generic onnx backend)
+#: dtypes a CORRID control input may have (Triton's), beyond the tensor dtypes: the sequence id
+#: as an unsigned or signed 64-bit integer, or as a string
+CORRID_DTYPES: dict[str, np.dtype] = {"uint64": np.dtype("<u8"), "int64": np.dtype("<i8"),
+                                      "string": np.dtype(object)}
 DTYPE_NAMES: dict[np.dtype, str] = {dt.newbyteorder("="): name for name, dt in DTYPES.items()}
 #: ONNX ``TensorProto`` element type (stable enum values) -> our name
 ONNX_ELEM_TYPES = {1: "fp32", 10: "fp16", 2: "uint8", 7: "int64", 6: "int32", 3: "int8", 9: "bool"}

@@ -94,6 +94,14 @@ class InternalError(LumenError):
     grpc_status = "INTERNAL"
 
 
+class Unauthenticated(LumenError):
+    """No API key, or not one of the configured keys (``401`` / ``UNAUTHENTICATED``)."""
+
+    code = "unauthenticated"
+    http_status = 401
+    grpc_status = "UNAUTHENTICATED"
+
+
 ERROR_CLASSES = (
     InvalidArgument,
     TaskNotFound,
@@ -104,6 +112,7 @@ ERROR_CLASSES = (
     Unavailable,
     Cancelled,
     InternalError,
+    Unauthenticated,
 )
 
 #: code -> class, HTTP status, gRPC status name (``grpc.StatusCode[name]``)

@@ -155,7 +155,7 @@ class Runtime:
         try:
             cls = backend_class(tc.backend)
         except KeyError:
-            from .config import ConfigError
+            from .errors import ConfigError
             from .tasks import BACKENDS
 
             raise ConfigError(tc.source, f"{tc.key}.backend",

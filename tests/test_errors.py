@@ -21,6 +21,8 @@ SPEC_TABLE = [
     ("unavailable", lc.Unavailable, 503, "UNAVAILABLE"),
     ("cancelled", lc.Cancelled, 499, "CANCELLED"),
     ("internal", lc.InternalError, 500, "INTERNAL"),
+    # API keys (issue 12 item 9): beyond the SPEC's table, same wire rules
+    ("unauthenticated", lc.Unauthenticated, 401, "UNAUTHENTICATED"),
 ]
 
 

@@ -8,7 +8,7 @@ import onnx_models as M
 import pytest
 
 import lumen_core as lc
-from lumen_core.config import ConfigError
+from lumen_core.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

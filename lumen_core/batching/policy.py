@@ -145,6 +145,9 @@ class QueuePolicy:
             if entry.state == QUEUED:
                 self._kill(entry)
         self._sched.answer(entry, Cancelled("the request was cancelled by its caller"))
+        w = entry.waiter
+        if isinstance(w, asyncio.Future) and w.done() and not w.cancelled():
+            w.exception()  # a caller that went away never reads it: no "never retrieved" log
         self._maybe_idle()
 
     def cancel_group(self, entries: Sequence[Entry]) -> None:

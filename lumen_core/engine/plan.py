@@ -22,18 +22,16 @@ class PreparedModelRequest:
     ``signature`` is the execution signature (hashable): only requests with equal signatures
     share a batch.  ``tensors`` holds per-input payload buffers (indexed by the plan's ``slot``),
     ``item_shape`` the per-item shape of dense inputs (no batch axis), ``length`` the token count
-    of ragged inputs (used for length-aware batching), ``context`` is private to the backend.
+    of ragged inputs (used for length-aware batching).
     """
 
-    __slots__ = ("signature", "tensors", "item_shape", "length", "context")
+    __slots__ = ("signature", "tensors", "item_shape", "length")
 
-    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0,
-                 context: Any = None):
+    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0):
         self.signature = signature
         self.tensors = tensors
         self.item_shape = item_shape
         self.length = length
-        self.context = context
 
 
 class InputPlan(abc.ABC):

@@ -22,12 +22,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..config import ConfigError, ConstantConfig, ControlConfig, SequenceConfig, StateConfig
-from ..contract import DTYPES
+from ..config import ConstantConfig, ControlConfig, SequenceConfig, StateConfig
+from ..contract import CORRID_DTYPES, DTYPES
+from ..errors import ConfigError
 from .plan import ConstantInput, InputPlan, OutputSpec
 
 #: dtypes of CORRID controls beyond the contract's tensor dtypes
-CORRID_NUMPY = {"uint64": np.dtype("<u8"), "int64": np.dtype("<i8"), "string": np.dtype(object)}
+CORRID_NUMPY = CORRID_DTYPES
 
 
 class SequenceBatch(list):

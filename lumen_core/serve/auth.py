@@ -21,20 +21,12 @@ import secrets
 from typing import Any, Iterable, Optional
 
 from ..contract import KEY_SEQUENCE_ID, MAX_SEQUENCE_ID_CHARS
-from ..errors import InvalidArgument, LumenError
+from ..errors import InvalidArgument, LumenError, Unauthenticated
 
 BEARER = "bearer"
 #: ``scope`` + this + the client's sequence id is what the runtime sees
 SCOPE_SEPARATOR = ":"
 SCOPE_BYTES = 6
-
-
-class Unauthenticated(LumenError):
-    """No API key, or not one of the configured keys (``401`` / ``UNAUTHENTICATED``)."""
-
-    code = "unauthenticated"
-    http_status = 401
-    grpc_status = "UNAUTHENTICATED"
 
 
 def read_key_file(path: str) -> list:

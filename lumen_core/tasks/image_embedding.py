@@ -204,7 +204,7 @@ class ImageEmbeddingBackend(TaskBackend):
         # a bytes payload is read in place by Pillow; any other buffer is copied once there
         src = req.payload if isinstance(req.payload, bytes) else payload
         hwc = resize_center_crop(decode_image(src, mime, self.max_pixels, size), size)
-        return PreparedModelRequest(self._sig, (hwc,), self._item_shape, context="raw")
+        return PreparedModelRequest(self._sig, (hwc,), self._item_shape)
 
     def prepare_tensor(self, req: InferRequest, desc: Descriptor,
                        payload: memoryview) -> PreparedModelRequest:
@@ -212,9 +212,8 @@ class ImageEmbeddingBackend(TaskBackend):
         if desc.preprocess_id == self.recipe.uint8_id:
             size = self.recipe.size
             hwc = np.frombuffer(payload, dtype=np.uint8).reshape(size, size, CHANNELS)
-            return PreparedModelRequest(self._sig_uint8, (hwc,), self._item_shape,
-                                        context="tensor")
-        return PreparedModelRequest(self._sig, (payload,), self._item_shape, context="tensor")
+            return PreparedModelRequest(self._sig_uint8, (hwc,), self._item_shape)
+        return PreparedModelRequest(self._sig, (payload,), self._item_shape)
 
     def postprocess(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:
         """L2-normalise (unless configured off), then per-item views; non-finite -> internal."""
