@@ -18,6 +18,11 @@ Order of checks (both implementations):
 2. raw route: tensor keys are refused, preprocess id / model id / version are checked;
 3. tensor route, SPEC order: dtype, shape, layout (+ rank), payload length, preprocess id,
    batch dimension, model id / version, format / byte order, the task's per-dimension rules.
+
+Task options in the ``lumen.*`` namespace (``lumen.embedding.dimensions`` / ``.type``) pass
+step 0 like every reserved key (both twins read ``RESERVED_KEYS``); their values depend on the
+task (its embedding size), so the backend that honours them parses them with
+:func:`embedding_options` below, which owns their messages.
 """
 from __future__ import annotations
 
@@ -26,11 +31,14 @@ from typing import Iterable, Mapping, Optional, Sequence
 from .contract import (
     DTYPE_SIZES,
     DTYPES,
+    EMBEDDING_TYPES,
     EMPTY_CONTRACT,
     FIELD_PAYLOAD,
     INT64_MAX,
     KEY_BYTE_ORDER,
     KEY_DTYPE,
+    KEY_EMBEDDING_DIMENSIONS,
+    KEY_EMBEDDING_TYPE,
     KEY_FORMAT,
     KEY_INPUT_KIND,
     KEY_LAYOUT,
@@ -46,6 +54,7 @@ from .contract import (
     KEY_TIMEOUT_MS,
     LAYOUTS,
     MAX_DIM_DIGITS,
+    MAX_EMBEDDING_DIM_DIGITS,
     MAX_META_VALUE_CHARS,
     MAX_PRIORITY_DIGITS,
     MAX_RANK,
@@ -364,6 +373,36 @@ def shape_nbytes(shape: Sequence[int], itemsize: int) -> int:
         if total > INT64_MAX:
             raise _bad(KEY_SHAPE, f"{KEY_SHAPE} {list(shape)} describes more than 2**63-1 bytes")
     return total
+
+
+# --------------------------------------------------------------------------- task options
+def parse_embedding_dimensions(value: str, dim: int) -> int:
+    """``lumen.embedding.dimensions``: an integer in ``1..dim`` (the task's embedding size)."""
+    what = f"an integer in 1..{dim} (the embedding size)"
+    d = parse_uint(KEY_EMBEDDING_DIMENSIONS, value, MAX_EMBEDDING_DIM_DIGITS, what)
+    if not 1 <= d <= dim:
+        raise _bad(KEY_EMBEDDING_DIMENSIONS, f"{KEY_EMBEDDING_DIMENSIONS} must be {what}, got {d}")
+    return d
+
+
+def parse_embedding_type(value: str) -> str:
+    """``lumen.embedding.type``: one of ``EMBEDDING_TYPES``."""
+    if value not in EMBEDDING_TYPES:
+        raise _bad(KEY_EMBEDDING_TYPE, f"{KEY_EMBEDDING_TYPE} must be one of "
+                                       f"{', '.join(EMBEDDING_TYPES)}, got {_short(value)}")
+    return value
+
+
+def embedding_options(meta: Optional[Mapping], dim: int) -> tuple:
+    """``(dimensions, type)`` a request asks of an embedding task: ``(0, "float")`` when it
+    sets neither key (0: every component).  Runs after :func:`parse_meta` accepted ``meta``,
+    so the values are ``str`` of bounded length."""
+    if not meta:
+        return 0, "float"
+    d = meta.get(KEY_EMBEDDING_DIMENSIONS)
+    t = meta.get(KEY_EMBEDDING_TYPE)
+    return (0 if d is None else parse_embedding_dimensions(d, dim),
+            "float" if t is None else parse_embedding_type(t))
 
 
 # --------------------------------------------------------------------------- parse_meta

@@ -9,7 +9,10 @@ request instead of occupying a batch slot).
 Routes::
 
     POST /v1/infer/{task}   body = payload, Content-Type = payload mime, query = meta
-    POST /v1/embeddings     OpenAI-compatible; one runtime request per input item
+    POST /v1/embeddings     OpenAI-compatible; one runtime request per input item; ``model``
+                            picks the embedding task; ``dimensions``, and the extensions
+                            ``embedding_type`` and ``truncate``
+    POST /v1/tokenize       TEI's /tokenize: tokens, ids and character offsets per text
     GET  /v1/tasks          each task's contract;  GET /v1/models  (OpenAI model list)
     GET  /healthz           live, plus which compiled extensions are in use
     GET  /readyz  /metrics
@@ -38,6 +41,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..contract import EMBEDDING_TYPES as EMBEDDING_TYPE_DTYPES
+from ..contract import KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE
 from ..errors import (
     InternalError,
     InvalidArgument,
@@ -69,10 +74,15 @@ EMBEDDING_OUTPUT = "embedding"
 #: header that picks one output for a raw tensor reply when a task has several
 OUTPUT_HEADER = "lumen-output"
 ENCODING_FORMATS = ("float", "base64")
+#: ``embedding_type`` values of /v1/embeddings (``lumen.embedding.type`` on the native route)
+EMBEDDING_TYPES = tuple(EMBEDDING_TYPE_DTYPES)
+#: the boolean plain options of /v1/embeddings and /v1/tokenize, sent to the task as meta
+OPT_TRUNCATE = "truncate"
 #: the most characters of a request path quoted back in a routing error
 MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
-ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, GET /v1/tasks, "
+ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, POST /v1/tokenize, "
+               "GET /v1/tasks, "
                "/v1/models, /healthz, /readyz, /metrics")
 #: the one endpoint that never needs an API key (a liveness probe carries no secret)
 ALWAYS_OPEN = frozenset({"/healthz"})
@@ -132,6 +142,8 @@ class HttpApp:
             Route("/v1/infer/{task}", ep("/v1/infer/{task}", self.infer), methods=["POST"]),
             Route("/v1/embeddings", ep("/v1/embeddings", self.embeddings), methods=["POST"]),
             Route("/embeddings", ep("/v1/embeddings", self.embeddings), methods=["POST"]),
+            Route("/v1/tokenize", ep("/v1/tokenize", self.tokenize), methods=["POST"]),
+            Route("/tokenize", ep("/v1/tokenize", self.tokenize), methods=["POST"]),
             Route("/v1/tasks", ep("/v1/tasks", self.tasks), methods=["GET"]),
             Route("/v1/models", ep("/v1/models", self.models), methods=["GET"]),
             Route("/healthz", ep("/healthz", self.healthz), methods=["GET"]),
@@ -252,6 +264,7 @@ class HttpApp:
         req = InferRequest(task, body, headers.get("content-type", ""), meta,
                            headers.get("x-correlation-id", ""))
         resp = await self._until_done_or_gone(request, self.runtime.infer(req))
+        _merge_task_meta(resp)
         accept = headers.get("accept", "")
         if OCTET_STREAM in accept and JSON not in accept:
             return self._tensor_reply(resp, headers.get(OUTPUT_HEADER))
@@ -280,25 +293,64 @@ class HttpApp:
             headers["Lumen-Meta-" + k] = v
         return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
 
-    async def embeddings(self, request: Request) -> Response:
-        self._check_open()
+    async def _json_body(self, request: Request, route: str) -> Any:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != JSON:
-            raise UnsupportedMediaType(f"/v1/embeddings takes a JSON body; send "
+            raise UnsupportedMediaType(f"{route} takes a JSON body; send "
                                        f"'Content-Type: application/json', not {ctype!r}",
                                        "Content-Type")
         body = await self._read_body(request, "body")
         try:
-            obj = json.loads(body)
+            return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"the body is not valid JSON: {exc}", "body") from None
         except RecursionError:  # the decoder recurses once per nesting level
             raise InvalidArgument("the body's JSON is nested too deeply", "body") from None
-        model, items, fmt = self._parse_embeddings(obj)
+
+    def _embedding_tasks(self) -> dict:
+        """``{task: its description}`` of the tasks that produce embeddings."""
+        return {name: d for name, d in self.runtime.describe().items() if embeds(d)}
+
+    def _embedding_task(self, model: str) -> Optional[dict]:
+        """The description of embedding task ``model``; None when no such task is loaded (the
+        runtime answers that: 404, or 503 while it is not running); 400 for a task that does
+        not embed, naming those that do."""
+        rt = self.runtime
+        if not rt.has_task(model):
+            return None
+        try:
+            desc = rt.describe(model)
+        except TaskNotFound:  # removed meanwhile
+            return None
+        if not embeds(desc):
+            names = sorted(self._embedding_tasks())
+            raise InvalidArgument(f"task {model!r} does not produce embeddings; the models that "
+                                  f"embed are: {', '.join(names) or 'none on this server'}",
+                                  "model")
+        return desc
+
+    async def embeddings(self, request: Request) -> Response:
+        self._check_open()
+        obj = await self._json_body(request, "/v1/embeddings")
+        model, items, fmt, meta = self._parse_embeddings(obj)
+        desc = self._embedding_task(model)
+        if desc is not None and (KEY_EMBEDDING_DIMENSIONS in meta or KEY_EMBEDDING_TYPE in meta) \
+                and not isinstance(desc.get("embedding"), dict):
+            field = "dimensions" if KEY_EMBEDDING_DIMENSIONS in meta else "embedding_type"
+            raise InvalidArgument(f"task {model!r} returns its embedding as the model gives it; "
+                                  f"it takes no {field!r} (omit the field)", field)
+        if desc is not None and KEY_EMBEDDING_DIMENSIONS in meta:
+            dim = embedding_dim(desc)
+            if dim is not None and not 1 <= obj["dimensions"] <= dim:
+                raise InvalidArgument(f"'dimensions' must be in 1..{dim} (the embedding size of "
+                                      f"{model!r}), got {obj['dimensions']}", "dimensions")
         cid = request.headers.get("x-correlation-id", "")
         reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "",
                                         "input" if len(items) == 1 else f"input[{i}]")
                 for i, item in enumerate(items)]
+        if meta:
+            for r in reqs:
+                r.meta.update(meta)
         rt = self.runtime
         try:
             if len(reqs) == 1:
@@ -313,11 +365,15 @@ class HttpApp:
                         raise res
         except TaskNotFound as exc:
             raise TaskNotFound(exc.message, "model") from None
+        except InvalidArgument as exc:  # the task's name for an option -> the body's field
+            if exc.field in _OPTION_FIELDS:
+                raise InvalidArgument(exc.message, _OPTION_FIELDS[exc.field]) from None
+            raise
         data = []
         tokens = 0
         for i, res in enumerate(results):
             vec = self._embedding_output(res)
-            emb: Any = (codec.b64_tensor(vec, np.float32) if fmt == "base64"
+            emb: Any = (codec.b64_tensor(vec) if fmt == "base64"
                         else vec.reshape(-1).tolist())
             data.append({"object": "embedding", "index": i, "embedding": emb})
             if res.stats is not None:
@@ -335,9 +391,33 @@ class HttpApp:
         if fmt not in ENCODING_FORMATS:
             raise InvalidArgument(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, "
                                   f"got {fmt!r}", "encoding_format")
-        if obj.get("dimensions") is not None:
-            raise InvalidArgument("'dimensions' is not supported: the task's embedding size is "
-                                  "fixed by its model; omit the field", "dimensions")
+        meta: dict = {}
+        dims = obj.get("dimensions")
+        if dims is not None:
+            if not isinstance(dims, int) or isinstance(dims, bool):
+                raise InvalidArgument(f"'dimensions' must be an integer from 1 to the model's "
+                                      f"embedding size, got {dims!r}", "dimensions")
+            meta[KEY_EMBEDDING_DIMENSIONS] = str(dims)
+        etype = obj.get("embedding_type")
+        if etype is not None and etype != "float":
+            if etype not in EMBEDDING_TYPES:
+                raise InvalidArgument(f"'embedding_type' must be one of "
+                                      f"{', '.join(EMBEDDING_TYPES)}, got {etype!r}",
+                                      "embedding_type")
+            if fmt == "base64":
+                # a base64 string reads as float32 to every OpenAI client (the official one
+                # asks for base64 by default and decodes it so): integers would be misread
+                raise InvalidArgument(f"embedding_type {etype!r} returns integers; send "
+                                      f"\"encoding_format\": \"float\" with it (base64 is "
+                                      f"float32 only, and the openai client asks for base64 "
+                                      f"unless told otherwise)", "encoding_format")
+            meta[KEY_EMBEDDING_TYPE] = etype
+        truncate = obj.get("truncate")
+        if truncate is not None:
+            if not isinstance(truncate, bool):
+                raise InvalidArgument(f"'truncate' must be true or false, got {truncate!r}",
+                                      "truncate")
+            meta[OPT_TRUNCATE] = "true" if truncate else "false"
         inp = obj.get("input")
         if isinstance(inp, str):
             items: list = [inp]
@@ -352,7 +432,55 @@ class HttpApp:
         if len(items) > MAX_EMBEDDING_INPUTS:
             raise InvalidArgument(f"'input' has {len(items)} items; at most "
                                   f"{MAX_EMBEDDING_INPUTS} per call", "input")
-        return model, items, fmt
+        return model, items, fmt, meta
+
+    async def tokenize(self, request: Request) -> Response:
+        """TEI's ``/tokenize``: ``{"inputs": str | [str], "model"?, "truncate"?}`` -> per text
+        a list of ``{"id", "text", "special", "start", "stop"}`` (character offsets), cut as
+        the task cuts what it embeds unless ``truncate`` is false.  ``model`` may be left out
+        when one task tokenizes."""
+        self._check_open()
+        obj = await self._json_body(request, "/v1/tokenize")
+        if not isinstance(obj, dict):
+            raise InvalidArgument("the body must be a JSON object", "body")
+        inp = obj.get("inputs", obj.get("input"))
+        if isinstance(inp, str):
+            texts = [inp]
+        elif isinstance(inp, list) and inp and all(isinstance(t, str) for t in inp):
+            texts = inp
+        else:
+            raise InvalidArgument("'inputs' must be a string or a non-empty array of strings",
+                                  "inputs")
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise InvalidArgument(f"'inputs' has {len(texts)} items; at most "
+                                  f"{MAX_EMBEDDING_INPUTS} per call", "inputs")
+        for i, text in enumerate(texts):
+            bad = None if text.isascii() else _SURROGATE.search(text)
+            if bad is not None:
+                raise InvalidArgument(f"inputs[{i}] holds a lone UTF-16 surrogate "
+                                      f"(U+{ord(bad.group()):04X}): not a valid Unicode string",
+                                      "inputs")
+        truncate = obj.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise InvalidArgument(f"'truncate' must be true or false, got {truncate!r}", "truncate")
+        rt = self.runtime
+        tokenizers = sorted(n for n, d in rt.describe().items() if d.get("tokenizer"))
+        model = obj.get("model")
+        if model is None:
+            if len(tokenizers) != 1:
+                raise InvalidArgument(f"name the task in 'model': the tasks that tokenize are "
+                                      f"{', '.join(tokenizers) or 'none on this server'}", "model")
+            model = tokenizers[0]
+        elif not isinstance(model, str) or not rt.has_task(model):
+            raise TaskNotFound(f"unknown model {str(model)[:MAX_PATH_ECHO]!r}; the tasks that "
+                               f"tokenize are {', '.join(tokenizers) or 'none'}", "model")
+        elif model not in tokenizers:
+            raise InvalidArgument(f"task {model!r} does not tokenize text; the tasks that do "
+                                  f"are {', '.join(tokenizers) or 'none on this server'}", "model")
+        fn = getattr(rt, "tokenize", None)
+        if fn is None:
+            raise TaskNotFound("this runtime has no tokenize query (Runtime.tokenize)", "model")
+        return json_response(fn(model, texts, truncate))
 
     def _embedding_request(self, model: str, item: Any, cid: str, field: str) -> InferRequest:
         """A text goes as the ``str`` itself (no encode here, no decode in the task); token ids
@@ -392,9 +520,20 @@ class HttpApp:
 
     async def models(self, request: Request) -> Response:
         created = int(time.time())
-        return json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "lumen"}
-            for name in self.runtime.task_names()]})
+        described = self.runtime.describe()
+        data = []
+        for name in self.runtime.task_names():
+            entry: dict = {"id": name, "object": "model", "created": created, "owned_by": "lumen"}
+            d = described.get(name)
+            if d is not None and embeds(d):
+                entry["capabilities"] = ["embed"]
+                dim = embedding_dim(d)
+                if dim is not None:
+                    entry["embedding_dim"] = dim
+            else:
+                entry["capabilities"] = []
+            data.append(entry)
+        return json_response({"object": "list", "data": data})
 
     async def healthz(self, request: Request) -> Response:
         """Live (no runtime state needed), and which compiled extensions this build runs, so
@@ -415,3 +554,37 @@ class HttpApp:
         if self.observer is None:
             raise TaskNotFound("metrics are not enabled on this server", None)
         return Response(self.observer.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+
+#: a task's option names (its error fields) -> the /v1/embeddings body fields that set them
+_OPTION_FIELDS = {KEY_EMBEDDING_DIMENSIONS: "dimensions", KEY_EMBEDDING_TYPE: "embedding_type"}
+
+
+def embeds(desc: dict) -> bool:
+    """Whether a task (by its description) produces embeddings: it says so (``embedding``),
+    or it has an ``embedding`` output."""
+    if desc.get("embedding") or desc.get("output") == EMBEDDING_OUTPUT:
+        return True
+    outs = desc.get("outputs")
+    return isinstance(outs, dict) and EMBEDDING_OUTPUT in outs
+
+
+def embedding_dim(desc: dict) -> Optional[int]:
+    """The embedding size a task declares, when it declares one."""
+    emb = desc.get("embedding")
+    if isinstance(emb, dict) and isinstance(emb.get("dim"), int):
+        return emb["dim"]
+    outs = desc.get("outputs")
+    spec = outs.get(EMBEDDING_OUTPUT) if isinstance(outs, dict) else None
+    if isinstance(spec, (list, tuple)) and len(spec) == 2 and isinstance(spec[1], list) \
+            and len(spec[1]) == 1 and isinstance(spec[1][0], int):
+        return spec[1][0]
+    return None
+
+
+def _merge_task_meta(resp: Any) -> None:
+    """Response meta a task attached to its outputs (``outputs.meta``, e.g.
+    ``lumen.truncated``) into the response's meta."""
+    extra = getattr(resp.outputs, "meta", None)
+    if extra:
+        resp.meta.update(extra)

@@ -17,7 +17,7 @@ Where tokenization runs: on the event loop.  A typical text (5-200 words) tokeni
 uses is the same wherever it runs.  ``Tokenizer.encode`` holds the GIL, so a huge payload would
 stall the loop: payloads above ``INLINE_PREPARE_MAX_BYTES`` go to a worker thread (the runtime
 honours ``inline_prepare_max_bytes``) and use ``encode_batch``, which releases the GIL.  Long
-texts are never tokenized in full when a prefix proves enough (see :meth:`_token_ids`).
+texts are never tokenized in full when a prefix proves enough (see :meth:`_count_ids`).
 
 The model's graph I/O (input / mask / output names, token dtype, embedding size, default and
 largest sequence length) is defined once, in :mod:`lumen_core.models.minilm`; a configured
@@ -25,6 +25,25 @@ largest sequence length) is defined once, in :mod:`lumen_core.models.minilm`; a 
 
 Batching: the backend asks the dynamic batcher for length-aware formation with a token budget
 (``max_batch_tokens``), see ``lumen_core/batching/dynamic.py``.
+
+Per-request options (none of them changes the execution signature, so such requests batch with
+every other; they are applied to the item's own row in :meth:`postprocess`):
+
+- ``lumen.embedding.dimensions`` D: keep the first D components, then L2-normalise again (TEI's
+  and OpenAI's order); ``lumen.embedding.type``: ``float`` (fp32 ``[D]``), ``int8`` /
+  ``uint8`` (``[D]``, scalar quantisation over the fixed ``EMBEDDING_QUANT_RANGE`` [-1, 1]:
+  ``u = clip(floor((x + 1) * 255 / 2), 0, 255)``, int8 = u - 128, the formula
+  sentence-transformers and infinity use, with fixed rather than calibrated ranges), ``binary``
+  / ``ubinary`` (``[ceil(D / 8)]``: the bits x > 0 packed MSB first, zero-padded; binary = ubinary
+  - 128 as int8).  See :func:`shape_embedding`.
+- ``truncate`` (a plain option, TEI's): ``true`` by default; ``false`` refuses a text longer
+  than ``max_seq_length`` tokens with 413 naming both counts instead of cutting it.  A cut text
+  is marked ``lumen.truncated=true`` (see :class:`EmbeddingOutputs`).
+  Options travel with the item as :class:`EmbedRequest`.
+- ``normalize`` (TEI's): ``true`` is the default and the only value this model can honour: the
+  prepared graph mean-pools and L2-normalises inside ONNX Runtime (``models/minilm.py``), so
+  the vector before normalisation never leaves the session and ``normalize=false`` is refused
+  with 400 rather than answered with something else.
 """
 from __future__ import annotations
 
@@ -36,9 +55,23 @@ import numpy as np
 
 from ..batching.signature import signature
 from ..config import Option
-from ..contract import DTYPES, TensorContract, TensorSpec
+from ..contract import (
+    DTYPES,
+    EMBEDDING_QUANT_RANGE,
+    EMBEDDING_TYPES,
+    RESP_TRUNCATED,
+    TensorContract,
+    TensorSpec,
+)
+from ..descriptor import embedding_options, parse_bool
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
-from ..errors import ConfigError, InvalidArgument, ModelMissingError, UnsupportedMediaType
+from ..errors import (
+    ConfigError,
+    InvalidArgument,
+    ModelMissingError,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from ..models import MINILM, MODEL_FILE, require_model
 from ..models.minilm import (
     ATTENTION_MASK,
@@ -46,6 +79,7 @@ from ..models.minilm import (
     INPUT_IDS,
     MAX_POSITIONS,
     MAX_SEQ_LENGTH,
+    NORMALIZE_EPS,
     OUTPUT,
     OUTPUT_DTYPE,
     PAD_TOKEN_ID,
@@ -53,7 +87,7 @@ from ..models.minilm import (
     TOKENIZER_FILE,
 )
 from ..request import new_infer_request
-from .base import TaskBackend
+from .base import TaskBackend, split_outputs
 
 TASK_NAME = "text_embed"
 BACKEND_NAME = "text_embedding"
@@ -80,7 +114,80 @@ MAX_CHARSET_CHARS = 64
 #: distinct charset spellings remembered (bounded: the parameter is caller-controlled)
 CHARSET_CACHE_SIZE = 64
 
+#: plain (non-``lumen.*``) request options this backend reads (TEI's names)
+OPT_TRUNCATE = "truncate"
+OPT_NORMALIZE = "normalize"
+_QUANT_LO, _QUANT_HI = EMBEDDING_QUANT_RANGE
+_QUANT_SCALE = 255.0 / (_QUANT_HI - _QUANT_LO)  # levels per unit
+
 _charset_cache: dict = {}
+
+
+class EmbeddingOutputs(dict):
+    """One item's outputs plus response meta the backend wants reported (``meta``, e.g.
+    ``lumen.truncated``): a dict like any other result, which a transport may read ``meta``
+    from (``getattr(outputs, "meta", None)``)."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, outputs: dict, meta: dict):
+        super().__init__(outputs)
+        self.meta = meta
+
+
+class EmbedRequest(PreparedModelRequest):
+    """A prepared request plus the options it asks (``options``: None for all defaults, the
+    common case), read back in :meth:`TextEmbeddingBackend.postprocess`."""
+
+    __slots__ = ("options",)
+
+    def __init__(self, signature: Any, tensors: tuple, length: int, options: Any):
+        super().__init__(signature, tensors, (), length)
+        self.options = options
+
+
+class _Options:
+    """What one request asks beyond the defaults (``PreparedModelRequest.context``)."""
+
+    __slots__ = ("dims", "etype", "truncated")
+
+    def __init__(self, dims: int, etype: str, truncated: bool):
+        self.dims = dims
+        self.etype = etype
+        self.truncated = truncated
+
+
+def shape_embedding(vec: np.ndarray, dims: int = 0, etype: str = "float") -> np.ndarray:
+    """``vec`` (an L2-normalised fp32 vector) cut to its first ``dims`` components and
+    normalised again (``dims`` 0 or the full size: untouched), then encoded as ``etype`` (see
+    the module docstring and ``contract.EMBEDDING_TYPES``)."""
+    v = vec
+    if 0 < dims < v.shape[-1]:
+        v = v[..., :dims]
+        norm = np.linalg.norm(v, axis=-1, keepdims=True)
+        v = (v / np.maximum(norm, NORMALIZE_EPS)).astype(np.float32, copy=False)
+    if etype == "float":
+        return v
+    if etype in ("int8", "uint8"):
+        u = np.clip(np.floor((v - _QUANT_LO) * _QUANT_SCALE), 0, 255).astype(np.uint8)
+    else:
+        u = np.packbits(v > 0, axis=-1)  # big-endian bit order: MSB first
+    if etype in ("uint8", "ubinary"):
+        return u
+    return (u.astype(np.int16) - 128).astype(np.int8)
+
+
+def _flag(meta: Any, key: str) -> Optional[bool]:
+    """A boolean plain option of ``meta`` (``true`` / ``false`` / ``1`` / ``0``, or a bool from
+    an in-process caller); None when absent."""
+    if not meta:
+        return None
+    v = meta.get(key)
+    if v is None or isinstance(v, bool):
+        return v
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{key} must be 'true' or 'false', got {type(v).__name__}", key)
+    return parse_bool(key, v)
 
 
 def codec_for(charset: Optional[str]) -> str:
@@ -181,7 +288,7 @@ class TextEmbeddingBackend(TaskBackend):
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(path)
-        # Truncation is ours (see _token_ids): the library's also builds every overflow window.
+        # Truncation is ours (see _count_ids): the library's also builds every overflow window.
         tok.no_truncation()
         tok.no_padding()
         probe = tok.encode("a")
@@ -209,7 +316,60 @@ class TextEmbeddingBackend(TaskBackend):
 
     def describe(self) -> dict:
         return {**super().describe(), "max_seq_length": self.max_seq_length,
-                "max_batch_tokens": self.max_batch_tokens, "outputs": {OUTPUT: [OUTPUT_DTYPE, [EMBEDDING_DIM]]}}
+                "max_batch_tokens": self.max_batch_tokens, "outputs": {OUTPUT: [OUTPUT_DTYPE, [EMBEDDING_DIM]]},
+                "embedding": {"output": OUTPUT, "dim": EMBEDDING_DIM, "normalized": True,
+                              "types": dict(EMBEDDING_TYPES),
+                              "quant_range": list(EMBEDDING_QUANT_RANGE)},
+                "tokenizer": PREPROCESS_ID}
+
+    # -- options ----------------------------------------------------------------------------
+    def _options(self, req, truncated: bool) -> Optional[_Options]:
+        """The request's options (None: all defaults and nothing to report, the common case)."""
+        meta = req.meta
+        if not meta:
+            return None if not truncated else _Options(0, "float", True)
+        if _flag(meta, OPT_NORMALIZE) is False:
+            raise InvalidArgument(
+                f"normalize=false is not available on {self.model_id}: its graph mean-pools and "
+                f"L2-normalises inside the model, so the vector before normalisation never "
+                f"leaves ONNX Runtime; omit normalize (or send true)", OPT_NORMALIZE)
+        dims, etype = embedding_options(meta, EMBEDDING_DIM)
+        if not dims and etype == "float" and not truncated:
+            return None
+        return _Options(dims, etype, truncated)
+
+    def postprocess(self, outputs: dict, items) -> list:
+        res = split_outputs(outputs, len(items))
+        for i, item in enumerate(items):
+            opts = getattr(item, "options", None)
+            if opts is None or not isinstance(res[i], dict):
+                continue
+            out = res[i]
+            vec = out[OUTPUT]
+            if opts.dims or opts.etype != "float":
+                vec = shape_embedding(vec, opts.dims, opts.etype)
+            out = {**out, OUTPUT: vec}
+            res[i] = EmbeddingOutputs(out, {RESP_TRUNCATED: "true"}) if opts.truncated else out
+        return res
+
+    # -- tokenize ---------------------------------------------------------------------------
+    def tokenize(self, texts: list, truncate: bool = True) -> list:
+        """Per text, its tokens as the model sees them: ``{"id", "text", "special", "start",
+        "stop"}`` (TEI's ``/tokenize`` shape; ``start`` / ``stop`` are character offsets into
+        the text, 0 / 0 for special tokens), cut like :meth:`prepare_raw` cuts it unless
+        ``truncate`` is False (then every token)."""
+        tok = self.tokenizer
+        limit = self.max_seq_length
+        ns = self._n_suffix
+        out = []
+        for text in texts:
+            enc = tok.encode(text)
+            rows = list(zip(enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True))
+            if truncate and len(rows) > limit:
+                rows = rows[:limit - ns] + rows[len(rows) - ns:]
+            out.append([{"id": i, "text": t, "special": bool(s), "start": a, "stop": b}
+                        for i, t, s, (a, b) in rows])
+        return out
 
     # -- request path -----------------------------------------------------------------------
     def prepare_raw(self, req, desc, payload: memoryview, mime: str,
@@ -231,14 +391,20 @@ class TextEmbeddingBackend(TaskBackend):
                                       f"or name the right charset in payload_mime",
                                       "payload") from None
             off_loop = payload.nbytes > self.inline_prepare_max_bytes
+        truncate = _flag(req.meta, OPT_TRUNCATE) if req.meta else None
         try:
-            ids = self._token_ids(text, off_loop)
+            ids, truncated = self._count_ids(text, off_loop, truncate is not False)
         except TypeError:  # tokenizers refuses str with lone surrogates (e.g. from utf-7)
             how = "is" if type(payload) is str else f"decodes ({codec}) to"
             raise InvalidArgument(f"payload {how} text with unpaired surrogate code points, "
                                   f"which is not text", "payload") from None
+        if truncated and truncate is False:
+            raise PayloadTooLarge(
+                f"the text is {truncated} tokens ([CLS]/[SEP] included); task {self.name!r} takes "
+                f"at most {self.max_seq_length} (max_seq_length) and truncate=false was sent: "
+                f"shorten the text or allow truncation", "payload")
         arr = np.array(ids, dtype=TOKEN_NP)
-        return PreparedModelRequest(self._signature, (arr,), (), len(ids))
+        return EmbedRequest(self._signature, (arr,), len(ids), self._options(req, bool(truncated)))
 
     def prepare_tensor(self, req, desc, payload: memoryview) -> PreparedModelRequest:
         # dtype, layout, [1, L] with 1 <= L <= max_seq_length and the byte count are checked
@@ -251,10 +417,17 @@ class TextEmbeddingBackend(TaskBackend):
                 f"[0, {self.vocab_size}) of {self.model_id}", "payload")
         # a writable buffer could change between this check and batch assembly: own a copy
         tensor = ids.copy() if not payload.readonly else payload
-        return PreparedModelRequest(self._signature, (tensor,), (), ids.shape[0])
+        _flag(req.meta, OPT_TRUNCATE)  # checked; token ids are never cut (L is bounded above)
+        return EmbedRequest(self._signature, (tensor,), ids.shape[0], self._options(req, False))
 
     def _token_ids(self, text: str, off_loop: bool) -> list:
-        """WordPiece ids of ``text`` with [CLS]/[SEP], truncated like ``enable_truncation``.
+        """WordPiece ids of ``text`` with [CLS]/[SEP], truncated (see :meth:`_count_ids`)."""
+        return self._count_ids(text, off_loop)[0]
+
+    def _count_ids(self, text: str, off_loop: bool, cut: bool = True) -> tuple:
+        """``(ids, n)``: WordPiece ids of ``text`` with [CLS]/[SEP], truncated like
+        ``enable_truncation``, and 0 when nothing was cut, else the text's token count (at
+        least ``max_seq_length`` + 1; exact when ``cut`` is False, then the ids are not cut).
 
         A long text is first tokenized by prefix: the ids kept after truncation are exact when
         the last kept token's word is not the prefix's last word (only that word can be cut by
@@ -266,7 +439,7 @@ class TextEmbeddingBackend(TaskBackend):
         limit = self.max_seq_length
         ns = self._n_suffix
         n = len(text)
-        if n > LONG_TEXT_CHARS:
+        if n > LONG_TEXT_CHARS and cut:
             p = LONG_TEXT_CHARS
             while p < n:
                 enc = encode(text[:p])
@@ -276,12 +449,15 @@ class TextEmbeddingBackend(TaskBackend):
                     kept_last = words[limit - 1 - ns]
                     prefix_last = words[len(ids) - 1 - ns]
                     if kept_last is not None and prefix_last is not None and kept_last < prefix_last:
-                        return ids[:limit - ns] + ids[len(ids) - ns:]
+                        return ids[:limit - ns] + ids[len(ids) - ns:], len(ids)
                 p *= PREFIX_GROWTH
         ids = encode(text).ids
-        if len(ids) > limit:
-            ids = ids[:limit - ns] + ids[len(ids) - ns:]
-        return ids
+        n_ids = len(ids)
+        if n_ids > limit:
+            if cut:
+                ids = ids[:limit - ns] + ids[n_ids - ns:]
+            return ids, n_ids
+        return ids, 0
 
 
 #: engine instances of the built-in text_embed task (see default_task_table)

@@ -1,0 +1,299 @@
+"""Embedding features over HTTP (issue 16 items 1, 2, 4, 6; issue 12 item 7): OpenAI
+``dimensions``, compact ``embedding_type`` encodings, several embedding tasks in one server,
+``/v1/tokenize``, ``truncate`` / ``normalize`` and ``lumen.truncated``; the real ``openai``
+client where the OpenAI API has the feature, raw JSON for the extensions.
+
+The server runs the default tasks plus ``text_embed_short`` (the same MiniLM cut at 16 tokens,
+a second embedding task).  ``Runtime.tokenize`` (the query ``/v1/tokenize`` asks) is given by a
+subclass here until the runtime has it.
+"""
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import serve_support as S
+
+from lumen_core.runtime import Runtime
+from lumen_core.tasks import default_task_tables
+from lumen_core.tasks.text_embedding import shape_embedding
+
+TOL = 1e-4
+SHORT = "text_embed_short"
+SHORT_LEN = 16
+LONG_TEXT = " ".join(["hello"] * 40)  # 42 tokens with [CLS]/[SEP]
+
+
+class TokenizingRuntime(Runtime):
+    def tokenize(self, task: str, texts: list, truncate: bool = True) -> list:
+        if not hasattr(Runtime, "tokenize"):
+            return self.tasks[task].backend.tokenize(texts, truncate)
+        return super().tokenize(task, texts, truncate)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    home = S.prepared_home(tmp_path_factory)
+    with S.lumen_home_env(home):
+        extra = {"name": SHORT, "backend": "text_embedding", "model_version": "1",
+                 "options": {"max_seq_length": SHORT_LEN}}
+        cfg = {"tasks": default_task_tables() + [extra]}
+        server = S.ServerThread(TokenizingRuntime.from_dict(cfg), grpc=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="dummy", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(fixtures_dir):
+    texts = json.loads((fixtures_dir / "minilm_reference.json").read_text())["texts"]
+    return texts, np.load(fixtures_dir / "minilm_reference_embeddings.npy")
+
+
+def err(resp: httpx.Response) -> dict:
+    return resp.json()["error"]
+
+
+def embed(http, **body) -> httpx.Response:
+    return http.post("/v1/embeddings", json={"model": "text_embed", **body})
+
+
+def cut(ref: np.ndarray, d: int) -> np.ndarray:
+    v = ref[..., :d]
+    return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+
+# -- 1. dimensions ----------------------------------------------------------------------------
+def test_dimensions_with_the_openai_client(oai, reference):
+    texts, ref = reference
+    res = oai.embeddings.create(model="text_embed", input=texts[:3], dimensions=64)  # base64
+    got = np.array([d.embedding for d in sorted(res.data, key=lambda d: d.index)], np.float32)
+    assert got.shape == (3, 64)
+    np.testing.assert_allclose(got, cut(ref[:3], 64), atol=TOL)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    res = oai.embeddings.create(model="text_embed", input=texts[0], dimensions=384,
+                                encoding_format="float")
+    np.testing.assert_allclose(res.data[0].embedding, ref[0], atol=TOL)
+    for bad in (0, 385):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.embeddings.create(model="text_embed", input="x", dimensions=bad)
+        assert "1..384" in str(info.value)
+
+
+def test_dimensions_errors_name_the_range(http):
+    for bad in (0, 385, -3, "8", True, 1.5):
+        r = embed(http, input="x", dimensions=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert err(r)["field"] == "dimensions" and err(r)["code"] == "invalid_argument"
+    assert "1..384" in err(embed(http, input="x", dimensions=385))["message"]
+
+
+def test_native_route_dimensions(http, reference):
+    texts, ref = reference
+    r = http.post("/v1/infer/text_embed", content=texts[1].encode(),
+                  params={"lumen.embedding.dimensions": "32"},
+                  headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"]["embedding"]
+    assert out["dtype"] == "fp32" and out["shape"] == [32]
+    np.testing.assert_allclose(out["data"], cut(ref[1], 32), atol=TOL)
+    for bad in ("0", "385", "abc"):
+        r = http.post("/v1/infer/text_embed", content=b"x", params={"lumen.embedding.dimensions": bad},
+                      headers={"Content-Type": "text/plain"})
+        assert r.status_code == 400 and err(r)["field"] == "lumen.embedding.dimensions"
+        assert "1..384" in err(r)["message"]
+    # a typo in the namespace is still refused
+    r = http.post("/v1/infer/text_embed", content=b"x", params={"lumen.embedding.dimension": "8"},
+                  headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400
+
+
+# -- 2. compact encodings -----------------------------------------------------------------------
+def expected(ref: np.ndarray, etype: str, d: int = 0) -> np.ndarray:
+    v = cut(ref, d) if d else ref
+    if etype in ("int8", "uint8"):
+        u = np.clip(np.floor((v + 1.0) * 127.5), 0, 255).astype(np.int64)
+        return u - 128 if etype == "int8" else u
+    bits = np.packbits(v > 0, axis=-1).astype(np.int64)
+    return bits - 128 if etype == "binary" else bits
+
+
+def test_shape_embedding_semantics():
+    v = np.array([0.5, -0.5, 0.0, 1.0, -1.0, 0.1, -0.1, 0.2, 0.3], np.float32)
+    v = v / np.linalg.norm(v)
+    ub = shape_embedding(v, 0, "ubinary")
+    assert ub.dtype == np.uint8 and ub.tolist() == [0b10010101, 0b10000000]  # MSB first, padded
+    assert shape_embedding(v, 0, "binary").tolist() == [0b10010101 - 128, 0]
+    assert shape_embedding(np.array([-1.0, 1.0, 0.0], np.float32), 0, "uint8").tolist() == [0, 255, 127]
+    assert shape_embedding(np.array([-1.0, 1.0, 0.0], np.float32), 0, "int8").tolist() == [-128, 127, -1]
+    assert shape_embedding(v, 4, "float").shape == (4,)
+
+
+@pytest.mark.parametrize("etype", ["int8", "uint8", "binary", "ubinary"])
+def test_embedding_type_json(http, reference, etype):
+    texts, ref = reference
+    r = embed(http, input=texts[:4], embedding_type=etype, encoding_format="float")
+    assert r.status_code == 200, r.text
+    got = np.array([d["embedding"] for d in r.json()["data"]])
+    want = expected(ref[:4], etype)
+    assert got.shape == want.shape
+    # a component within float noise of a bucket edge may land one level over
+    assert np.abs(got - want).max() <= (1 if etype.endswith("int8") else 0) or etype.endswith("binary")
+    if etype.endswith("binary"):  # a sign flip only for a component at ~0
+        assert (got != want).mean() < 0.01
+    # with dimensions: cut, renormalise, then quantise
+    r = embed(http, input=texts[2], embedding_type=etype, dimensions=20, encoding_format="float")
+    emb = r.json()["data"][0]["embedding"]
+    assert len(emb) == (20 if etype.endswith("int8") else 3)
+
+
+def test_embedding_type_refuses_base64_and_unknown(http, oai):
+    r = embed(http, input="x", embedding_type="int8", encoding_format="base64")
+    assert r.status_code == 400 and err(r)["field"] == "encoding_format"
+    # the openai client asks for base64 unless told: the same refusal, not misread bytes
+    with pytest.raises(openai.BadRequestError):
+        oai.embeddings.create(model="text_embed", input="x", extra_body={"embedding_type": "binary"})
+    ok = oai.embeddings.create(model="text_embed", input="x", encoding_format="float",
+                               extra_body={"embedding_type": "ubinary"})
+    assert len(ok.data[0].embedding) == 48
+    r = embed(http, input="x", embedding_type="fp16")
+    assert r.status_code == 400 and err(r)["field"] == "embedding_type"
+    # float + base64 stays float32 little-endian
+    r = embed(http, input="x", embedding_type="float", encoding_format="base64")
+    assert len(base64.b64decode(r.json()["data"][0]["embedding"])) == 384 * 4
+
+
+@pytest.mark.parametrize("etype,dtype,n", [("int8", "int8", 384), ("uint8", "uint8", 384),
+                                           ("binary", "int8", 48), ("ubinary", "uint8", 48),
+                                           ("float", "fp32", 384)])
+def test_native_route_returns_the_dtype_as_a_tensor(http, reference, etype, dtype, n):
+    texts, ref = reference
+    r = http.post("/v1/infer/text_embed", content=texts[0].encode(),
+                  params={"lumen.embedding.type": etype},
+                  headers={"Content-Type": "text/plain", "Accept": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    assert r.headers["lumen-tensor-dtype"] == dtype and r.headers["lumen-tensor-shape"] == f"[{n}]"
+    np_dtype = {"int8": "i1", "uint8": "u1", "fp32": "<f4"}[dtype]
+    got = np.frombuffer(r.content, np_dtype)
+    if etype == "float":
+        np.testing.assert_allclose(got, ref[0], atol=TOL)
+    else:
+        assert np.abs(got.astype(np.int64) - expected(ref[0], etype)).max() <= 1
+    bad = http.post("/v1/infer/text_embed", content=b"x", params={"lumen.embedding.type": "int4"},
+                    headers={"Content-Type": "text/plain"})
+    assert bad.status_code == 400 and err(bad)["field"] == "lumen.embedding.type"
+
+
+# -- 4. several embedding tasks -----------------------------------------------------------------
+def test_models_lists_embedding_tasks_and_model_picks_the_task(oai, http, reference):
+    texts, ref = reference
+    models = {m.id: m for m in oai.models.list().data}
+    assert {"text_embed", SHORT, "vad"} <= set(models)
+    listed = http.get("/v1/models").json()["data"]
+    caps = {m["id"]: m["capabilities"] for m in listed}
+    assert caps["text_embed"] == ["embed"] and caps[SHORT] == ["embed"] and caps["vad"] == []
+    assert {m["id"]: m.get("embedding_dim") for m in listed}[SHORT] == 384
+    a = oai.embeddings.create(model="text_embed", input=LONG_TEXT, encoding_format="float")
+    b = oai.embeddings.create(model=SHORT, input=LONG_TEXT, encoding_format="float")
+    assert a.model == "text_embed" and b.model == SHORT
+    assert a.usage.prompt_tokens == 42 and b.usage.prompt_tokens == SHORT_LEN
+    assert not np.allclose(a.data[0].embedding, b.data[0].embedding, atol=1e-3)
+    short = oai.embeddings.create(model=SHORT, input=texts[0], encoding_format="float")
+    np.testing.assert_allclose(short.data[0].embedding, ref[0], atol=TOL)  # fits in 16 tokens
+
+
+def test_a_task_that_does_not_embed_is_a_400_naming_those_that_do(oai, http):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.embeddings.create(model="vad", input="hello")
+    assert "text_embed" in str(info.value) and SHORT in str(info.value)
+    r = embed(http, model="vad", input=["a", "b"])
+    assert r.status_code == 400 and err(r)["field"] == "model"
+    assert err(r)["message"].endswith(f"text_embed, {SHORT}")
+    with pytest.raises(openai.NotFoundError):
+        oai.embeddings.create(model="nope", input="x")
+
+
+# -- 6. tokenize, truncate, normalize -----------------------------------------------------------
+def test_tokenize(http):
+    r = http.post("/v1/tokenize", json={"model": "text_embed", "inputs": ["Hello world!", "é"]})
+    assert r.status_code == 200, r.text
+    first, second = r.json()
+    assert [t["id"] for t in first] == [101, 7592, 2088, 999, 102]
+    assert [t["text"] for t in first] == ["[CLS]", "hello", "world", "!", "[SEP]"]
+    assert [(t["start"], t["stop"]) for t in first] == [(0, 0), (0, 5), (6, 11), (11, 12), (0, 0)]
+    assert [t["special"] for t in first] == [True, False, False, False, True]
+    assert [(t["start"], t["stop"]) for t in second if not t["special"]] == [(0, 1)]  # characters
+    # the task's truncation, unless truncate is false
+    cut_ = http.post("/v1/tokenize", json={"model": SHORT, "inputs": LONG_TEXT}).json()[0]
+    assert len(cut_) == SHORT_LEN and cut_[-1]["text"] == "[SEP]"
+    full = http.post("/v1/tokenize", json={"model": SHORT, "inputs": LONG_TEXT,
+                                           "truncate": False}).json()[0]
+    assert len(full) == 42
+    assert len(http.post("/v1/tokenize", json={"model": "text_embed",
+                                               "inputs": LONG_TEXT}).json()[0]) == 42
+
+
+def test_tokenize_errors(http):
+    several = http.post("/v1/tokenize", json={"inputs": "x"})  # two tasks tokenize here
+    assert several.status_code == 400 and SHORT in err(several)["message"]
+    assert http.post("/v1/tokenize", json={"model": "vad", "inputs": "x"}).status_code == 400
+    assert http.post("/v1/tokenize", json={"model": "nope", "inputs": "x"}).status_code == 404
+    assert http.post("/v1/tokenize", json={"model": "text_embed", "inputs": 3}).status_code == 400
+    r = http.post("/v1/tokenize", json={"model": "text_embed", "inputs": "x", "truncate": "no"})
+    assert r.status_code == 400 and err(r)["field"] == "truncate"
+    r = http.post("/v1/tokenize", content=b"x", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+
+
+def test_truncate_false_and_truncated_meta(http):
+    r = http.post(f"/v1/infer/{SHORT}", content=LONG_TEXT.encode(),
+                  headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200 and r.json()["meta"]["lumen.truncated"] == "true"
+    r = http.post("/v1/infer/text_embed", content=LONG_TEXT.encode(),
+                  headers={"Content-Type": "text/plain"})
+    assert "lumen.truncated" not in r.json()["meta"]
+    r = http.post(f"/v1/infer/{SHORT}", content=LONG_TEXT.encode(), params={"truncate": "false"},
+                  headers={"Content-Type": "text/plain"})
+    assert r.status_code == 413 and err(r)["code"] == "payload_too_large"
+    assert "42 tokens" in err(r)["message"] and str(SHORT_LEN) in err(r)["message"]
+    ok = http.post(f"/v1/infer/{SHORT}", content=b"short", params={"truncate": "false"},
+                   headers={"Content-Type": "text/plain"})
+    assert ok.status_code == 200
+    bad = http.post(f"/v1/infer/{SHORT}", content=b"x", params={"truncate": "maybe"},
+                    headers={"Content-Type": "text/plain"})
+    assert bad.status_code == 400 and err(bad)["field"] == "truncate"
+    # /v1/embeddings: the same option in the body
+    r = http.post("/v1/embeddings", json={"model": SHORT, "input": ["a", LONG_TEXT], "truncate": False})
+    assert r.status_code == 413 and "42 tokens" in err(r)["message"]
+    assert embed(http, input="x", truncate="yes").status_code == 400
+
+
+def test_normalize_false_is_refused_honestly(http):
+    r = http.post("/v1/infer/text_embed", content=b"x", params={"normalize": "false"},
+                  headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and err(r)["field"] == "normalize"
+    assert "inside the model" in err(r)["message"]
+    ok = http.post("/v1/infer/text_embed", content=b"x", params={"normalize": "true"},
+                   headers={"Content-Type": "text/plain"})
+    assert ok.status_code == 200
+
+
+def test_token_ids_route_takes_the_options(http, reference):
+    _, ref = reference
+    r = embed(http, input=[101, 7592, 2088, 102], dimensions=16, encoding_format="float")
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], cut(ref[2], 16), atol=TOL)
