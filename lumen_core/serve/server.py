@@ -29,6 +29,7 @@ from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
 from .limits import HttpLimits, protocol_class
+from .logs import RequestContext, note_task
 from .metrics import PrometheusObserver
 
 log = logging.getLogger("lumen.serve")
@@ -101,11 +102,26 @@ def read_tls(server_cfg: Any, cert: Optional[str] = None, key: Optional[str] = N
     return tuple(out)
 
 
+class _LoggedHttpApp(HttpApp):
+    """The HTTP app, telling the access log the task of a ``/v1/embeddings`` call (its body's
+    ``model``; ``/v1/infer/{task}`` has it in the path)."""
+
+    def _parse_embeddings(self, obj: Any) -> tuple:
+        parsed = super()._parse_embeddings(obj)
+        note_task(parsed[0])
+        return parsed
+
+
 class LumenServer:
     """HTTP + gRPC front of a :class:`~lumen_core.runtime.Runtime`.
 
     ``http_port`` / ``grpc_port`` of 0 bind free ports (read them back from the attributes
     after :meth:`start`); ``grpc_port=None`` disables gRPC.
+
+    Every HTTP request runs under its correlation id (:mod:`.logs`: the ``X-Correlation-Id``
+    header, else a new one, echoed in the reply); ``access_log`` adds one ``lumen.access``
+    line per request.  Log formatting is the caller's (``lumen serve`` calls
+    :func:`.logs.configure`); uvicorn's own lines go through the standard loggers too.
     """
 
     def __init__(self, runtime: Any, host: Optional[str] = None, http_port: Optional[int] = None,
@@ -126,8 +142,10 @@ class LumenServer:
         self.grpc_port = grpc_port
         self.grace_s = grace_s
         self.observer = PrometheusObserver(runtime)
-        self.http = HttpApp(runtime, self.observer, keys=self.keys, access_log=access_log,
-                            version=self.version)
+        # the access log is RequestContext's (one line with the task, sizes and correlation id)
+        self.http = _LoggedHttpApp(runtime, self.observer, keys=self.keys, access_log=False,
+                                   version=self.version)
+        self.access_log = access_log
         self.grpc: Optional[GrpcServer] = None
         self._uvicorn: Optional[_Uvicorn] = None
         self._serve_task: Optional[asyncio.Task] = None
@@ -161,7 +179,10 @@ class LumenServer:
         limits = self.limits
         tls = ({"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]}
                if self.tls is not None else {})
-        config = uvicorn.Config(self.http, log_level=self._log_level, access_log=False,
+        # log_config=None: uvicorn installs no handlers or formats of its own, so its lines
+        # reach the root logger (and --log-format) like everyone else's
+        config = uvicorn.Config(RequestContext(self.http, access_log=self.access_log),
+                                log_level=self._log_level, access_log=False, log_config=None,
                                 lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
                                 server_header=False, date_header=False,
