@@ -24,6 +24,23 @@ from ..contract import DTYPE_NAMES
 _JSON_SEPARATORS = (",", ":")
 
 
+#: lumen dtype name -> the Open Inference Protocol's (KServe v2 / Triton) datatype name
+OIP_DATATYPES: dict[str, str] = {"fp32": "FP32", "fp16": "FP16", "uint8": "UINT8",
+                                 "int64": "INT64", "int32": "INT32", "int8": "INT8",
+                                 "bool": "BOOL"}
+#: the OIP datatype of variable-length byte strings (text, images sent as bytes)
+OIP_BYTES = "BYTES"
+#: OIP datatype -> lumen dtype name
+OIP_TO_DTYPE: dict[str, str] = {v: k for k, v in OIP_DATATYPES.items()}
+
+
+def oip_datatype(arr: np.ndarray) -> str:
+    """The OIP datatype of ``arr`` (``BYTES`` for object / string arrays)."""
+    if arr.dtype.kind in "OSU":
+        return OIP_BYTES
+    return OIP_DATATYPES.get(dtype_name(arr), str(arr.dtype).upper())
+
+
 def dtype_name(arr: np.ndarray) -> str:
     """The lumen name of ``arr``'s dtype (``fp32``, ``int64``, ...), whatever its byte order."""
     return DTYPE_NAMES.get(arr.dtype.newbyteorder("="), str(arr.dtype))

@@ -58,6 +58,7 @@ from . import codec
 from .auth import ApiKeys, Unauthenticated, unscope_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
+from .oip import OipRoutes
 
 log = logging.getLogger("lumen.http")
 #: one line per finished request when the access log is on (never a header or a body)
@@ -149,6 +150,7 @@ class HttpApp:
             Route("/healthz", ep("/healthz", self.healthz), methods=["GET"]),
             Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
             Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
+            *OipRoutes(self).routes(),  # the Open Inference Protocol under /v2 (oip.py)
         ], exception_handlers={HTTPException: routing_error})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:

@@ -1,0 +1,165 @@
+"""The Open Inference Protocol (KServe v2) under /v2, driven by the real ``tritonclient``
+(HTTP): health and metadata, ``text_embed`` by BYTES text and by INT64 token ids equal to the
+native API, a generic tensor task with JSON and binary tensors, ``vad`` as a sequence through
+the sequence parameters equal to the Silero fixture, and errors as the client raises them."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import serve_support as S
+
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+VAD_CHUNK = 512
+VAD_TOLERANCE = 1e-4
+EMBED_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = S.prepared_home(tmp_path_factory)
+    tmp = tmp_path_factory.mktemp("oip")
+    srv = S.default_server(home, S.onnx_config(tmp, slow=False)["tasks"], server_kwargs={
+        "grpc": False}, max_payload_bytes=1 << 20)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(server):
+    c = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    yield c
+    c.close()
+
+
+def test_health_and_server_metadata(client):
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    meta = client.get_server_metadata()
+    assert meta["name"] == "lumen-core"
+    assert "binary_tensor_data" in meta["extensions"]
+    assert client.is_model_ready("text_embed")
+    assert client.is_model_ready("text_embed", "1")
+    assert not client.is_model_ready("no_such_task")
+    assert not client.is_model_ready("text_embed", "7")
+
+
+def test_model_metadata_from_the_contract(client):
+    meta = client.get_model_metadata("text_embed")
+    assert meta["name"] == "text_embed" and meta["versions"] == ["1"]
+    by_type = {i["datatype"]: i for i in meta["inputs"]}
+    assert by_type["INT64"]["shape"] == [1, -1]
+    assert by_type["BYTES"]["shape"] == [1]
+    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [384]}]
+    mlp = client.get_model_metadata("mlp", "1")
+    assert mlp["inputs"][0]["datatype"] == "FP32"
+    assert mlp["inputs"][0]["shape"][1] == S.D_IN
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        client.get_model_metadata("no_such_task")
+
+
+def _native(server, text: str) -> np.ndarray:
+    from lumen_core.request import InferRequest
+
+    resp = server.call(server.runtime.infer(InferRequest("text_embed", text.encode(),
+                                                         "text/plain")))
+    return resp.outputs["embedding"]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_text_embed_by_bytes_text_equals_the_native_api(server, client, binary):
+    text = "the quick brown fox jumps over the lazy dog"
+    inp = httpclient.InferInput("raw", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([text.encode()], dtype=object), binary_data=binary)
+    out = httpclient.InferRequestedOutput("embedding", binary_data=binary)
+    res = client.infer("text_embed", [inp], outputs=[out], request_id="r1")
+    emb = res.as_numpy("embedding")
+    assert emb.dtype == np.float32 and emb.shape == (384,)
+    np.testing.assert_allclose(emb, _native(server, text), atol=EMBED_TOLERANCE)
+    assert res.get_response()["id"] == "r1"
+
+
+def test_text_embed_by_int64_token_ids_equals_the_native_api(server, client):
+    rt = server.runtime
+    ids = np.array([[101, 7592, 2088, 102]], dtype=np.int64)  # [CLS] hello world [SEP]
+    native = server.call(rt.infer(rt.token_ids_request("text_embed", ids[0].tolist())))
+    inp = httpclient.InferInput("bert_wordpiece_uncased_v1", list(ids.shape), "INT64")
+    inp.set_data_from_numpy(ids)
+    res = client.infer("text_embed", [inp])  # no outputs named: all, binary
+    np.testing.assert_allclose(res.as_numpy("embedding"), native.outputs["embedding"],
+                               atol=EMBED_TOLERANCE)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_generic_tensor_task_json_and_binary(server, client, binary):
+    x = S.mlp_input(3)
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    res = client.infer("mlp", [inp], model_version="1")
+    (name,) = [o["name"] for o in res.get_response()["outputs"]]
+    native = server.call(server.runtime.infer(_tensor_request(x)))
+    np.testing.assert_allclose(res.as_numpy(name), native.outputs[name], rtol=1e-6)
+
+
+def _tensor_request(x: np.ndarray):
+    from lumen_core.request import InferRequest
+
+    return InferRequest("mlp", x.tobytes(), "application/octet-stream", S.tensor_meta(x.shape))
+
+
+def test_vad_sequence_by_http_parameters_equals_the_fixture(client, fixtures_dir):
+    ref = np.load(fixtures_dir / "silero_vad_reference.npz")
+    audio, probs = ref["audio"], ref["probs"]
+    for s in range(audio.shape[0]):
+        got = []
+        n = audio.shape[1] // VAD_CHUNK
+        for k in range(n):
+            chunk = audio[s, k * VAD_CHUNK:(k + 1) * VAD_CHUNK].astype(np.float32)[None]
+            inp = httpclient.InferInput("x", [1, VAD_CHUNK], "FP32")
+            inp.set_data_from_numpy(chunk)
+            res = client.infer("vad", [inp], sequence_id=1000 + s, sequence_start=k == 0,
+                               sequence_end=k == n - 1)
+            got.append(float(res.as_numpy("speech_prob").reshape(-1)[0]))
+        np.testing.assert_allclose(got, probs[s], atol=VAD_TOLERANCE)
+
+
+def test_errors_as_the_client_raises_them(server, client):
+    x = S.mlp_input()
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException, match="unknown model") as e:
+        client.infer("no_such_task", [inp])
+    assert e.value.status() == "404"
+    with pytest.raises(InferenceServerException, match="no version"):
+        client.infer("mlp", [inp], model_version="9")
+    bad = httpclient.InferInput("x", [1, S.D_IN + 1], "FP32")
+    bad.set_data_from_numpy(S.mlp_input().repeat(2, axis=1)[:, :S.D_IN + 1].copy())
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("mlp", [bad])
+    assert e.value.status() == "400"
+    f64 = httpclient.InferInput("x", list(x.shape), "FP64")
+    f64.set_data_from_numpy(x.astype(np.float64))
+    with pytest.raises(InferenceServerException, match="datatype 'FP64' is not supported"):
+        client.infer("mlp", [f64])
+    with pytest.raises(InferenceServerException, match="exactly one input"):
+        client.infer("mlp", [inp, inp])
+
+
+def test_raw_http_errors_are_oip_shaped(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v2/models/mlp/infer", content=b"{not json")
+        assert r.status_code == 400 and isinstance(r.json()["error"], str)
+        body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, S.D_IN],
+                                       "parameters": {"binary_data_size": 8}}]}).encode()
+        r = c.post("/v2/models/mlp/infer", content=body + b"\0" * 4,
+                   headers={"Inference-Header-Content-Length": str(len(body))})
+        assert r.status_code == 400 and "binary_data_size" in r.json()["error"]
+        r = c.post("/v2/models/mlp/infer", content=body + b"\0" * 8,
+                   headers={"Inference-Header-Content-Length": str(len(body))})
+        assert r.status_code == 400, r.text  # 8 bytes for 16 floats: the tensor route says so
+        r = c.get("/v2/health/ready")
+        assert r.status_code == 200 and r.json() == {"ready": True}
