@@ -12,6 +12,7 @@ return new objects; a parsed :class:`TaskConfig` is never changed after parsing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -237,16 +238,17 @@ class _Reader:
             raise self.err(unknown[0], f"unknown key (known: {', '.join(sorted(self.used))})")
 
 
-#: the value types an :class:`Option` may declare (``list``: a list of non-empty strings)
-OPTION_KINDS = (int, bool, str, list)
+#: the value types an :class:`Option` may declare (``list``: a list of non-empty strings;
+#: ``float``: a finite number, an integer accepted)
+OPTION_KINDS = (int, float, bool, str, list)
 
 
 @dataclass(frozen=True)
 class Option:
     """One ``[tasks.options]`` key a backend declares (``TaskBackend.options_schema``).
 
-    ``kind`` is ``int``, ``bool``, ``str`` or ``list`` (a list of non-empty strings; a single
-    string stands for a list of one).  ``lo`` / ``hi`` bound an ``int``; ``choices`` lists the
+    ``kind`` is ``int``, ``float``, ``bool``, ``str`` or ``list`` (a list of non-empty strings;
+    a single string stands for a list of one).  ``lo`` / ``hi`` bound an ``int`` or ``float``; ``choices`` lists the
     values a ``str`` may take; a ``str`` is never empty.  ``default`` is what a task that leaves
     the key out gets (``None``: the backend derives it, e.g. from the model, as ``doc`` says).
     ``doc`` says what the value is, as a noun phrase; error messages quote it.
@@ -256,8 +258,8 @@ class Option:
     kind: type
     default: Any
     doc: str
-    lo: Optional[int] = None
-    hi: Optional[int] = None
+    lo: Optional[float] = None
+    hi: Optional[float] = None
     choices: Optional[tuple] = None
 
     def __post_init__(self) -> None:
@@ -275,6 +277,13 @@ class Option:
                     or (self.lo is not None and v < self.lo)
                     or (self.hi is not None and v > self.hi)):
                 raise r.err(self.name, f"must be an integer{self._range()}, got {v!r}")
+        elif self.kind is float:
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or (self.lo is not None and v < self.lo)
+                    or (self.hi is not None and v > self.hi)):
+                raise r.err(self.name, f"must be a number{self._range()} ({self.doc}), "
+                                       f"got {v!r}")
+            v = float(v)
         elif self.kind is bool:
             if not isinstance(v, bool):
                 raise r.err(self.name, f"must be true or false, got {v!r}")

@@ -33,6 +33,15 @@ KEY_TIMEOUT_MS = "lumen.timeout_ms"
 KEY_EMBEDDING_DIMENSIONS = "lumen.embedding.dimensions"
 #: embedding tasks: the element type of the returned vector (see ``EMBEDDING_TYPES``)
 KEY_EMBEDDING_TYPE = "lumen.embedding.type"
+#: vad segment options (lumen_core/tasks/vad_segments.py checks their values)
+KEY_VAD_THRESHOLD = "lumen.vad.threshold"
+KEY_VAD_MIN_SPEECH_DURATION_MS = "lumen.vad.min_speech_duration_ms"
+KEY_VAD_MIN_SILENCE_DURATION_MS = "lumen.vad.min_silence_duration_ms"
+KEY_VAD_SPEECH_PAD_MS = "lumen.vad.speech_pad_ms"
+KEY_VAD_MAX_SPEECH_DURATION_S = "lumen.vad.max_speech_duration_s"
+VAD_KEYS = frozenset({KEY_VAD_THRESHOLD, KEY_VAD_MIN_SPEECH_DURATION_MS,
+                      KEY_VAD_MIN_SILENCE_DURATION_MS, KEY_VAD_SPEECH_PAD_MS,
+                      KEY_VAD_MAX_SPEECH_DURATION_S})
 
 #: ``field`` used when the payload length disagrees with dtype x shape.
 FIELD_PAYLOAD = "payload"
@@ -44,7 +53,7 @@ RESERVED_KEYS = frozenset(
         KEY_SEQUENCE_ID, KEY_SEQUENCE_START, KEY_SEQUENCE_END, KEY_PRIORITY, KEY_TIMEOUT_MS,
         KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE,
     }
-)
+) | VAD_KEYS
 #: keys that only make sense on the tensor route
 TENSOR_KEYS = (KEY_DTYPE, KEY_SHAPE, KEY_LAYOUT, KEY_FORMAT, KEY_BYTE_ORDER)
 RESERVED_PREFIX = "lumen."

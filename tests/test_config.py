@@ -108,7 +108,7 @@ def test_reading_options_leaves_the_task_config_unchanged():
 
 def test_an_undeclared_option_kind_is_refused():
     with pytest.raises(TypeError, match="kind"):
-        Option("ratio", float, 0.5, "a fraction")
+        Option("ratio", complex, 0.5, "a fraction")
 
 
 # --------------------------------------------------------------------------- backend schemas
@@ -140,8 +140,11 @@ def test_backends_validate_options_when_built_not_when_loaded():
         ImageEmbeddingBackend(task({"preprocess_id": "siglip_v1"}, backend="image_embedding"))
     assert "clip_image_openai_v1" in ei.value.problem and "siglip_v1" in ei.value.problem
     with pytest.raises(errors.ConfigError) as ei:
-        VadBackend(task({"threshold": 0.5}, backend="vad"))
-    assert ei.value.problem == "backend 'vad' takes no options"
+        VadBackend(task({"thresold": 0.5}, backend="vad"))
+    assert ei.value.problem.startswith("unknown option for backend 'vad' (known: threshold,")
+    with pytest.raises(errors.ConfigError) as ei:
+        VadBackend(task({"threshold": 1.5}, backend="vad"))
+    assert ei.value.problem.startswith("must be a number in 0.0..1.0")
     built = ImageEmbeddingBackend(task({"normalize": False, "max_image_pixels": 10},
                                        backend="image_embedding"))
     assert (built.normalize, built.max_pixels, built.output_name) == (False, 10, "")

@@ -21,6 +21,13 @@ Inputs (all converge on one execution signature, so raw and tensor requests batc
 - tensor route: fp32 ``[1, 512]``, layout ``NL``, preprocess id ``silero_vad_16k_v5``.
 
 Output: ``speech_prob`` fp32 ``[1]``, the probability that the chunk holds speech.
+
+Speech segments (:mod:`.vad_segments`, silero-vad's own post-process) are computed by whoever
+runs the stream (the HTTP whole-file route, the WebSocket stream) from these probabilities;
+the task's ``[tasks.options]`` hold their defaults (``threshold``, ``min_speech_duration_ms``,
+``min_silence_duration_ms``, ``speech_pad_ms``, ``max_speech_duration_s``), published in
+``describe()["segments"]``, and a request overrides them with ``lumen.vad.*`` keys, checked
+here on every request that carries one.
 """
 from __future__ import annotations
 
@@ -62,6 +69,7 @@ from ..models.silero import (
     STATE_OUTPUT,
 )
 from ..request import InferRequest
+from . import vad_segments
 from .base import TaskBackend, split_outputs
 
 PREPROCESS_ID = "silero_vad_16k_v5"
@@ -100,10 +108,21 @@ def default_sequence() -> SequenceConfig:
 class VadBackend(TaskBackend):
     raw_mimes = (MIME_L16, MIME_PCM)
     stateful = True
+    options_schema = vad_segments.OPTION_SCHEMA
 
     def __init__(self, config):
         super().__init__(config)
         self._mime_cache: dict = {}  # payload_mime string -> validated prepare function
+        m = self.options.get("max_speech_duration_s")
+        if m is not None and m <= 0:
+            raise ConfigError(config.source, f"{config.key}.options.max_speech_duration_s",
+                              f"must be > 0 (leave it out for no limit), got {m!r}")
+        #: the task's segment defaults (``lumen.vad.*`` override them per request)
+        self.segment_options = vad_segments.options_from_config(self.options)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "segments": self.segment_options.to_dict(),
+                "sample_rate": SAMPLE_RATE, "chunk_samples": CHUNK_SAMPLES}
 
     def declared_sequence(self) -> SequenceConfig:
         return default_sequence()
@@ -142,6 +161,9 @@ class VadBackend(TaskBackend):
     def prepare(self, req: InferRequest, desc, payload: memoryview) -> PreparedModelRequest:
         """Streams repeat one mime string per chunk: after the first chunk, a validated mime
         skips the parse (32 ms chunks make per-request costs count)."""
+        meta = req.meta
+        if meta and vad_segments.has_vad_keys(meta):
+            vad_segments.segment_options(meta, self.segment_options)  # checked, 400 if bad
         if desc.kind == "raw" and isinstance(req.payload_mime, str):
             fast = self._mime_cache.get(req.payload_mime)
             if fast is not None:
