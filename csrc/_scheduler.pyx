@@ -24,7 +24,6 @@ cdef enum:
 
 cdef object _Future = asyncio.Future
 cdef object _CancelledError = asyncio.CancelledError
-cdef object _to_thread = asyncio.to_thread
 cdef object _monotonic_ns = time.monotonic_ns
 cdef object _perf_ns = time.perf_counter_ns
 cdef object _UNSET = UNSET
@@ -170,9 +169,15 @@ async def infer(rt, req):
         except TypeError:
             payload, nbytes = rt._payload(req.payload, backend)
         desc = _native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
+        route = desc.kind
+        if desc.priority or desc.timeout_ms:
+            priority, timeout_ms = task.policy(desc)
+        else:
+            priority, timeout_ms = task.default_priority, task.default_timeout_ms
         if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
-                and not backend.stateful:
-            prepared = await _to_thread(rt._prepare, task, req, desc)
+                and not backend.stateful:  # stateful: admitted in arrival order, inline
+            # the bounded pool; the deadline covers the wait, the work and the queue after
+            prepared, timeout_ms = await rt._prepare_off_loop(task, req, desc, nbytes, timeout_ms)
         else:
             try:
                 prepared = backend.prepare(req, desc, payload)
@@ -180,11 +185,6 @@ async def infer(rt, req):
                 raise
             except Exception as exc:
                 raise rt._prepare_failed(task, exc) from exc
-        route = desc.kind
-        if desc.priority or desc.timeout_ms:
-            priority, timeout_ms = task.policy(desc)
-        else:
-            priority, timeout_ms = task.default_priority, task.default_timeout_ms
         batcher = task.batcher
         entry = batcher.submit(prepared, desc, priority, timeout_ms)
         try:
@@ -203,6 +203,7 @@ async def infer(rt, req):
     cdef long long queue_us = (entry.dispatch_ns - entry.arrival_ns) // 1000
     if observe is not None:
         observe(task.name, route, "ok", (_perf_ns() - t0) // 1000, queue_us, entry.compute_us)
-    return InferResponse(req.correlation_id, req.task, value, None,
+    # a backend may attach response meta to its outputs (e.g. ``lumen.truncated``)
+    return InferResponse(req.correlation_id, req.task, value, getattr(value, "meta", None),
                          ResponseStats(entry.batch_size, queue_us, entry.compute_us,
                                        prepared.length))

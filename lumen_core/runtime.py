@@ -8,6 +8,7 @@ For synchronous callers, ``with rt:`` runs the same thing on a private event-loo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -20,9 +21,10 @@ from .batching.dynamic import DynamicBatcher
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import TensorContract
+from .contract import KEY_TIMEOUT_MS, TensorContract
 from .engine.ort import make_instances
 from .errors import (
+    DeadlineExceeded,
     InternalError,
     InvalidArgument,
     LumenError,
@@ -30,6 +32,7 @@ from .errors import (
     TaskNotFound,
     Unavailable,
 )
+from .prepare_pool import PreparePool
 from .request import InferRequest, InferResponse, ResponseStats, new_infer_request
 from .scheduler import route_of
 from .tasks import backend_class, default_task_tables
@@ -105,6 +108,7 @@ class Runtime:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._max_payload = config.server.max_payload_bytes
+        self._pool = PreparePool()  # heavy preprocessing: bounded, smallest first, deadlines
 
     @property
     def observer(self) -> Observer:
@@ -195,6 +199,8 @@ class Runtime:
         for task in self.tasks.values():
             await task.batcher.drain()
         await self._close_tasks()
+        await asyncio.to_thread(self._pool.stop)
+        self._pool = PreparePool()  # a stopped runtime may be started again
         self.ready = False
 
     async def _close_tasks(self) -> None:
@@ -260,6 +266,22 @@ class Runtime:
                                   f"(server.max_payload_bytes)", "payload")
         return payload, n
 
+    async def _prepare_off_loop(self, task: Task, req: InferRequest, desc: Any, nbytes: int,
+                                timeout_ms: int) -> tuple:
+        """(prepared, timeout left for the queue) for a heavy input, prepared on the bounded
+        pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
+        thread, the preprocessing and then the batch queue."""
+        t0 = time.monotonic_ns()
+        prepared = await self._pool.run(functools.partial(self._prepare, task, req, desc), nbytes,
+                                        timeout_ms)
+        if timeout_ms:
+            left = timeout_ms - (time.monotonic_ns() - t0) // 1_000_000
+            if left <= 0:
+                raise DeadlineExceeded(f"deadline of {timeout_ms} ms expired during "
+                                       f"preprocessing", KEY_TIMEOUT_MS)
+            timeout_ms = left
+        return prepared, timeout_ms
+
     def _prepare(self, task: Task, req: InferRequest, desc: Any, payload: Any = None) -> Any:
         if payload is None:
             payload = req.payload if type(req.payload) is str else memoryview(req.payload)
@@ -299,10 +321,11 @@ class Runtime:
                     raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
                                           f"InferRequest", "requests")
                 desc, prepared = self._validate(task, req)
-                if prepared is None:
-                    prepared = await asyncio.to_thread(self._prepare, task, req, desc)
                 route = desc.kind
                 priority, timeout_ms = task.policy(desc)
+                if prepared is None:
+                    prepared, timeout_ms = await self._prepare_off_loop(
+                        task, req, desc, self._payload(req.payload, task.backend)[1], timeout_ms)
             except LumenError as exc:
                 out[i] = exc
                 if observe is not None and task is not None:
@@ -336,7 +359,8 @@ class Runtime:
                     code = res.code
                 else:
                     req = requests[i]
-                    out[i] = InferResponse(req.correlation_id, req.task, res, None,
+                    out[i] = InferResponse(req.correlation_id, req.task, res,
+                                           getattr(res, "meta", None),
                                            ResponseStats(e.batch_size, e.queue_us, e.compute_us,
                                                          prepared.length))
                     code = "ok"
@@ -479,6 +503,18 @@ class Runtime:
                         .for_tensor_array(arr, TOKEN_LAYOUT, sorted(spec.preprocess_ids)[0])
                         .with_correlation_id(correlation_id).build())
         raise InvalidArgument(f"task {task!r} does not take token ids; send text", field)
+
+    async def tokenize(self, task: str, texts: Sequence[str], truncate: bool = True) -> list:
+        """Per text, the tokens ``task`` would embed (``{"id", "text", "special", "start",
+        "stop"}``, TEI's ``/tokenize``), cut like the task cuts unless ``truncate`` is False.
+        Runs on the preprocessing pool: tokenizing is CPU work of the size of the texts."""
+        backend = self._task(task).backend
+        fn = getattr(backend, "tokenize", None)
+        if fn is None:
+            raise InvalidArgument(f"task {task!r} does not tokenize text", "model")
+        texts = list(texts)
+        return await self._pool.run(functools.partial(fn, texts, truncate),
+                                    sum(len(t) for t in texts))
 
     @staticmethod
     def text_request(task: str, text: str, correlation_id: str = "") -> InferRequest:

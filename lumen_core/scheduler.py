@@ -182,9 +182,15 @@ async def infer(rt: Any, req: Any) -> InferResponse:
         except TypeError:
             payload, nbytes = rt._payload(req.payload, backend)
         desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
+        route = desc.kind
+        if desc.priority or desc.timeout_ms:
+            priority, timeout_ms = task.policy(desc)
+        else:
+            priority, timeout_ms = task.default_priority, task.default_timeout_ms
         if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
                 and not backend.stateful:  # stateful: admitted in arrival order, inline
-            prepared = await asyncio.to_thread(rt._prepare, task, req, desc)
+            # the bounded pool; the deadline covers the wait, the work and the queue after
+            prepared, timeout_ms = await rt._prepare_off_loop(task, req, desc, nbytes, timeout_ms)
         else:
             try:
                 prepared = backend.prepare(req, desc, payload)
@@ -192,11 +198,6 @@ async def infer(rt: Any, req: Any) -> InferResponse:
                 raise
             except Exception as exc:
                 raise rt._prepare_failed(task, exc) from exc
-        route = desc.kind
-        if desc.priority or desc.timeout_ms:
-            priority, timeout_ms = task.policy(desc)
-        else:
-            priority, timeout_ms = task.default_priority, task.default_timeout_ms
         batcher = task.batcher
         entry = batcher.submit(prepared, desc, priority, timeout_ms)
         try:
@@ -215,6 +216,7 @@ async def infer(rt: Any, req: Any) -> InferResponse:
     queue_us = (entry.dispatch_ns - entry.arrival_ns) // 1000
     if observe is not None:
         observe(task.name, route, "ok", (_perf_ns() - t0) // 1000, queue_us, entry.compute_us)
-    return InferResponse(req.correlation_id, req.task, value, None,
+    # a backend may attach response meta to its outputs (e.g. ``lumen.truncated``)
+    return InferResponse(req.correlation_id, req.task, value, getattr(value, "meta", None),
                          ResponseStats(entry.batch_size, queue_us, entry.compute_us,
                                        prepared.length))

@@ -479,10 +479,7 @@ class HttpApp:
         elif model not in tokenizers:
             raise InvalidArgument(f"task {model!r} does not tokenize text; the tasks that do "
                                   f"are {', '.join(tokenizers) or 'none on this server'}", "model")
-        fn = getattr(rt, "tokenize", None)
-        if fn is None:
-            raise TaskNotFound("this runtime has no tokenize query (Runtime.tokenize)", "model")
-        return json_response(fn(model, texts, truncate))
+        return json_response(await rt.tokenize(model, texts, truncate))
 
     def _embedding_request(self, model: str, item: Any, cid: str, field: str) -> InferRequest:
         """A text goes as the ``str`` itself (no encode here, no decode in the task); token ids

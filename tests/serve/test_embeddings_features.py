@@ -4,8 +4,7 @@
 client where the OpenAI API has the feature, raw JSON for the extensions.
 
 The server runs the default tasks plus ``text_embed_short`` (the same MiniLM cut at 16 tokens,
-a second embedding task).  ``Runtime.tokenize`` (the query ``/v1/tokenize`` asks) is given by a
-subclass here until the runtime has it.
+a second embedding task).  ``/v1/tokenize`` asks the runtime's ``tokenize`` query.
 """
 from __future__ import annotations
 
@@ -28,12 +27,6 @@ SHORT_LEN = 16
 LONG_TEXT = " ".join(["hello"] * 40)  # 42 tokens with [CLS]/[SEP]
 
 
-class TokenizingRuntime(Runtime):
-    def tokenize(self, task: str, texts: list, truncate: bool = True) -> list:
-        if not hasattr(Runtime, "tokenize"):
-            return self.tasks[task].backend.tokenize(texts, truncate)
-        return super().tokenize(task, texts, truncate)
-
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
@@ -42,7 +35,7 @@ def srv(tmp_path_factory):
         extra = {"name": SHORT, "backend": "text_embedding", "model_version": "1",
                  "options": {"max_seq_length": SHORT_LEN}}
         cfg = {"tasks": default_task_tables() + [extra]}
-        server = S.ServerThread(TokenizingRuntime.from_dict(cfg), grpc=False)
+        server = S.ServerThread(Runtime.from_dict(cfg), grpc=False)
     yield server
     server.stop()
 
