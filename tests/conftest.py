@@ -7,16 +7,27 @@ compiled module, with ids ``py-<name>`` / ``c-<name>``; ``impl`` is the same cho
 namespace holding every twin (ids ``py`` / ``c``), for tests that need several.  With
 ``LUMEN_NO_EXTENSIONS=1`` only the ``py`` side runs; otherwise a missing compiled module is a
 failure, not a skip: CI must build it.
+
+The test files live in folders mirroring ``lumen_core/`` (``tests/batching``, ``tests/serve``,
+...); this conftest sits at the root so its fixtures reach all of them.  The helper modules
+(``onnx_models``, ``serve_support``) and this module (``from conftest import twins``) stay in
+``tests/``, which goes on ``sys.path`` here: pytest's prepend import mode only adds a test
+file's own folder.  There are no ``__init__.py`` files, so test basenames must stay unique.
 """
 from __future__ import annotations
 
 import os
 import pathlib
+import sys
 import types
 
 import pytest
 
-from lumen_core import native
+TESTS = pathlib.Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from lumen_core import native  # noqa: E402
 
 SHARED = pathlib.Path(os.environ.get("LUMEN_SHARED", pathlib.Path(__file__).resolve().parents[1] / ".." / "shared")).resolve()
 FIXTURES = SHARED / "fixtures"
@@ -83,3 +94,13 @@ def prepared_home(tmp_path_factory) -> pathlib.Path:
     from serve_support import prepared_home as _prepared_home
 
     return _prepared_home(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    """The default server (text embedding + VAD on the prepared models), one per test module."""
+    import serve_support as S
+
+    srv = S.default_server(S.prepared_home(tmp_path_factory))
+    yield srv
+    srv.stop()

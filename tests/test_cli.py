@@ -23,13 +23,6 @@ def run_cli(capsys, *argv: str) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    srv = S.default_server(S.prepared_home(tmp_path_factory))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def reference(fixtures_dir):
     texts = json.loads((fixtures_dir / "minilm_reference.json").read_text())["texts"]
     return texts, np.load(fixtures_dir / "minilm_reference_embeddings.npy")

@@ -45,7 +45,7 @@ def test_twins_export_the_same_api(name):
 def test_every_twin_function_is_tested_on_both_implementations(name):
     """Each function of the twin API is called through the ``<name>`` (py-/c-) or ``impl``
     fixture somewhere in tests/, so both implementations run it."""
-    text = "\n".join(p.read_text(encoding="utf-8") for p in TESTS.glob("test_*.py"))
+    text = "\n".join(p.read_text(encoding="utf-8") for p in TESTS.rglob("test_*.py"))
     for fn in native.pure(name).__all__:
         if fn[0].isupper():  # a result class (Descriptor): exercised through its functions
             continue

@@ -398,13 +398,6 @@ EMBED_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    srv = S.default_server(S.prepared_home(tmp_path_factory))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def reference(fixtures_dir):
     texts = json.loads((fixtures_dir / "minilm_reference.json").read_text())["texts"]
     return texts, np.load(fixtures_dir / "minilm_reference_embeddings.npy")

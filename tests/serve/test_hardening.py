@@ -153,13 +153,6 @@ def test_connections_past_the_cap_get_503_and_the_slots_come_back(server):
 
 
 # -- 4. client input is the client's error ------------------------------------------------------
-@pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    srv = S.default_server(S.prepared_home(tmp_path_factory))
-    yield srv
-    srv.stop()
-
-
 def test_a_lone_surrogate_is_a_400_on_the_input_field(embed_server):
     for inp, field in (("\ud800", "input"), (["ok", "bad \udfff"], "input[1]")):
         r = httpx.post(f"{embed_server.url}/v1/embeddings",
