@@ -21,8 +21,8 @@ Formats (``lumen serve --log-format``):
 
 The access log (``--access-log``, logger ``lumen.access``, INFO) is one line per finished HTTP
 request: ``client``, ``method``, ``path`` (no query string: it carries request meta),
-``status``, ``task`` (the routed task, or the ``model`` of ``/v1/embeddings``; ``-`` for other
-routes), ``bytes`` (response body), ``bytes_in`` (request body), ``ms`` (first byte in to last
+``status``, ``task`` (the task in the path of ``/v1/infer/{task}`` and ``/v2/models/{task}/...``,
+or the ``model`` of ``/v1/embeddings``; ``-`` for other routes), ``bytes`` (response body), ``bytes_in`` (request body), ``ms`` (first byte in to last
 byte out) and ``correlation_id``.  Never a header or a body.
 """
 from __future__ import annotations
@@ -52,8 +52,9 @@ CORRELATION_HEADER = b"x-correlation-id"
 MAX_CORRELATION_ID = 128
 #: the most characters of a path an access line carries
 MAX_PATH = 200
-#: the routes whose last path segment is the task
-_TASK_PREFIX = "/v1/infer/"
+#: routes whose path segment after the prefix is the task: /v1/infer/{task} and the Open
+#: Inference Protocol's /v2/models/{task}[/versions/{v}][/infer|/ready]
+_TASK_PREFIXES = ("/v1/infer/", "/v2/models/")
 #: the fields an access line adds to a JSON line, in order
 ACCESS_FIELDS = ("client", "method", "path", "status", "task", "bytes", "bytes_in", "ms",
                  "correlation_id")
@@ -242,7 +243,7 @@ class RequestContext:
     async def _logged(self, scope: dict, receive: Callable, send: Callable, cid: str) -> None:
         t0 = time.perf_counter()
         path = scope.get("path", "")
-        rec = AccessRecord(path[len(_TASK_PREFIX):] if path.startswith(_TASK_PREFIX) else "")
+        rec = AccessRecord(_task_of_path(path))
         token = _CURRENT.set(rec)
         header = (b"x-correlation-id", cid.encode("latin-1"))
 
@@ -278,6 +279,13 @@ class RequestContext:
                 extra={"client": host, "method": method, "path": path, "status": rec.status,
                        "task": task, "bytes": rec.bytes_out, "bytes_in": rec.bytes_in,
                        "ms": round(ms, 3), "correlation_id": cid})
+
+
+def _task_of_path(path: str) -> str:
+    for prefix in _TASK_PREFIXES:
+        if path.startswith(prefix):
+            return path[len(prefix):].split("/", 1)[0]
+    return ""
 
 
 def _with_header(msg: dict, header: tuple) -> dict:
