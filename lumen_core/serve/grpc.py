@@ -35,6 +35,7 @@ from ..request import InferRequest
 from . import codec
 from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
+from .oip_grpc import OipServicer
 from .proto import lumen_pb2, lumen_pb2_grpc
 
 log = logging.getLogger("lumen.grpc")
@@ -295,6 +296,8 @@ class GrpcServer:
                  max_payload_bytes: int, keys: Optional[ApiKeys] = None,
                  tls: Optional[tuple] = None):
         self.servicer = InferenceServicer(runtime, observer, keys=keys)
+        #: the Open Inference Protocol's service on the same server (oip_grpc.py)
+        self.oip = OipServicer(self.servicer)
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -318,6 +321,7 @@ class GrpcServer:
         service = "lumen.v1.Inference"
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         server.add_registered_method_handlers(service, handlers)
+        self.oip.add_to(server, self._max_recv)
 
     async def start(self) -> None:
         server = grpc.aio.server(options=[

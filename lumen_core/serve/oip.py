@@ -93,6 +93,16 @@ def error_response(exc: LumenError) -> Response:
 
 
 # --------------------------------------------------------------------------- metadata
+def package_version() -> str:
+    """The installed lumen-core version ("" when not installed as a distribution)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("lumen-core")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def server_metadata(version: str) -> dict:
     return {"name": SERVER_NAME, "version": version, "extensions": list(EXTENSIONS)}
 

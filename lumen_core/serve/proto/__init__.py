@@ -21,6 +21,10 @@ from typing import Optional
 
 PROTO_RELPATH = "lumen_core/serve/proto/lumen.proto"
 GENERATED = ("lumen_pb2.py", "lumen_pb2_grpc.py")
+#: the Open Inference Protocol's service (vendored, see its header): messages only, as the
+#: service is registered by hand under its protocol name (``serve/oip_grpc.py``)
+OIP_PROTO_RELPATH = "lumen_core/serve/proto/open_inference_grpc.proto"
+OIP_GENERATED = ("open_inference_grpc_pb2.py",)
 
 
 def generate_args(root: str, out: str) -> list:
@@ -29,13 +33,23 @@ def generate_args(root: str, out: str) -> list:
             f"{root}/{PROTO_RELPATH}"]
 
 
+def oip_generate_args(root: str, out: str) -> list:
+    """The protoc command line for the OIP proto (messages only)."""
+    return [f"-I{root}", f"--python_out={out}", f"{root}/{OIP_PROTO_RELPATH}"]
+
+
 def generate(root: Optional[str] = None, out: Optional[str] = None) -> pathlib.Path:
-    """Run protoc (from grpcio-tools) on ``lumen.proto``; return the folder the code went to."""
+    """Run protoc (from grpcio-tools) on ``lumen.proto`` and, when it is present under
+    ``root``, the OIP proto; return the folder the code went to."""
     from grpc_tools import protoc
 
     root = root or str(pathlib.Path(__file__).resolve().parents[3])
     out = out or root
-    rc = protoc.main(["grpc_tools.protoc", *generate_args(root, out)])
-    if rc != 0:
-        raise RuntimeError(f"protoc failed with status {rc}")
+    runs = [generate_args(root, out)]
+    if (pathlib.Path(root) / OIP_PROTO_RELPATH).is_file():
+        runs.append(oip_generate_args(root, out))
+    for args in runs:
+        rc = protoc.main(["grpc_tools.protoc", *args])
+        if rc != 0:
+            raise RuntimeError(f"protoc failed with status {rc}")
     return pathlib.Path(out) / pathlib.Path(PROTO_RELPATH).parent

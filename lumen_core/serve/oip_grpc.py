@@ -1,0 +1,309 @@
+"""The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService`` beside
+``lumen.v1.Inference`` on the same server, model = task.
+
+Messages come from the vendored ``proto/open_inference_grpc.proto`` (its package is renamed so
+it can live in one process with tritonclient's own copy; the service is registered here under
+the protocol's name, so the wire is the protocol's).  The mapping onto the runtime is the REST
+one (:mod:`.oip`): a numeric input is a tensor-route request, a one-element ``BYTES`` input a
+raw-route request; ``raw_input_contents`` or the typed ``contents`` carry the data, outputs
+go back as ``raw_output_contents``.  ``ModelStreamInfer`` answers each request of a stream in
+turn (an error is an ``error_message`` and the stream stays open), the transport for
+sequences; like ``lumen.v1.Inference``'s stream, at most :data:`STREAM_MAX_IN_FLIGHT` of a
+stream's requests are admitted and unanswered, and the stream is not read further meanwhile.
+
+Errors are gRPC statuses from Lumen's error table, with the ``lumen-error-code`` /
+``lumen-error-field`` trailing metadata of the Lumen service.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any, AsyncIterator, Optional
+
+import grpc
+import numpy as np
+
+from ..contract import DTYPES
+from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge, Unavailable
+from . import codec, oip
+from .auth import unscope_error
+from .proto import open_inference_grpc_pb2 as pb
+
+log = logging.getLogger("lumen.oip.grpc")
+
+#: the service's name in the protocol (what every OIP client calls)
+SERVICE = "inference.GRPCInferenceService"
+ERROR_CODE_KEY = "lumen-error-code"
+ERROR_FIELD_KEY = "lumen-error-field"
+#: the most requests of one ModelStreamInfer call admitted and not yet answered
+STREAM_MAX_IN_FLIGHT = 256
+#: typed ``contents`` field per OIP datatype (raw_input_contents is what tritonclient sends)
+_CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT32": "int_contents",
+                   "INT64": "int64_contents", "UINT8": "uint_contents", "FP32": "fp32_contents",
+                   "BYTES": "bytes_contents"}
+
+
+class _TooLarge:
+    """What the deserializer hands the servicer for a message over the limit (never parsed)."""
+
+    __slots__ = ("nbytes", "limit")
+
+    def __init__(self, nbytes: int, limit: int):
+        self.nbytes = nbytes
+        self.limit = limit
+
+    def error(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request message is {self.nbytes} bytes; the limit is "
+                               f"{self.limit} (server.max_payload_bytes plus headroom)", "payload")
+
+
+def _deserializer(limit: int) -> Any:
+    parse = pb.ModelInferRequest.FromString
+
+    def deserialize(data: bytes) -> Any:
+        return _TooLarge(len(data), limit) if len(data) > limit else parse(data)
+
+    return deserialize
+
+
+def _param(p: Any) -> Any:
+    kind = p.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(p, kind)
+
+
+def _params(m: Any) -> dict:
+    return {k: v for k, v in ((k, _param(p)) for k, p in m.items()) if v is not None}
+
+
+def _set_param(m: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        m[key].bool_param = value
+    elif isinstance(value, int):
+        m[key].int64_param = value
+    else:
+        m[key].string_param = str(value)
+
+
+class OipServicer:
+    """``inference.GRPCInferenceService`` over the Lumen servicer ``base`` (its runtime, API
+    keys, draining flag and request counter are shared)."""
+
+    def __init__(self, base: Any, version: Optional[str] = None):
+        self.base = base
+        self.version = oip.package_version() if version is None else version
+
+    @property
+    def rt(self) -> Any:
+        return self.base.runtime
+
+    def handlers(self, max_message_bytes: int) -> dict:
+        ser = lambda cls: cls.SerializeToString  # noqa: E731
+        u = grpc.unary_unary_rpc_method_handler
+        return {
+            "ServerLive": u(self.ServerLive, pb.ServerLiveRequest.FromString,
+                            ser(pb.ServerLiveResponse)),
+            "ServerReady": u(self.ServerReady, pb.ServerReadyRequest.FromString,
+                             ser(pb.ServerReadyResponse)),
+            "ModelReady": u(self.ModelReady, pb.ModelReadyRequest.FromString,
+                            ser(pb.ModelReadyResponse)),
+            "ServerMetadata": u(self.ServerMetadata, pb.ServerMetadataRequest.FromString,
+                                ser(pb.ServerMetadataResponse)),
+            "ModelMetadata": u(self.ModelMetadata, pb.ModelMetadataRequest.FromString,
+                               ser(pb.ModelMetadataResponse)),
+            "ModelInfer": u(self.ModelInfer, _deserializer(max_message_bytes),
+                            ser(pb.ModelInferResponse)),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                self.ModelStreamInfer, _deserializer(max_message_bytes),
+                ser(pb.ModelStreamInferResponse)),
+        }
+
+    def add_to(self, server: Any, max_message_bytes: int) -> None:
+        handlers = self.handlers(max_message_bytes)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+    # -- plumbing -------------------------------------------------------------------------
+    async def _abort(self, context: Any, method: str, exc: LumenError) -> None:
+        self.base._count("oip." + method, exc.grpc_status)
+        context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),
+                                       (ERROR_FIELD_KEY, exc.field or "")))
+        await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
+
+    def _ready(self) -> bool:
+        return not self.base.draining and bool(self.rt.ready)
+
+    # -- health and metadata --------------------------------------------------------------
+    async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return pb.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            oip.check_model(self.rt, request.name, request.version)
+        except LumenError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self._ready())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        m = oip.server_metadata(self.version)
+        return pb.ServerMetadataResponse(name=m["name"], version=m["version"],
+                                         extensions=m["extensions"])
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            self.base._scope(context)
+            m = oip.model_metadata(self.rt, request.name, request.version)
+        except LumenError as exc:
+            await self._abort(context, "ModelMetadata", exc)
+        T = pb.ModelMetadataResponse.TensorMetadata  # noqa: N806
+        return pb.ModelMetadataResponse(
+            name=m["name"], versions=m["versions"], platform=m["platform"],
+            inputs=[T(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                    for t in m["inputs"]],
+            outputs=[T(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                     for t in m["outputs"]])
+
+    # -- inference ------------------------------------------------------------------------
+    def _request(self, msg: Any, scope: Optional[str]) -> tuple:
+        """(the runtime request, the task's model version) for one ModelInferRequest."""
+        if isinstance(msg, _TooLarge):
+            raise msg.error()
+        if self.base.draining:
+            raise Unavailable("the server is shutting down; not accepting new requests")
+        task = msg.model_name
+        contract = oip.check_model(self.rt, task, msg.model_version)
+        oip.check_inputs(list(msg.inputs))
+        inp = msg.inputs[0]
+        name = inp.name[:oip.MAX_ECHO]
+        shape = tuple(int(d) for d in inp.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"input {name!r}: 'shape' must be non-negative, got "
+                                  f"{list(shape)}", "shape")
+        data = self._input_data(msg, inp, name, shape)
+        keys = self.base.keys
+        req = oip.build_request(self.rt, task, name, inp.datatype, shape, data,
+                                _params(msg.parameters), _params(inp.parameters), msg.id,
+                                lambda m: keys.scoped_meta(m, scope))
+        return req, contract.model_version
+
+    @staticmethod
+    def _input_data(msg: Any, inp: Any, name: str, shape: tuple) -> Any:
+        datatype = inp.datatype
+        if msg.raw_input_contents:
+            if len(msg.raw_input_contents) != len(msg.inputs):
+                raise InvalidArgument(f"raw_input_contents has {len(msg.raw_input_contents)} "
+                                      f"entries for {len(msg.inputs)} inputs",
+                                      "raw_input_contents")
+            raw = msg.raw_input_contents[0]
+            if datatype == codec.OIP_BYTES:
+                return oip.bytes_elements(raw, name)
+            return raw  # the tensor route checks its length against dtype x shape
+        field = _CONTENTS_FIELD.get(datatype)
+        dtype = codec.OIP_TO_DTYPE.get(datatype)
+        if field is None or (dtype is None and datatype != codec.OIP_BYTES):
+            if dtype is None:
+                return b""  # build_request names the bad datatype
+            raise InvalidArgument(f"input {name!r}: {datatype} data must be sent in "
+                                  f"raw_input_contents", "raw_input_contents")
+        values = getattr(inp.contents, field)
+        if datatype == codec.OIP_BYTES:
+            return list(values)
+        if len(values) != math.prod(shape):
+            raise InvalidArgument(f"input {name!r}: contents has {len(values)} elements, shape "
+                                  f"{list(shape)} needs {math.prod(shape)}", "contents")
+        try:
+            return np.asarray(values, dtype=DTYPES[dtype])
+        except (OverflowError, ValueError):
+            raise InvalidArgument(f"input {name!r}: a value does not fit {datatype}",
+                                  "contents") from None
+
+    def _response(self, resp: Any, msg: Any, version: str) -> Any:
+        wanted = [o.name for o in msg.outputs] or None
+        out = pb.ModelInferResponse(model_name=resp.task, model_version=version, id=msg.id)
+        for name, arr in oip.output_arrays(resp, wanted):
+            dt = codec.oip_datatype(arr)
+            out.outputs.add(name=name, datatype=dt, shape=list(arr.shape))
+            out.raw_output_contents.append(oip.bytes_tensor(arr) if dt == codec.OIP_BYTES
+                                           else codec.tensor_bytes(arr))
+        for k, v in oip.response_parameters(resp).items():
+            _set_param(out.parameters, k, v)
+        return out
+
+    async def _infer(self, msg: Any, scope: Optional[str]) -> Any:
+        try:
+            req, version = self._request(msg, scope)
+            resp = await self.rt.infer(req)
+            return self._response(resp, msg, version)
+        except LumenError as exc:
+            raise unscope_error(exc, scope) from None
+        except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL, never kills the server
+            log.exception("unhandled error in ModelInfer")
+            raise InternalError(f"internal server error: {exc}") from exc
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            reply = await self._infer(request, self.base._scope(context))
+        except LumenError as exc:
+            await self._abort(context, "ModelInfer", exc)
+        self.base._count("oip.ModelInfer", "OK")
+        return reply
+
+    async def _stream_one(self, msg: Any, scope: Optional[str]) -> Any:
+        try:
+            reply = pb.ModelStreamInferResponse(infer_response=await self._infer(msg, scope))
+        except LumenError as exc:
+            self.base._count("oip.ModelStreamInfer", exc.grpc_status)
+            return pb.ModelStreamInferResponse(
+                error_message=exc.message,
+                infer_response=pb.ModelInferResponse(
+                    model_name=getattr(msg, "model_name", ""), id=getattr(msg, "id", "")))
+        self.base._count("oip.ModelStreamInfer", "OK")
+        return reply
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator,  # noqa: N802
+                               context: Any) -> AsyncIterator:
+        try:
+            scope = self.base._scope(context)
+        except LumenError as exc:
+            await self._abort(context, "ModelStreamInfer", exc)
+        window = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
+        replies: asyncio.Queue = asyncio.Queue()  # None: no more
+        running: set = set()
+
+        def finished(task: asyncio.Task) -> None:
+            running.discard(task)
+            if not task.cancelled():
+                replies.put_nowait(task.result())
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    await window.acquire()  # backpressure: no read while the window is full
+                    # tasks start in creation order and Runtime.infer admits a request before
+                    # it first suspends: a sequence's requests reach its batcher in order
+                    task = asyncio.ensure_future(self._stream_one(msg, scope))
+                    running.add(task)
+                    task.add_done_callback(finished)
+                if running:
+                    await asyncio.wait(set(running))
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                item = await replies.get()
+                if item is None:
+                    break
+                try:
+                    yield item
+                finally:
+                    window.release()
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
