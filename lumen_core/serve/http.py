@@ -39,7 +39,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from ..contract import EMBEDDING_TYPES as EMBEDDING_TYPE_DTYPES
 from ..contract import KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE
@@ -54,7 +54,7 @@ from ..errors import (
     UnsupportedMediaType,
 )
 from ..request import InferRequest
-from . import codec
+from . import audio, codec, ws
 from .auth import ApiKeys, Unauthenticated, unscope_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
@@ -151,6 +151,9 @@ class HttpApp:
             Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
             Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
             *OipRoutes(self).routes(),  # the Open Inference Protocol under /v2 (oip.py)
+            # live speech segments over a WebSocket (ws.py)
+            WebSocketRoute("/v1/stream/{task}",
+                           ws.StreamEndpoint(runtime, self.keys, lambda: self.draining)),
         ], exception_handlers={HTTPException: routing_error})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -261,6 +264,9 @@ class HttpApp:
         self._check_open()
         task = request.path_params["task"]
         headers = request.headers
+        if audio.wants_file(self.runtime, task, headers.get("content-type", ""),
+                            request.query_params):  # a whole audio file -> segments (audio.py)
+            return await audio.file_reply(self, request, task)
         body = await self._read_body(request, "payload")
         meta = self.keys.scoped_meta(dict(request.query_params), request.state.key_scope)
         req = InferRequest(task, body, headers.get("content-type", ""), meta,

@@ -1,0 +1,336 @@
+"""Audio streams over a stateful VAD task: whole files (HTTP) and live streams (WebSocket).
+
+Both run the audio as *one sequence* of 512-sample chunk requests through the runtime's
+public API (``Runtime.infer_many``, a window of chunks at a time: the sequence batcher keeps
+their order and runs one per batch, so many files and live streams batch together), and turn
+the per-chunk probabilities into speech segments with silero-vad's semantics
+(:mod:`lumen_core.tasks.vad_segments`).
+
+A task qualifies when its description carries ``"segments"`` (the task's segment defaults,
+which ``lumen.vad.*`` keys override per request).  Input formats:
+
+- ``audio/wav`` (``audio/x-wav``, ``audio/wave``): PCM16 mono 16 kHz, read with ``wave``;
+- ``audio/L16;rate=16000`` (mono): raw PCM16 little-endian, any length;
+- ``audio/pcm;format=f32le;rate=16000``: raw float32 little-endian (streams).
+
+A trailing partial chunk is zero-padded (as silero's ``get_speech_timestamps`` pads it); the
+segments use the true length.  A file longer than :data:`MAX_FILE_SECONDS` is refused before
+any of it runs.
+"""
+from __future__ import annotations
+
+import io
+import uuid
+import wave
+from typing import Any, Optional
+
+import numpy as np
+
+from ..contract import KEY_SEQUENCE_END, KEY_SEQUENCE_ID, KEY_SEQUENCE_START
+from ..errors import InvalidArgument, LumenError, PayloadTooLarge, UnsupportedMediaType
+from ..request import InferRequest
+from ..tasks.vad_segments import (
+    DEFAULTS,
+    Segmenter,
+    SegmentOptions,
+    samples_to_ms,
+    segment_options,
+    segments_json,
+)
+
+SAMPLE_RATE = 16000
+CHUNK_SAMPLES = 512
+#: the longest whole file ``POST /v1/infer/{task}`` takes (refused with 413 up front)
+MAX_FILE_SECONDS = 600
+MAX_FILE_SAMPLES = MAX_FILE_SECONDS * SAMPLE_RATE
+#: header room allowed above the samples of a WAV file of the longest length
+WAV_HEADER_SLACK = 64 * 1024
+#: chunk requests of one stream queued at once (bounds its share of the task's queue)
+WINDOW_CHUNKS = 64
+WAV_MIMES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
+MIME_L16 = "audio/l16"
+MIME_PCM = "audio/pcm"
+L16_MIME = f"audio/L16;rate={SAMPLE_RATE}"
+F32_MIME = f"audio/pcm;format=f32le;rate={SAMPLE_RATE}"
+ACCEPTED = ("audio/wav (PCM16, mono, 16 kHz), audio/L16;rate=16000 (mono PCM16 little-endian) "
+            "or audio/pcm;format=f32le;rate=16000")
+OUTPUT = "speech_prob"
+#: query / first-message flag asking for per-chunk probabilities
+PROBS_PARAM = "probabilities"
+
+
+def split_mime(mime: str) -> tuple:
+    base, _, rest = (mime or "").partition(";")
+    params = {}
+    for part in rest.split(";"):
+        k, sep, v = part.partition("=")
+        if sep:
+            params[k.strip().lower()] = v.strip().strip('"')
+    return base.strip().lower(), params
+
+
+def is_audio_mime(mime: str) -> bool:
+    base = split_mime(mime)[0]
+    return base in WAV_MIMES or base in (MIME_L16, MIME_PCM)
+
+
+def segment_task(runtime: Any, task: str) -> Optional[dict]:
+    """The task's description when it produces speech segments, else None."""
+    if not runtime.has_task(task):
+        return None
+    try:
+        desc = runtime.describe(task)
+    except LumenError:
+        return None
+    return desc if isinstance(desc.get("segments"), dict) else None
+
+
+def task_options(desc: dict) -> SegmentOptions:
+    try:
+        return SegmentOptions(**desc["segments"])
+    except (TypeError, KeyError):
+        return DEFAULTS
+
+
+def flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("1", "true", "yes")
+
+
+def stream_format(mime: str, field: str = "Content-Type") -> int:
+    """Sample width in bytes (2: PCM16, 4: float32) of a raw stream mime; 415 otherwise."""
+    base, params = split_mime(mime)
+    if params.get("rate") != str(SAMPLE_RATE) or params.get("channels", "1") != "1":
+        raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: {ACCEPTED}", field)
+    if base == MIME_L16:
+        return 2
+    if base == MIME_PCM and params.get("format") == "f32le":
+        return 4
+    raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: {ACCEPTED}", field)
+
+
+def max_file_bytes(mime: str) -> int:
+    base = split_mime(mime)[0]
+    width = 4 if base == MIME_PCM else 2
+    return MAX_FILE_SAMPLES * width + (WAV_HEADER_SLACK if base in WAV_MIMES else 0)
+
+
+def too_long(samples: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the audio is {samples / SAMPLE_RATE:.1f} s long; the limit is "
+                           f"{MAX_FILE_SECONDS} s (MAX_FILE_SECONDS)", "payload")
+
+
+def decode_file(body: bytes, mime: str) -> tuple:
+    """``(samples as bytes-like, sample width)`` of a whole file; 415 / 400 / 413."""
+    base = split_mime(mime)[0]
+    if base in WAV_MIMES:
+        try:
+            with wave.open(io.BytesIO(body), "rb") as w:
+                ch, width, rate, n = (w.getnchannels(), w.getsampwidth(), w.getframerate(),
+                                      w.getnframes())
+                if (ch, width, rate) != (1, 2, SAMPLE_RATE):
+                    raise UnsupportedMediaType(
+                        f"the WAV file is {ch} channel(s), {8 * width}-bit, {rate} Hz; accepted: "
+                        f"{ACCEPTED}", "Content-Type")
+                if n > MAX_FILE_SAMPLES:
+                    raise too_long(n)
+                data = w.readframes(n)
+        except wave.Error as exc:
+            if "unknown format" in str(exc):
+                raise UnsupportedMediaType(f"the WAV file is not PCM ({exc}); accepted: "
+                                           f"{ACCEPTED}", "Content-Type") from None
+            raise InvalidArgument(f"not a readable WAV file: {exc}", "payload") from None
+        except EOFError:
+            raise InvalidArgument("the WAV file is truncated", "payload") from None
+        return data, 2
+    width = stream_format(mime)
+    if len(body) % width:
+        raise InvalidArgument(f"{len(body)} bytes is not a whole number of {width}-byte samples",
+                              "payload")
+    if len(body) // width > MAX_FILE_SAMPLES:
+        raise too_long(len(body) // width)
+    return body, width
+
+
+class SegmentStream:
+    """One audio stream run as one sequence of a segment task.
+
+    :meth:`feed` takes samples in the stream's wire format (any number of bytes) and returns
+    the events they settle; :meth:`close` ends the sequence (the zero-padded rest, or a silent
+    end-only chunk) and returns the last events; :meth:`abort` ends it, ignoring the result.
+    Events are dicts: ``{"event": "start"|"end", "ms"}`` and, when asked,
+    ``{"event": "prob", "ms", "p"}`` per chunk.
+    """
+
+    def __init__(self, runtime: Any, task: str, options: SegmentOptions, width: int = 2,
+                 probabilities: bool = False, prefix: str = "lumen-audio"):
+        self.rt = runtime
+        self.task = task
+        self.width = width
+        self.mime = L16_MIME if width == 2 else F32_MIME
+        self.chunk_bytes = CHUNK_SAMPLES * width
+        self.sid = f"{prefix}-{uuid.uuid4().hex}"
+        self.segmenter = Segmenter(options)
+        self.want_probs = probabilities
+        self.probs: list = []
+        self.pending = bytearray()
+        self.samples = 0
+        self.nbytes = 0
+        self.started = False
+        self.closed = False
+
+    @property
+    def duration_ms(self) -> float:
+        return samples_to_ms(self.samples)
+
+    def _request(self, payload: Any, end: bool) -> InferRequest:
+        meta = {KEY_SEQUENCE_ID: self.sid}
+        if not self.started:
+            meta[KEY_SEQUENCE_START] = "true"
+            self.started = True
+        if end:
+            meta[KEY_SEQUENCE_END] = "true"
+        return InferRequest(self.task, payload, self.mime, meta)
+
+    def _events(self, raw: list) -> list:
+        return [{"event": kind, "ms": samples_to_ms(s)} for kind, s in raw]
+
+    async def _run(self, payloads: list, end: bool, count: int) -> list:
+        """Run chunk payloads in order (the last one ends the sequence when ``end``); the
+        first ``count`` of them are audio whose probabilities feed the segmenter."""
+        events: list = []
+        for lo in range(0, len(payloads), WINDOW_CHUNKS):
+            group = payloads[lo:lo + WINDOW_CHUNKS]
+            last = lo + len(group) >= len(payloads)
+            reqs = [self._request(p, end and last and i == len(group) - 1)
+                    for i, p in enumerate(group)]
+            results = await self.rt.infer_many(reqs)
+            for i, res in enumerate(results):
+                if isinstance(res, LumenError):
+                    raise res
+                if lo + i >= count:
+                    continue
+                p = float(np.asarray(res.outputs[OUTPUT]).reshape(-1)[0])
+                if self.want_probs:
+                    self.probs.append(p)
+                    events.append({"event": "prob",
+                                   "ms": samples_to_ms((self.segmenter.n) * CHUNK_SAMPLES),
+                                   "p": p})
+                events += self._events(self.segmenter.push(p))
+        return events
+
+    async def feed(self, data: Any) -> list:
+        if self.closed:
+            raise InvalidArgument("the stream is closed", "payload")
+        mv = memoryview(data).cast("B")
+        if not mv.nbytes:
+            return []
+        total = len(self.pending) + mv.nbytes
+        self.nbytes += mv.nbytes
+        self.samples = self.nbytes // self.width
+        n_full = total // self.chunk_bytes
+        if n_full == 0:
+            self.pending += mv
+            return []
+        buf = bytes(self.pending) + mv.tobytes() if self.pending else mv
+        cb = self.chunk_bytes
+        payloads = [buf[i * cb:(i + 1) * cb] for i in range(n_full)]
+        self.pending = bytearray(buf[n_full * cb:])
+        return await self._run(payloads, False, n_full)
+
+    async def close(self) -> list:
+        """End of stream: run the rest, end the sequence, settle every segment."""
+        if self.closed:
+            return []
+        self.closed = True
+        events: list = []
+        rest = len(self.pending) - len(self.pending) % self.width
+        if rest:
+            chunk = bytes(self.pending[:rest]) + bytes(self.chunk_bytes - rest)
+            events += await self._run([chunk], True, 1)
+        elif self.started:
+            await self._run([bytes(self.chunk_bytes)], True, 0)
+        events += self._events(self.segmenter.finish(self.samples))
+        return events
+
+    async def abort(self) -> None:
+        """End the sequence now (frees its slot); errors are ignored."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.started:
+            try:
+                await self._run([bytes(self.chunk_bytes)], True, 0)
+            except LumenError:
+                pass
+
+    def result(self) -> dict:
+        out = {"segments": segments_json(self.segmenter.segments),
+               "duration_ms": self.duration_ms}
+        if self.want_probs:
+            out["probabilities"] = self.probs
+        return out
+
+
+async def run_file(runtime: Any, task: str, body: bytes, mime: str, meta: dict) -> dict:
+    """A whole file as one sequence: ``{"segments", "duration_ms"[, "probabilities"]}``."""
+    desc = segment_task(runtime, task)
+    options = segment_options(meta, task_options(desc or {}))
+    unknown = sorted(k for k in meta if k.startswith("lumen.") and not k.startswith("lumen.vad."))
+    if unknown:
+        raise InvalidArgument(f"{unknown[0]} is not taken by a whole-file request (it runs as "
+                              f"a sequence the server names); only lumen.vad.* keys are",
+                              unknown[0])
+    data, width = decode_file(body, mime)
+    stream = SegmentStream(runtime, task, options, width, flag(meta.get(PROBS_PARAM, "")),
+                           prefix="lumen-file")
+    try:
+        await stream.feed(data)
+        await stream.close()
+    except BaseException:
+        await stream.abort()
+        raise
+    return stream.result()
+
+
+# --------------------------------------------------------------------------- HTTP whole files
+def wants_file(runtime: Any, task: str, mime: str, query: Any) -> bool:
+    """``POST /v1/infer/{task}`` is a whole file: audio for a segment task, no sequence id
+    (a request naming ``lumen.sequence.id`` is one chunk of the caller's own stream)."""
+    return (KEY_SEQUENCE_ID not in query and is_audio_mime(mime)
+            and segment_task(runtime, task) is not None)
+
+
+async def read_body(request: Any, limit: int, field: str = "payload") -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise InvalidArgument(f"bad Content-Length header {declared[:40]!r}", "Content-Length")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the audio file is {declared} bytes; the limit is {limit} bytes "
+                                  f"({MAX_FILE_SECONDS} s, MAX_FILE_SECONDS)", field)
+    chunks: list = []
+    total = 0
+    async for chunk in request.stream():
+        if chunk:
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLarge(f"the audio file exceeds the limit of {limit} bytes "
+                                      f"({MAX_FILE_SECONDS} s, MAX_FILE_SECONDS)", field)
+            chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def file_reply(app: Any, request: Any, task: str) -> Any:
+    """The whole-file route of the HTTP app ``app``: ``{"segments", "duration_ms"}``."""
+    from starlette.responses import Response
+
+    from . import codec
+
+    mime = request.headers.get("content-type", "")
+    body = await read_body(request, max_file_bytes(mime))
+    meta = dict(request.query_params)
+    result = await app._until_done_or_gone(request, run_file(app.runtime, task, body, mime, meta))
+    return Response(codec.dumps(result), media_type="application/json")
