@@ -164,9 +164,6 @@ def test_a_lone_surrogate_is_a_400_on_the_input_field(embed_server):
         assert "surrogate" in err["message"] and "internal" not in err["message"]
 
 
-@pytest.mark.xfail(reason="needs tasks/text_embedding.py: codec_for must refuse non-decoding "
-                          "codecs and prepare_raw must catch UnicodeError (issue 12 item 4)",
-                   strict=False)
 @pytest.mark.parametrize("mime,body", [("text/plain; charset=undefined", b"hello"),
                                        ("text/plain; charset=idna", b"xn--")])
 def test_a_charset_that_cannot_decode_is_not_a_500(embed_server, mime, body):
@@ -232,8 +229,6 @@ def test_metrics_have_no_created_series(server):
     assert "_created" not in text
 
 
-@pytest.mark.xfail(reason="needs runtime.py: Runtime.infer/infer_many start with route='raw' "
-                          "before the descriptor is parsed (issue 12 item 14)", strict=False)
 def test_rejected_tensor_requests_are_counted_as_tensor(server):
     x = np.zeros((1, S.D_IN + 1), np.float32)  # wrong shape: refused by validation
     r = httpx.post(f"{server.url}/v1/infer/mlp", content=x.tobytes(), params=S.tensor_meta(x.shape),
