@@ -163,3 +163,17 @@ def test_raw_http_errors_are_oip_shaped(server):
         assert r.status_code == 400, r.text  # 8 bytes for 16 floats: the tensor route says so
         r = c.get("/v2/health/ready")
         assert r.status_code == 200 and r.json() == {"ready": True}
+
+
+def test_vad_raw_bytes_with_content_type_priority_and_timeout(client, fixtures_dir):
+    """A BYTES input goes the raw route under the request's content_type parameter; priority
+    and timeout are accepted (mapped to lumen.priority / lumen.timeout_ms)."""
+    ref = np.load(fixtures_dir / "silero_vad_reference.npz")
+    chunk = ref["audio"][0, :VAD_CHUNK].astype("<f4").tobytes()
+    inp = httpclient.InferInput("raw", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([chunk], dtype=object))
+    res = client.infer("vad", [inp], sequence_id="raw-seq", sequence_start=True,
+                       sequence_end=True, priority=1, timeout=30_000_000,
+                       parameters={"content_type": "audio/pcm;format=f32le;rate=16000"})
+    prob = float(res.as_numpy("speech_prob").reshape(-1)[0])
+    assert abs(prob - float(ref["probs"][0, 0])) < VAD_TOLERANCE
