@@ -26,7 +26,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..contract import KEY_SEQUENCE_END, KEY_SEQUENCE_ID, KEY_SEQUENCE_START
+from ..contract import (
+    KEY_SEQUENCE_END,
+    KEY_SEQUENCE_ID,
+    KEY_SEQUENCE_START,
+    RESERVED_PREFIX,
+    VAD_KEYS,
+)
 from ..errors import InvalidArgument, LumenError, PayloadTooLarge, UnsupportedMediaType
 from ..request import InferRequest
 from ..tasks.vad_segments import (
@@ -273,15 +279,21 @@ class SegmentStream:
         return out
 
 
+def check_keys(meta: dict) -> None:
+    """A whole file or a live stream takes only the ``lumen.vad.*`` keys (the server names
+    and runs its sequence); any other ``lumen.*`` key, or a misspelt one, is refused."""
+    for k in sorted(meta):
+        if k.startswith(RESERVED_PREFIX) and k not in VAD_KEYS:
+            raise InvalidArgument(f"{k} is not taken by an audio stream or file (it runs as a "
+                                  f"sequence the server names); the keys it takes are "
+                                  f"{', '.join(sorted(VAD_KEYS))}", k)
+
+
 async def run_file(runtime: Any, task: str, body: bytes, mime: str, meta: dict) -> dict:
     """A whole file as one sequence: ``{"segments", "duration_ms"[, "probabilities"]}``."""
     desc = segment_task(runtime, task)
     options = segment_options(meta, task_options(desc or {}))
-    unknown = sorted(k for k in meta if k.startswith("lumen.") and not k.startswith("lumen.vad."))
-    if unknown:
-        raise InvalidArgument(f"{unknown[0]} is not taken by a whole-file request (it runs as "
-                              f"a sequence the server names); only lumen.vad.* keys are",
-                              unknown[0])
+    check_keys(meta)
     data, width = decode_file(body, mime)
     stream = SegmentStream(runtime, task, options, width, flag(meta.get(PROBS_PARAM, "")),
                            prefix="lumen-file")

@@ -105,6 +105,7 @@ class StreamEndpoint:
                 scope = self.keys.check(f"Bearer {key}" if key else None)
             params.pop("api_key", None)
             meta = {k: str(v) for k, v in params.items() if isinstance(k, str)}
+            audio.check_keys(meta)
             options = audio.segment_options(meta, audio.task_options(desc))
             width = audio.stream_format(meta.get("mime", audio.L16_MIME), "mime")
             stream = audio.SegmentStream(self.runtime, task, options, width,

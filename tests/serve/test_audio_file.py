@@ -1,0 +1,163 @@
+"""Whole audio files on ``POST /v1/infer/{task}`` (serve/audio.py): speech segments equal to
+silero-vad's own on committed espeak-ng speech (tests/fixtures/vad_speech_*, made by
+tests/fixtures/make_vad_speech.py), formats, limits and options."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import pathlib
+import struct
+import wave
+
+import httpx
+import numpy as np
+import pytest
+from serve_support import ServerThread
+
+import lumen_core as lc
+from lumen_core import models
+from lumen_core.serve import audio
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+REFERENCE = json.loads((FIXTURES / "vad_speech_reference.json").read_text())
+#: one chunk: probabilities of a batched run may differ from the reference in the last bits
+TOLERANCE_MS = 32.0
+
+
+def vad_task(home) -> dict:
+    path = str(models.model_dir(models.SILERO_VAD, home) / models.MODEL_FILE)
+    return {"name": "vad", "backend": "vad", "model": path, "intra_op_threads": 1,
+            "batching": {"max_batch_size": 64, "max_queue_size": 4096},
+            "sequence": {"strategy": "direct"}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("lumen_home")
+    models.prepare(names=[models.SILERO_VAD], home=home)
+    srv = ServerThread(lc.Runtime.from_dict({"tasks": [vad_task(home)]}), grpc=False)
+    yield srv
+    srv.stop()
+
+
+def wav_bytes(pcm: np.ndarray, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def expected_ms(name: str) -> list:
+    return [(s / 16, e / 16) for s, e in REFERENCE[name]["segments"]]
+
+
+def assert_segments(got: list, want: list) -> None:
+    assert len(got) == len(want), (got, want)
+    for g, (s, e) in zip(got, want, strict=True):
+        assert abs(g["start_ms"] - s) <= TOLERANCE_MS and abs(g["end_ms"] - e) <= TOLERANCE_MS
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_wav_segments_equal_silero(server, name):
+    body = (FIXTURES / name).read_bytes()
+    r = httpx.post(f"{server.url}/v1/infer/vad", content=body,
+                   headers={"content-type": "audio/wav"}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["duration_ms"] == REFERENCE[name]["samples"] / 16
+    assert_segments(out["segments"], expected_ms(name))
+    assert "probabilities" not in out
+
+
+def test_l16_of_any_length_and_probabilities(server):
+    name = "vad_speech_2.wav"
+    with wave.open(str(FIXTURES / name)) as w:
+        pcm = w.readframes(w.getnframes())
+    r = httpx.post(f"{server.url}/v1/infer/vad?probabilities=true", content=pcm,
+                   headers={"content-type": "audio/L16;rate=16000"}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert_segments(out["segments"], expected_ms(name))
+    assert len(out["probabilities"]) == -(-REFERENCE[name]["samples"] // 512)
+    # short and empty bodies are whole files too
+    for n in (0, 100, 1024):
+        r = httpx.post(f"{server.url}/v1/infer/vad", content=bytes(n),
+                       headers={"content-type": "audio/L16;rate=16000"})
+        assert r.status_code == 200 and r.json() == {"segments": [], "duration_ms": n / 32}
+
+
+def test_many_files_at_once_batch_together_and_agree(server):
+    body = (FIXTURES / "vad_speech_1.wav").read_bytes()
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*[
+                c.post(f"{server.url}/v1/infer/vad", content=body,
+                       headers={"content-type": "audio/wav"}) for _ in range(12)])
+
+    for r in asyncio.run(go()):
+        assert r.status_code == 200
+        assert_segments(r.json()["segments"], expected_ms("vad_speech_1.wav"))
+    assert server.runtime.load()["vad"]["active_sequences"] == 0
+
+
+def test_request_options(server):
+    body = (FIXTURES / "vad_speech_2.wav").read_bytes()
+    url = f"{server.url}/v1/infer/vad"
+    base = httpx.post(url, content=body, headers={"content-type": "audio/wav"}).json()
+    merged = httpx.post(url, params={"lumen.vad.min_silence_duration_ms": "2000"}, content=body,
+                        headers={"content-type": "audio/wav"}).json()
+    assert len(merged["segments"]) < len(base["segments"])
+    nopad = httpx.post(url, params={"lumen.vad.speech_pad_ms": "0"}, content=body,
+                       headers={"content-type": "audio/wav"}).json()
+    assert nopad["segments"][0]["start_ms"] == base["segments"][0]["start_ms"] + 30
+    r = httpx.post(url, params={"lumen.vad.threshold": "2"}, content=body,
+                   headers={"content-type": "audio/wav"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "lumen.vad.threshold"
+    r = httpx.post(url, params={"lumen.vad.treshold": "0.5"}, content=body,
+                   headers={"content-type": "audio/wav"})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("rate,channels,width", [(8000, 1, 2), (16000, 2, 2), (16000, 1, 1),
+                                                 (44100, 1, 2)])
+def test_other_wav_formats_are_415_naming_what_is_accepted(server, rate, channels, width):
+    body = wav_bytes(np.zeros(1600 * channels, np.int16 if width == 2 else np.uint8), rate,
+                     channels, width)
+    r = httpx.post(f"{server.url}/v1/infer/vad", content=body,
+                   headers={"content-type": "audio/wav"})
+    assert r.status_code == 415
+    assert "PCM16, mono, 16 kHz" in r.json()["error"]["message"]
+
+
+def test_bad_and_too_long_files(server):
+    url = f"{server.url}/v1/infer/vad"
+    r = httpx.post(url, content=b"RIFF....junk", headers={"content-type": "audio/wav"})
+    assert r.status_code == 400
+    r = httpx.post(url, content=bytes(3), headers={"content-type": "audio/L16;rate=16000"})
+    assert r.status_code == 400
+    r = httpx.post(url, content=bytes(8), headers={"content-type": "audio/L16;rate=8000"})
+    assert r.status_code == 415 and "audio/L16;rate=16000" in r.json()["error"]["message"]
+    # a header announcing more than MAX_FILE_SECONDS: refused before anything runs
+    frames = audio.MAX_FILE_SAMPLES + 16000
+    hdr = b"RIFF" + struct.pack("<I", 36 + frames * 2) + b"WAVEfmt " + struct.pack(
+        "<IHHIIHH", 16, 1, 1, 16000, 32000, 2, 16) + b"data" + struct.pack("<I", frames * 2)
+    r = httpx.post(url, content=hdr + bytes(1024), headers={"content-type": "audio/wav"})
+    assert r.status_code == 413 and "MAX_FILE_SECONDS" in r.json()["error"]["message"]
+
+
+def test_a_chunk_with_a_sequence_id_is_still_one_chunk(server):
+    r = httpx.post(f"{server.url}/v1/infer/vad",
+                   params={"lumen.sequence.id": "s1", "lumen.sequence.start": "true",
+                           "lumen.sequence.end": "true", "lumen.vad.threshold": "0.4"},
+                   content=bytes(1024), headers={"content-type": "audio/L16;rate=16000"})
+    assert r.status_code == 200 and "speech_prob" in r.json()["outputs"]
+    r = httpx.post(f"{server.url}/v1/infer/vad",
+                   params={"lumen.sequence.id": "s2", "lumen.sequence.start": "true",
+                           "lumen.vad.threshold": "x"},
+                   content=bytes(1024), headers={"content-type": "audio/L16;rate=16000"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "lumen.vad.threshold"
