@@ -196,13 +196,19 @@ class AccessRecord:
         self.bytes_in = 0
 
 
-def _loggable(value: bytes) -> str:
-    """A client's correlation id as logs may carry it: cut to MAX_CORRELATION_ID, anything but
-    visible ASCII replaced by '?' (a space or a quote cannot forge a field of a text line)."""
-    text = value[:MAX_CORRELATION_ID].decode("latin-1")
-    if text.isascii() and text.isprintable() and " " not in text:
+def _visible(text: str, limit: int) -> str:
+    """Client-chosen text (a correlation id, a path, a task name) as a log line may carry it:
+    cut to ``limit`` characters, anything but visible ASCII replaced by '?' (a space, a
+    newline or a quote cannot forge a field or a line of a text log)."""
+    text = text[:limit]
+    if text.isascii() and text.isprintable() and " " not in text and '"' not in text:
         return text
-    return "".join(c if "!" <= c <= "~" else "?" for c in text)
+    return "".join(c if "!" <= c <= "~" and c != '"' else "?" for c in text)
+
+
+def _loggable(value: bytes) -> str:
+    """A client's correlation id header as logs carry it."""
+    return _visible(value[:MAX_CORRELATION_ID].decode("latin-1"), MAX_CORRELATION_ID)
 
 
 def _new_correlation_id() -> str:
@@ -270,9 +276,9 @@ class RequestContext:
             ms = (time.perf_counter() - t0) * 1000
             client = scope.get("client")
             host = client[0] if client else "-"
-            method = scope.get("method", "-")
-            path = path[:MAX_PATH]
-            task = rec.task or "-"
+            method = _visible(scope.get("method", "-"), 16)
+            path = _visible(path, MAX_PATH)
+            task = _visible(rec.task, MAX_PATH) or "-"
             access_log.info(
                 '%s "%s %s" %d task=%s bytes=%d bytes_in=%d %.1fms cid=%s',
                 host, method, path, rec.status, task, rec.bytes_out, rec.bytes_in, ms, cid,

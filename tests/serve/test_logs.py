@@ -128,7 +128,15 @@ def test_a_forged_correlation_id_cannot_split_a_text_line(server):
         undo()
     line = [ln for ln in stream.getvalue().splitlines() if "/healthz" in ln][-1]
     assert ' INFO lumen.access: 127.0.0.1 "GET /healthz" 200 task=- ' in line
-    assert line.endswith('cid=a"?500?x=y')  # the spaces cannot fake a status or a field
+    assert line.endswith("cid=a??500?x=y")  # the spaces cannot fake a status or a field
+
+
+def test_a_forged_model_name_cannot_add_a_log_line(server, log_stream):
+    r = httpx.post(f"{server.url}/v1/embeddings", timeout=30,
+                   json={"model": 'x"\n2026 INFO lumen.access: forged', "input": ["a"]},
+                   headers={"X-Correlation-Id": CID + "-f"})
+    assert r.status_code == 404
+    assert _access(log_stream, CID + "-f")["task"] == "x??2026?INFO?lumen.access:?forged"
 
 
 def test_text_and_json_formatters():
