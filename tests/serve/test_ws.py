@@ -1,0 +1,214 @@
+"""``GET /v1/stream/{task}`` (serve/ws.py): live speech segments over a WebSocket, with the
+``websockets`` client.  The stream's events must equal the whole file's segments (silero-vad's
+reference, tests/fixtures/vad_speech_reference.json) whatever the frame sizes; 32 clients at
+once; a dropped socket frees its slot at once; errors are an event and a 4xxx close."""
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import time
+import wave
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from serve_support import ServerThread
+
+import lumen_core as lc
+from lumen_core import models
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+REFERENCE = json.loads((FIXTURES / "vad_speech_reference.json").read_text())
+NAME = "vad_speech_1.wav"
+TOLERANCE_MS = 32.0
+KEY = "ws-secret-key"
+CLIENTS = 32
+
+
+def vad_task(home) -> dict:
+    path = str(models.model_dir(models.SILERO_VAD, home) / models.MODEL_FILE)
+    return {"name": "vad", "backend": "vad", "model": path, "intra_op_threads": 1,
+            "batching": {"max_batch_size": 64, "max_queue_size": 4096},
+            "sequence": {"strategy": "direct"}}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    h = tmp_path_factory.mktemp("lumen_home")
+    models.prepare(names=[models.SILERO_VAD], home=h)
+    return h
+
+
+@pytest.fixture(scope="module")
+def server(home):
+    srv = ServerThread(lc.Runtime.from_dict({"tasks": [vad_task(home)]}), grpc=False)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pcm() -> bytes:
+    with wave.open(str(FIXTURES / NAME)) as w:
+        return w.readframes(w.getnframes())
+
+
+def ws_url(server, path="/v1/stream/vad") -> str:
+    return server.url.replace("http://", "ws://") + path
+
+
+def frames(data: bytes, rng) -> list:
+    """Random frame sizes from 1 byte to 1 s (32000 bytes), log-uniform; samples split."""
+    out, i = [], 0
+    while i < len(data):
+        n = int(np.exp(rng.uniform(0, np.log(32000))))
+        out.append(data[i:i + n])
+        i += n
+    return out
+
+
+async def stream(url: str, data: bytes, seed: int, first: dict = None, **kw) -> tuple:
+    rng = np.random.default_rng(seed)
+    events = []
+    async with websockets.connect(url, **kw) as ws:
+        if first is not None:
+            await ws.send(json.dumps(first))
+
+        async def reader():
+            async for msg in ws:
+                events.append(json.loads(msg))
+
+        task = asyncio.ensure_future(reader())
+        for f in frames(data, rng):
+            await ws.send(f)
+        await ws.send(json.dumps({"event": "end"}))
+        await asyncio.wait_for(task, 60)
+        return events, ws.close_code
+
+
+def check(events: list) -> None:
+    want = [(s / 16, e / 16) for s, e in REFERENCE[NAME]["segments"]]
+    done = events[-1]
+    assert done["event"] == "done"
+    assert done["duration_ms"] == REFERENCE[NAME]["samples"] / 16
+    live = [e for e in events if e["event"] in ("start", "end")]
+    assert [e["event"] for e in live] == ["start", "end"] * len(want)
+    pairs = list(zip(live[::2], live[1::2], strict=True))
+    assert [{"start_ms": s["ms"], "end_ms": e["ms"]} for s, e in pairs] == done["segments"]
+    for (s, e), seg in zip(want, done["segments"], strict=True):
+        assert abs(seg["start_ms"] - s) <= TOLERANCE_MS and abs(seg["end_ms"] - e) <= TOLERANCE_MS
+
+
+def test_32_clients_random_frames_get_silero_segments(server, pcm):
+    async def go():
+        return await asyncio.gather(*[stream(ws_url(server), pcm, seed)
+                                      for seed in range(CLIENTS)])
+
+    for events, code in asyncio.run(go()):
+        assert code == 1000
+        check(events)
+    assert server.runtime.load()["vad"]["active_sequences"] == 0
+
+
+def test_f32_by_first_message_with_probabilities(server, pcm):
+    f32 = (np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0).astype("<f4").tobytes()
+    first = {"mime": "audio/pcm;format=f32le;rate=16000", "probabilities": True}
+    events, code = asyncio.run(stream(ws_url(server), f32, 1, first))
+    probs = [e for e in events if e["event"] == "prob"]
+    assert len(probs) == -(-REFERENCE[NAME]["samples"] // 512)
+    assert all(0.0 <= e["p"] <= 1.0 for e in probs)
+    check([e for e in events if e["event"] != "prob"])
+
+
+def test_a_dropped_client_frees_its_slot_at_once(server, pcm):
+    rt = server.runtime
+
+    async def go():
+        ws = await websockets.connect(ws_url(server) + "?probabilities=true")
+        await ws.send(pcm[:32000])
+        await ws.recv()  # a probability: the sequence holds a slot
+        assert rt.load()["vad"]["active_sequences"] == 1
+        ws.transport.abort()  # no close frame: the connection is lost
+        t0 = time.monotonic()
+        while rt.load()["vad"]["active_sequences"] and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        return time.monotonic() - t0
+
+    # the idle timeout is 10 s: freed well before it means the socket ended the sequence
+    assert asyncio.run(go()) < 2.0
+    assert rt.load()["vad"]["active_sequences"] == 0
+
+
+def test_errors_are_an_event_and_a_close_code(server):
+    cases = [
+        (ws_url(server, "/v1/stream/nope"), None, 4404, "not_found"),
+        (ws_url(server) + "?lumen.vad.threshold=7", None, 4400, "invalid_argument"),
+        (ws_url(server) + "?lumen.sequence.id=x", None, 4400, "invalid_argument"),
+        (ws_url(server), {"mime": "audio/L16;rate=8000"}, 4415, "unsupported_media_type"),
+        (ws_url(server), "not json", 4400, "invalid_argument"),
+    ]
+    for url, first, code, name in cases:
+        async def go():
+            async with websockets.connect(url) as ws:
+                try:
+                    await ws.send(bytes(1024) if first is None else
+                                  first if isinstance(first, str) else json.dumps(first))
+                except websockets.ConnectionClosed:
+                    pass  # refused before the first message
+                msg = json.loads(await ws.recv())
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+                return msg, ws.close_code
+
+        msg, got = asyncio.run(go())
+        assert msg["event"] == "error" and msg["error"]["code"] == name, (url, msg)
+        assert got == code
+
+
+def test_api_keys_by_header_or_first_message(home, pcm):
+    srv = ServerThread(lc.Runtime.from_dict({"tasks": [vad_task(home)]}), grpc=False,
+                       api_keys=[KEY])
+    try:
+        async def go():
+            url = ws_url(srv)
+            async with websockets.connect(url) as ws:
+                await ws.send(bytes(1024))
+                msg = json.loads(await ws.recv())
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+                assert msg["error"]["code"] == "unauthenticated" and ws.close_code == 4401
+            ev, code = await stream(url, pcm[:64000], 0,
+                                    additional_headers={"Authorization": f"Bearer {KEY}"})
+            assert code == 1000 and ev[-1]["event"] == "done"
+            ev, code = await stream(url, pcm[:64000], 0, first={"api_key": KEY})
+            assert code == 1000 and ev[-1]["event"] == "done"
+
+        asyncio.run(go())
+    finally:
+        srv.stop()
+
+
+def test_a_fast_client_is_paced_by_the_model_not_buffered(server, pcm):
+    """Frames are run before the next is read: a client that sends ~97 s of audio as fast as
+    it can is held by flow control, and its events equal the whole file's segments."""
+    data = pcm * 8
+
+    async def go():
+        async with websockets.connect(ws_url(server), max_queue=4) as ws:
+            t0 = time.monotonic()
+            for i in range(0, len(data), 32000):
+                await ws.send(data[i:i + 32000])
+            sent = time.monotonic() - t0
+            await ws.send(json.dumps({"event": "end"}))
+            events = [json.loads(m) async for m in ws]
+            return sent, events
+
+    sent, events = asyncio.run(go())
+    assert events[-1]["event"] == "done"
+    whole = httpx.post(f"{server.url}/v1/infer/vad", content=data, timeout=60,
+                       headers={"content-type": "audio/L16;rate=16000"}).json()
+    assert len(events[-1]["segments"]) == len(whole["segments"]) >= 20
+    for a, b in zip(events[-1]["segments"], whole["segments"], strict=True):
+        assert abs(a["start_ms"] - b["start_ms"]) <= TOLERANCE_MS
+        assert abs(a["end_ms"] - b["end_ms"]) <= TOLERANCE_MS
