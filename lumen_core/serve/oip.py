@@ -53,7 +53,7 @@ from ..contract import (
 )
 from ..errors import InvalidArgument, LumenError, TaskNotFound, Unavailable
 from ..request import InferRequest
-from . import codec
+from . import codec, shm
 
 JSON = "application/json"
 OCTET_STREAM = "application/octet-stream"
@@ -62,6 +62,8 @@ HEADER_LENGTH = "inference-header-content-length"
 SERVER_NAME = "lumen-core"
 #: the protocol extensions this server implements (names as Triton reports them)
 EXTENSIONS = ("binary_tensor_data", "parameters", "sequence")
+#: listed too when [server] system_shared_memory is on
+SHM_EXTENSION = "system_shared_memory"
 # OIP parameter names
 P_BINARY_SIZE = "binary_data_size"
 P_BINARY = "binary_data"
@@ -103,8 +105,9 @@ def package_version() -> str:
         return ""
 
 
-def server_metadata(version: str) -> dict:
-    return {"name": SERVER_NAME, "version": version, "extensions": list(EXTENSIONS)}
+def server_metadata(version: str, shared_memory: bool = False) -> dict:
+    ext = list(EXTENSIONS) + ([SHM_EXTENSION] if shared_memory else [])
+    return {"name": SERVER_NAME, "version": version, "extensions": ext}
 
 
 def check_model(rt: Any, task: str, version: str = "") -> Any:
@@ -362,6 +365,7 @@ class OipRoutes:
     def __init__(self, app: Any):
         self.app = app
         self.rt = app.runtime
+        self.shm = shm.registry_for(self.rt)
 
     def routes(self) -> list:
         ep = self.app._endpoint
@@ -378,6 +382,14 @@ class OipRoutes:
               Route("/v2/health/ready", ep("/v2/health/ready", self._wrap(self.ready)),
                     methods=["GET"]),
               Route("/v2", ep("/v2", self._wrap(self.server)), methods=["GET"])]
+        base = "/v2/systemsharedmemory"
+        for path, fn, method in (
+                (base + "/status", self.shm_status, "GET"),
+                (base + "/region/{name}/status", self.shm_status, "GET"),
+                (base + "/region/{name}/register", self.shm_register, "POST"),
+                (base + "/unregister", self.shm_unregister, "POST"),
+                (base + "/region/{name}/unregister", self.shm_unregister, "POST")):
+            r.append(Route(path, ep(path, self._wrap(fn)), methods=[method]))
         return r
 
     @staticmethod
@@ -407,7 +419,7 @@ class OipRoutes:
         return self._json({"ready": True})
 
     async def server(self, request: Request) -> Response:
-        return self._json(server_metadata(self.app.version))
+        return self._json(server_metadata(self.app.version, self.shm.enabled))
 
     async def metadata(self, request: Request) -> Response:
         p = request.path_params
@@ -419,6 +431,20 @@ class OipRoutes:
         if self.app.draining or not self.rt.ready:
             raise Unavailable(f"model {p['task']!r} is not ready")
         return self._json({"name": p["task"], "ready": True})
+
+    # -- system shared memory -------------------------------------------------------------
+    async def shm_status(self, request: Request) -> Response:
+        return self._json(self.shm.status(request.path_params.get("name", "")))
+
+    async def shm_register(self, request: Request) -> Response:
+        obj, _ = _split_body(await self.app._read_body(request, "body"), None)
+        self.shm.register(request.path_params["name"], obj.get("key"), obj.get("offset", 0),
+                          obj.get("byte_size"))
+        return Response(b"", media_type=JSON)
+
+    async def shm_unregister(self, request: Request) -> Response:
+        self.shm.unregister(request.path_params.get("name", ""))
+        return Response(b"", media_type=JSON)
 
     async def infer(self, request: Request) -> Response:
         app = self.app
@@ -441,7 +467,7 @@ class OipRoutes:
         ip = inp.get("parameters") or {}
         if not isinstance(ip, dict):
             raise InvalidArgument(f"input {name!r}: 'parameters' must be an object", "parameters")
-        data = _input_data(inp, name, datatype, shape, ip, binary)
+        data = _input_data(inp, name, datatype, shape, ip, binary, self.shm)
         rid = obj.get("id") or ""
         if not isinstance(rid, str):
             raise InvalidArgument("'id' must be a string", "id")
@@ -516,9 +542,15 @@ def _split_body(body: bytes, header_len: Optional[str]) -> tuple:
 
 
 def _input_data(inp: dict, name: str, datatype: Any, shape: tuple, ip: dict,
-                binary: memoryview) -> Any:
-    """The input's tensor bytes (numeric) or its elements (BYTES), from the binary part or
-    from ``data``."""
+                binary: memoryview, registry: Optional[shm.ShmRegistry] = None) -> Any:
+    """The input's tensor bytes (numeric) or its elements (BYTES), from a shared-memory
+    region, the binary part or ``data``."""
+    view = shm.input_view(registry, ip)
+    if view is not None:
+        if len(binary) or inp.get("data") is not None:
+            raise InvalidArgument(f"input {name!r} names a shared memory region and also "
+                                  f"carries data; send one of them", "shared_memory_region")
+        return bytes_elements(view, name) if datatype == codec.OIP_BYTES else view
     size = ip.get(P_BINARY_SIZE)
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size != len(binary):

@@ -24,7 +24,7 @@ def server(tmp_path_factory):
     home = S.prepared_home(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("oip")
     srv = S.default_server(home, S.onnx_config(tmp, slow=False)["tasks"], server_kwargs={
-        "grpc": False}, max_payload_bytes=1 << 20)
+        "grpc": False}, max_payload_bytes=1 << 20, system_shared_memory=True)
     yield srv
     srv.stop()
 
@@ -177,3 +177,60 @@ def test_vad_raw_bytes_with_content_type_priority_and_timeout(client, fixtures_d
                        parameters={"content_type": "audio/pcm;format=f32le;rate=16000"})
     prob = float(res.as_numpy("speech_prob").reshape(-1)[0])
     assert abs(prob - float(ref["probs"][0, 0])) < VAD_TOLERANCE
+
+
+def test_shared_memory_input_equals_inline_bytes(client):
+    """An input in a registered system shared-memory region (tritonclient.utils.shared_memory)
+    gives the inline answer; status and unregister; hostile registrations and uses refused."""
+    import os
+
+    import tritonclient.utils.shared_memory as shm
+
+    x = S.mlp_input(7)
+    inline = httpclient.InferInput("x", list(x.shape), "FP32")
+    inline.set_data_from_numpy(x)
+    want = client.infer("mlp", [inline])
+    (name,) = [o["name"] for o in want.get_response()["outputs"]]
+    key = f"/lumen_oip_test_{os.getpid()}"
+    handle = shm.create_shared_memory_region("in0", key, 64 + x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [x], offset=64)
+        client.register_system_shared_memory("in0", key, 64 + x.nbytes)
+        assert client.get_system_shared_memory_status("in0")[0]["byte_size"] == 64 + x.nbytes
+        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_shared_memory("in0", x.nbytes, offset=64)
+        got = client.infer("mlp", [inp])
+        np.testing.assert_array_equal(got.as_numpy(name), want.as_numpy(name))
+        past = httpclient.InferInput("x", list(x.shape), "FP32")
+        past.set_shared_memory("in0", x.nbytes, offset=65)
+        with pytest.raises(InferenceServerException, match="exceeds"):
+            client.infer("mlp", [past])
+        with pytest.raises(InferenceServerException, match="already registered"):
+            client.register_system_shared_memory("in0", key, 8)
+        with pytest.raises(InferenceServerException, match="must be one name"):
+            client.register_system_shared_memory("evil", "/../etc/passwd", 8)
+        with pytest.raises(InferenceServerException, match="within the object"):
+            client.register_system_shared_memory("big", key, 1 << 20)
+        with pytest.raises(InferenceServerException, match="unable to open"):
+            client.register_system_shared_memory("none", "/lumen_no_such_region", 8)
+        os.truncate("/dev/shm/" + key.lstrip("/"), 16)  # shrunk under the server
+        with pytest.raises(InferenceServerException, match="truncated"):
+            client.infer("mlp", [inp])
+        client.unregister_system_shared_memory("in0")
+        assert client.get_system_shared_memory_status() == []
+        with pytest.raises(InferenceServerException, match="no shared memory region"):
+            client.infer("mlp", [inp])
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_shared_memory_is_off_unless_enabled():
+    from lumen_core.errors import InvalidArgument
+    from lumen_core.serve.shm import ShmRegistry
+
+    reg = ShmRegistry(enabled=False)
+    with pytest.raises(InvalidArgument, match="system_shared_memory = true"):
+        reg.register("r", "/k", 0, 8)
+    with pytest.raises(InvalidArgument, match="off on this server"):
+        reg.view("r", 0, 8)

@@ -1,0 +1,221 @@
+"""Triton's system shared-memory extension: regions a local client registers and names instead
+of sending tensor bytes (``/v2/systemsharedmemory/...`` and the gRPC ``SystemSharedMemory*``
+calls of :mod:`.oip_grpc`).
+
+Only when ``[server] system_shared_memory = true`` (off by default: a region is read straight
+from another process's memory, which only makes sense for clients on the same machine).
+
+A registered region is one POSIX shared-memory object (``/dev/shm/<key>``), mapped read-only
+once at registration; an input that names it becomes a memoryview of the mapping, handed to
+the runtime as the request's payload, so the batch is assembled straight from the client's
+memory (no copy into a request buffer).  What a hostile or careless client can do, and what
+answers it:
+
+- a key with a path in it (``../``), a symlink, a non-regular file: refused at registration
+  (the key is one name, opened with ``O_NOFOLLOW``; only regular files are mapped);
+- offset / byte size outside the object, or a negative or non-integer one: refused at
+  registration; an input's offset and size are checked against its region the same way
+  (Python integers: no overflow);
+- an unregistered (or never registered) name: ``invalid_argument`` naming it;
+- a region unlinked meanwhile: the mapping stays valid (unlink only removes the name), so a
+  request in flight reads the bytes it was sent with;
+- a region truncated meanwhile (``ftruncate``; touching pages past the end would be SIGBUS):
+  every use re-checks the object's size with ``fstat`` first and refuses a region that no
+  longer covers what was registered.  (A truncation racing that check is the client attacking
+  its own server process on its own machine; such clients must not be trusted with this
+  extension.)
+- unregistering while requests still read the region: the entry goes at once; the mapping is
+  closed when the last view of it is released.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import threading
+import weakref
+from typing import Any, Optional
+
+from ..errors import InvalidArgument
+
+SHM_DIR = "/dev/shm"
+#: a key is one name in SHM_DIR (an optional leading '/', as shm_open takes it)
+KEY_RE = re.compile(r"/?[A-Za-z0-9._-]{1,240}")
+#: region names are the client's labels: printable, bounded
+MAX_NAME_CHARS = 256
+MAX_REGIONS = 1024
+#: uint64, the protocol's type for offsets and sizes
+UINT64_MAX = (1 << 64) - 1
+
+_REGISTRIES: "weakref.WeakKeyDictionary[Any, ShmRegistry]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _uint(value: Any, what: str, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= UINT64_MAX:
+        raise InvalidArgument(f"{what} must be an integer in 0..2^64-1, got {str(value)[:40]}",
+                              field)
+    return value
+
+
+class Region:
+    __slots__ = ("name", "key", "offset", "byte_size", "fd", "mm", "base", "end")
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int):
+        path = os.path.join(SHM_DIR, key.lstrip("/"))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise InvalidArgument(f"unable to open shared memory key {key!r}: "
+                                  f"{exc.strerror}", "key") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument(f"shared memory key {key!r} is not a shared memory "
+                                      f"object", "key")
+            if byte_size == 0 or offset + byte_size > st.st_size:
+                raise InvalidArgument(f"region {name!r}: offset {offset} + byte_size "
+                                      f"{byte_size} must lie within the object's {st.st_size} "
+                                      f"bytes (and byte_size be > 0)", "byte_size")
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(fd, offset + byte_size - start, mmap.MAP_SHARED, mmap.PROT_READ,
+                           offset=start)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.name, self.key, self.offset, self.byte_size = name, key, offset, byte_size
+        self.fd, self.mm = fd, mm
+        self.base = offset - start  # where the region starts in the mapping
+        self.end = offset + byte_size  # the object size the region needs
+
+    def status(self) -> dict:
+        return {"name": self.name, "key": self.key, "offset": self.offset,
+                "byte_size": self.byte_size}
+
+    def view(self, offset: int, byte_size: int) -> memoryview:
+        if offset + byte_size > self.byte_size:
+            raise InvalidArgument(f"shared memory region {self.name!r}: offset {offset} + "
+                                  f"byte size {byte_size} exceeds its {self.byte_size} bytes",
+                                  "shared_memory_byte_size")
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError:
+            size = -1
+        if size < self.end:
+            raise InvalidArgument(f"shared memory region {self.name!r} was truncated to "
+                                  f"{size} bytes under the server (it needs {self.end}); "
+                                  f"register it again", "shared_memory_region")
+        start = self.base + offset
+        return memoryview(self.mm)[start:start + byte_size]
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a request still reads it: the mapping goes with its last view
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class ShmRegistry:
+    """The registered regions of one server (shared by its HTTP and gRPC front doors)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._regions: dict = {}
+        self._lock = threading.Lock()
+
+    def _check_enabled(self) -> None:
+        if not self.enabled:
+            raise InvalidArgument("system shared memory is off on this server; enable it with "
+                                  "[server] system_shared_memory = true (local clients only)",
+                                  "shared_memory_region")
+
+    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
+        self._check_enabled()
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS \
+                or not name.isprintable():
+            raise InvalidArgument(f"a region name is 1..{MAX_NAME_CHARS} printable characters",
+                                  "name")
+        if not isinstance(key, str) or not KEY_RE.fullmatch(key) or key.strip("/.") == "":
+            raise InvalidArgument(f"shared memory key {str(key)[:60]!r} must be one name such "
+                                  f"as '/my_region' (letters, digits, . _ -)", "key")
+        offset = _uint(offset, "offset", "offset")
+        byte_size = _uint(byte_size, "byte_size", "byte_size")
+        with self._lock:
+            if name in self._regions:
+                raise InvalidArgument(f"shared memory region {name!r} is already registered; "
+                                      f"unregister it first", "name")
+            if len(self._regions) >= MAX_REGIONS:
+                raise InvalidArgument(f"at most {MAX_REGIONS} shared memory regions may be "
+                                      f"registered", "name")
+            self._regions[name] = Region(name, key, offset, byte_size)
+
+    def unregister(self, name: str = "") -> None:
+        """One region, or all of them when ``name`` is empty (unknown names are no error, as in
+        Triton)."""
+        self._check_enabled()
+        with self._lock:
+            if name:
+                gone = [self._regions.pop(name)] if name in self._regions else []
+            else:
+                gone = list(self._regions.values())
+                self._regions.clear()
+        for r in gone:
+            r.close()
+
+    def status(self, name: str = "") -> list:
+        self._check_enabled()
+        with self._lock:
+            if name:
+                r = self._regions.get(name)
+                if r is None:
+                    raise InvalidArgument(f"no shared memory region {name[:MAX_NAME_CHARS]!r} "
+                                          f"is registered", "name")
+                return [r.status()]
+            return [r.status() for r in self._regions.values()]
+
+    def view(self, name: Any, offset: Any, byte_size: Any) -> memoryview:
+        """The bytes an input names: ``byte_size`` bytes at ``offset`` within region ``name``."""
+        self._check_enabled()
+        if not isinstance(name, str):
+            raise InvalidArgument("shared_memory_region must be a string", "shared_memory_region")
+        offset = _uint(0 if offset is None else offset, "shared_memory_offset",
+                       "shared_memory_offset")
+        byte_size = _uint(byte_size, "shared_memory_byte_size", "shared_memory_byte_size")
+        with self._lock:
+            r = self._regions.get(name)
+        if r is None:
+            raise InvalidArgument(f"no shared memory region {name[:MAX_NAME_CHARS]!r} is "
+                                  f"registered (register it first)", "shared_memory_region")
+        return r.view(offset, byte_size)
+
+
+def registry_for(runtime: Any) -> ShmRegistry:
+    """The registry of the server running ``runtime`` (one per runtime, so the HTTP and gRPC
+    front doors see the same regions); enabled by ``[server] system_shared_memory``."""
+    with _LOCK:
+        reg = _REGISTRIES.get(runtime)
+        if reg is None:
+            cfg = getattr(runtime, "config", None)
+            enabled = bool(getattr(getattr(cfg, "server", None), "system_shared_memory", False))
+            reg = _REGISTRIES[runtime] = ShmRegistry(enabled)
+        return reg
+
+
+def input_view(registry: Optional[ShmRegistry], params: dict) -> Optional[memoryview]:
+    """The input's bytes when its parameters name a region, else None."""
+    name = params.get("shared_memory_region")
+    if name is None:
+        return None
+    if registry is None:
+        raise InvalidArgument("system shared memory is not available here",
+                              "shared_memory_region")
+    size = params.get("shared_memory_byte_size")
+    if size is None:
+        raise InvalidArgument("an input in shared memory needs shared_memory_byte_size",
+                              "shared_memory_byte_size")
+    return registry.view(name, params.get("shared_memory_offset"), size)
