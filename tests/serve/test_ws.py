@@ -149,7 +149,7 @@ def test_errors_are_an_event_and_a_close_code(server):
         (ws_url(server), "not json", 4400, "invalid_argument"),
     ]
     for url, first, code, name in cases:
-        async def go():
+        async def go(url=url, first=first):
             async with websockets.connect(url) as ws:
                 try:
                     await ws.send(bytes(1024) if first is None else
