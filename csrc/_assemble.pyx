@@ -20,6 +20,7 @@ from cpython.buffer cimport (PyBUF_FULL_RO, PyBuffer_IsContiguous, PyBuffer_Rele
                              PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.math cimport isfinite
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
@@ -29,6 +30,10 @@ from lumen_core import assemble as _py
 from lumen_core.errors import InternalError
 
 cnp.import_array()
+
+import sys
+
+cdef bint _LITTLE = sys.byteorder == "little"
 
 cdef extern from "numpy/arrayobject.h" nogil:
     # the flag behind ``dtype.hasobject``
@@ -321,3 +326,28 @@ def scatter(batch_out, n) -> list:
     for i in range(k):
         out.append(batch_out[i, ...])
     return out
+
+
+def first_non_finite(buf) -> int:
+    """Index of the first NaN or infinity in a little-endian float32 buffer, or -1 (the twin's
+    docstring says why the GIL is held here)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t i, n
+    cdef float v
+    cdef const char* p
+    if not _LITTLE:
+        return _py.first_non_finite(buf)
+    if PyObject_GetBuffer(buf, &view, PyBUF_FULL_RO) != 0:
+        return _py.first_non_finite(buf)  # not a buffer: the twin raises
+    try:
+        if view.len % 4 or not PyBuffer_IsContiguous(&view, b"C"):
+            return _py.first_non_finite(buf)  # cold: the twin's error (or its copy)
+        n = view.len // 4
+        p = <const char*>view.buf
+        for i in range(n):
+            memcpy(&v, p + 4 * i, 4)  # the buffer need not be 4-byte aligned
+            if not isfinite(v):
+                return i
+        return -1
+    finally:
+        PyBuffer_Release(&view)

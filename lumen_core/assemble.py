@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 #: the twin API (``lumen_core._assemble`` exports the same)
-__all__ = ["gather", "gather_ragged", "scatter"]
+__all__ = ["first_non_finite", "gather", "gather_ragged", "scatter"]
 
 #: integer kinds accepted for the attention-style ``mask`` of ``gather_ragged``
 MASK_KINDS = "iub"
@@ -211,3 +211,17 @@ def scatter(batch_out: np.ndarray, n: int) -> list:
     """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
     n = scatter_count(batch_out, n)
     return [batch_out[i, ...] for i in range(n)]
+
+
+def first_non_finite(buf: Any) -> int:
+    """Index of the first NaN or infinity in a little-endian float32 buffer, or -1.
+
+    Request validation calls it on the event loop (e.g. audio samples), so the compiled twin
+    checks with the GIL held: numpy's ufuncs release the GIL past 500 elements, and on a busy
+    server the loop then waits for a worker thread to hand it back.  The buffer's size must be
+    a multiple of 4 (``np.frombuffer``'s error otherwise).
+    """
+    finite = np.isfinite(np.frombuffer(buf, dtype="<f4"))
+    if finite.all():
+        return -1
+    return int(np.argmin(finite))

@@ -382,3 +382,26 @@ def test_scatter_accepts_index_like_counts(assemble):
     for n in (np.int64(2), np.uint8(2), True):
         views = assemble.scatter(out, n)
         assert len(views) == int(n) and all(np.shares_memory(v, out) for v in views)
+
+
+# ------------------------------------------------------------------------ first_non_finite
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_first_non_finite_finds_the_first_bad_sample(assemble, bad):
+    x = np.linspace(-1, 1, 512, dtype="<f4")
+    assert assemble.first_non_finite(x) == -1
+    assert assemble.first_non_finite(x.tobytes()) == -1
+    y = x.copy()
+    y[[300, 17]] = bad
+    assert assemble.first_non_finite(y) == 17
+    assert assemble.first_non_finite(memoryview(y.tobytes())) == 17
+    assert assemble.first_non_finite(b"") == -1
+
+
+def test_first_non_finite_reads_unaligned_buffers_and_refuses_odd_sizes(assemble):
+    raw = bytearray(1 + 4 * 8)
+    vals = np.zeros(8, "<f4")
+    vals[5] = np.nan
+    raw[1:] = vals.tobytes()
+    assert assemble.first_non_finite(memoryview(raw)[1:]) == 5  # not 4-byte aligned
+    with pytest.raises(ValueError):
+        assemble.first_non_finite(bytes(6))

@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import native
 from ..batching.signature import signature
 from ..config import ConstantConfig, SequenceConfig, StateConfig
 from ..contract import (
@@ -210,9 +211,8 @@ class VadBackend(TaskBackend):
     def _finite(payload: memoryview) -> memoryview:
         """Refuse NaN / inf samples: Silero answers them with a finite probability and keeps a
         corrupted state, so every later chunk of the stream would silently be wrong (~2 us)."""
-        finite = np.isfinite(np.frombuffer(payload, dtype="<f4"))
-        if not finite.all():
-            pos = int(np.argmin(finite))
+        pos = native.assemble.first_non_finite(payload)  # the GIL stays with the loop
+        if pos >= 0:
             raise InvalidArgument(f"sample {pos} is not finite (NaN or inf); audio samples must "
                                   f"be finite", "payload")
         return payload
