@@ -26,7 +26,7 @@ import numpy as np
 
 from ..contract import DTYPES
 from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge, Unavailable
-from . import codec, oip
+from . import codec, oip, shm
 from .auth import unscope_error
 from .proto import open_inference_grpc_pb2 as pb
 
@@ -92,6 +92,7 @@ class OipServicer:
     def __init__(self, base: Any, version: Optional[str] = None):
         self.base = base
         self.version = oip.package_version() if version is None else version
+        self.shm = shm.registry_for(base.runtime)
 
     @property
     def rt(self) -> Any:
@@ -116,6 +117,17 @@ class OipServicer:
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                 self.ModelStreamInfer, _deserializer(max_message_bytes),
                 ser(pb.ModelStreamInferResponse)),
+            "SystemSharedMemoryStatus": u(
+                self.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest.FromString,
+                ser(pb.SystemSharedMemoryStatusResponse)),
+            "SystemSharedMemoryRegister": u(
+                self.SystemSharedMemoryRegister,
+                pb.SystemSharedMemoryRegisterRequest.FromString,
+                ser(pb.SystemSharedMemoryRegisterResponse)),
+            "SystemSharedMemoryUnregister": u(
+                self.SystemSharedMemoryUnregister,
+                pb.SystemSharedMemoryUnregisterRequest.FromString,
+                ser(pb.SystemSharedMemoryUnregisterResponse)),
         }
 
     def add_to(self, server: Any, max_message_bytes: int) -> None:
@@ -148,7 +160,7 @@ class OipServicer:
         return pb.ModelReadyResponse(ready=self._ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        m = oip.server_metadata(self.version)
+        m = oip.server_metadata(self.version, self.shm.enabled)
         return pb.ServerMetadataResponse(name=m["name"], version=m["version"],
                                          extensions=m["extensions"])
 
@@ -166,6 +178,36 @@ class OipServicer:
             outputs=[T(name=t["name"], datatype=t["datatype"], shape=t["shape"])
                      for t in m["outputs"]])
 
+    # -- system shared memory -------------------------------------------------------------
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            self.base._scope(context)
+            regions = self.shm.status(request.name)
+        except LumenError as exc:
+            await self._abort(context, "SystemSharedMemoryStatus", exc)
+        out = pb.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            st = out.regions[r["name"]]
+            st.name, st.key, st.offset, st.byte_size = (r["name"], r["key"], r["offset"],
+                                                        r["byte_size"])
+        return out
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            self.base._scope(context)
+            self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        except LumenError as exc:
+            await self._abort(context, "SystemSharedMemoryRegister", exc)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            self.base._scope(context)
+            self.shm.unregister(request.name)
+        except LumenError as exc:
+            await self._abort(context, "SystemSharedMemoryUnregister", exc)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
     # -- inference ------------------------------------------------------------------------
     def _request(self, msg: Any, scope: Optional[str]) -> tuple:
         """(the runtime request, the task's model version) for one ModelInferRequest."""
@@ -182,10 +224,19 @@ class OipServicer:
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"input {name!r}: 'shape' must be non-negative, got "
                                   f"{list(shape)}", "shape")
-        data = self._input_data(msg, inp, name, shape)
+        inp_params = _params(inp.parameters)
+        view = shm.input_view(self.shm, inp_params)
+        if view is None:
+            data = self._input_data(msg, inp, name, shape)
+        elif msg.raw_input_contents:
+            raise InvalidArgument(f"input {name!r} names a shared memory region and also "
+                                  f"carries raw_input_contents; send one of them",
+                                  "shared_memory_region")
+        else:
+            data = oip.bytes_elements(view, name) if inp.datatype == codec.OIP_BYTES else view
         keys = self.base.keys
         req = oip.build_request(self.rt, task, name, inp.datatype, shape, data,
-                                _params(msg.parameters), _params(inp.parameters), msg.id,
+                                _params(msg.parameters), inp_params, msg.id,
                                 lambda m: keys.scoped_meta(m, scope))
         return req, contract.model_version
 

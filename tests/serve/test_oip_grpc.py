@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     home = S.prepared_home(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("oip_grpc")
     srv = S.default_server(home, S.onnx_config(tmp, slow=False)["tasks"],
-                           max_payload_bytes=1 << 20)
+                           max_payload_bytes=1 << 20, system_shared_memory=True)
     yield srv
     srv.stop()
 
@@ -159,6 +159,41 @@ def _tensor_request(x: np.ndarray):
     from lumen_core.request import InferRequest
 
     return InferRequest("mlp", x.tobytes(), "application/octet-stream", S.tensor_meta(x.shape))
+
+
+def test_shared_memory_input_equals_inline_bytes(server, client):
+    """A region registered over gRPC (seen by the HTTP routes too) carries the input; the
+    answer equals the inline one; a region not registered is refused."""
+    import os
+
+    import httpx
+    import tritonclient.utils.shared_memory as shm
+
+    x = S.mlp_input(11)
+    inline = grpcclient.InferInput("x", list(x.shape), "FP32")
+    inline.set_data_from_numpy(x)
+    want = client.infer("mlp", [inline])
+    name = want.get_response().outputs[0].name
+    key = f"/lumen_oip_grpc_test_{os.getpid()}"
+    handle = shm.create_shared_memory_region("g_in", key, x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        client.register_system_shared_memory("g_in", key, x.nbytes)
+        status = client.get_system_shared_memory_status(as_json=True)
+        assert status["regions"]["g_in"]["key"] == key
+        http_status = httpx.get(f"{server.url}/v2/systemsharedmemory/status", timeout=10).json()
+        assert [r["name"] for r in http_status] == ["g_in"]
+        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_shared_memory("g_in", x.nbytes)
+        got = client.infer("mlp", [inp])
+        np.testing.assert_array_equal(got.as_numpy(name), want.as_numpy(name))
+        client.unregister_system_shared_memory("g_in")
+        with pytest.raises(InferenceServerException, match="no shared memory region") as e:
+            client.infer("mlp", [inp])
+        assert "INVALID_ARGUMENT" in e.value.status()
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(handle)
 
 
 def test_generated_oip_code_is_current(tmp_path):
