@@ -39,9 +39,12 @@ KEY_VAD_MIN_SPEECH_DURATION_MS = "lumen.vad.min_speech_duration_ms"
 KEY_VAD_MIN_SILENCE_DURATION_MS = "lumen.vad.min_silence_duration_ms"
 KEY_VAD_SPEECH_PAD_MS = "lumen.vad.speech_pad_ms"
 KEY_VAD_MAX_SPEECH_DURATION_S = "lumen.vad.max_speech_duration_s"
+#: ``true`` on a sequence's start request (gRPC InferStream): replies carry the segment events
+#: each chunk settles, as JSON, under the same key of their meta
+KEY_VAD_EVENTS = "lumen.vad.events"
 VAD_KEYS = frozenset({KEY_VAD_THRESHOLD, KEY_VAD_MIN_SPEECH_DURATION_MS,
                       KEY_VAD_MIN_SILENCE_DURATION_MS, KEY_VAD_SPEECH_PAD_MS,
-                      KEY_VAD_MAX_SPEECH_DURATION_S})
+                      KEY_VAD_MAX_SPEECH_DURATION_S, KEY_VAD_EVENTS})
 
 #: ``field`` used when the payload length disagrees with dtype x shape.
 FIELD_PAYLOAD = "payload"

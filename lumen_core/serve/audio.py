@@ -30,6 +30,7 @@ from ..contract import (
     KEY_SEQUENCE_END,
     KEY_SEQUENCE_ID,
     KEY_SEQUENCE_START,
+    KEY_VAD_EVENTS,
     RESERVED_PREFIX,
     VAD_KEYS,
 )
@@ -346,3 +347,90 @@ async def file_reply(app: Any, request: Any, task: str) -> Any:
     meta = dict(request.query_params)
     result = await app._until_done_or_gone(request, run_file(app.runtime, task, body, mime, meta))
     return Response(codec.dumps(result), media_type="application/json")
+
+
+# --------------------------------------------------------------------------- client sequences
+class _Track:
+    __slots__ = ("segmenter", "admitted", "next", "done", "end_at")
+
+    def __init__(self, segmenter: Segmenter):
+        self.segmenter = segmenter
+        self.admitted = 0  # chunk requests admitted
+        self.next = 0  # the next chunk whose probability feeds the segmenter
+        self.done: dict = {}  # chunk index -> probability (None: the chunk failed)
+        self.end_at: Optional[int] = None
+
+
+class SequenceEvents:
+    """Segment events for chunk requests of *client-named* sequences (gRPC ``InferStream``).
+
+    A sequence opts in with ``lumen.vad.events=true`` (and any ``lumen.vad.*`` options) on its
+    start request.  :meth:`admit` is called for each request in arrival order, before it runs;
+    :meth:`settle` with its answer, in any order: probabilities feed the sequence's segmenter
+    in chunk order, and the events they settle are returned (JSON text) for the reply at hand.
+    The end request finishes the segmenter (every chunk counts 512 samples).  State is per
+    call: a stream that goes away takes its trackers with it.
+    """
+
+    MAX_TRACKED = 4096
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.tracks: dict = {}
+
+    def admit(self, task: str, meta: Any) -> Optional[tuple]:
+        sid = meta.get(KEY_SEQUENCE_ID) if meta else None
+        if not sid:
+            return None
+        if meta.get(KEY_SEQUENCE_START) == "true":
+            self.tracks.pop(sid, None)
+            if meta.get(KEY_VAD_EVENTS) != "true" or len(self.tracks) >= self.MAX_TRACKED:
+                return None
+            desc = segment_task(self.runtime, task)
+            if desc is None:
+                return None
+            try:
+                options = segment_options(meta, task_options(desc))
+            except LumenError:
+                return None  # the runtime refuses the request with the same error
+            self.tracks[sid] = _Track(Segmenter(options))
+        track = self.tracks.get(sid)
+        if track is None:
+            return None
+        idx = track.admitted
+        track.admitted += 1
+        if meta.get(KEY_SEQUENCE_END) == "true":
+            track.end_at = idx
+            del self.tracks[sid]  # a later start begins a new tracker
+        return track, idx
+
+    def settle(self, ticket: tuple, resp: Any) -> str:
+        """The events (JSON text, "" when none) settled once chunk ``ticket`` is answered
+        (``resp`` None: it failed, and the sequence's state did not advance)."""
+        track, idx = ticket
+        p = None
+        if resp is not None:
+            try:
+                p = float(np.asarray(resp.outputs[OUTPUT]).reshape(-1)[0])
+            except (KeyError, IndexError, TypeError, ValueError):
+                p = None
+        track.done[idx] = p
+        raw: list = []
+        seg = track.segmenter
+        while track.next in track.done:
+            prob = track.done.pop(track.next)
+            if prob is not None and not seg.finished:
+                raw += seg.push(prob)
+            if track.next == track.end_at:
+                raw += seg.finish()
+            track.next += 1
+        if not raw:
+            return ""
+        return codec_dumps([{"event": kind, "ms": samples_to_ms(s)} for kind, s in raw])
+
+
+def codec_dumps(obj: Any) -> str:
+    from . import codec
+
+    out = codec.dumps(obj)
+    return out.decode() if isinstance(out, bytes) else out

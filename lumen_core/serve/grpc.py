@@ -30,9 +30,10 @@ from typing import Any, AsyncIterator, Optional
 
 import grpc
 
+from ..contract import KEY_VAD_EVENTS
 from ..errors import InternalError, LumenError, Overloaded, PayloadTooLarge, Unavailable
 from ..request import InferRequest
-from . import codec
+from . import audio, codec
 from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
 from .oip_grpc import OipServicer
@@ -208,13 +209,22 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self._count("Infer", "OK")
         return to_proto(resp)
 
-    async def _stream_one(self, msg: Any, scope: Optional[str]) -> Any:
-        """One stream message -> its reply message (a response or an error, never a raise)."""
+    async def _stream_one(self, msg: Any, scope: Optional[str],
+                          events: Optional[audio.SequenceEvents] = None) -> Any:
+        """One stream message -> its reply message (a response or an error, never a raise);
+        ``events``: the call's speech-segment trackers (``lumen.vad.events``, audio.py)."""
         cid = msg.correlation_id
+        ticket = events.admit(msg.task, msg.meta) if events is not None else None
         try:
-            reply = lumen_pb2.InferStreamResponse(
-                correlation_id=cid, response=to_proto(await self._infer(msg, scope)))
+            resp = await self._infer(msg, scope)
+            reply = lumen_pb2.InferStreamResponse(correlation_id=cid, response=to_proto(resp))
+            if ticket is not None:
+                settled = events.settle(ticket, resp)
+                if settled:
+                    reply.response.meta[KEY_VAD_EVENTS] = settled
         except LumenError as exc:
+            if ticket is not None:
+                events.settle(ticket, None)
             self._count("InferStream", exc.grpc_status)
             return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(exc))
         except Exception as exc:  # noqa: BLE001 - one bad reply must not stall the stream
@@ -243,6 +253,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
             context.set_trailing_metadata(error_metadata(exc))
             await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
+        events = audio.SequenceEvents(self.runtime)
         replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes); None: no more
         running: set = set()
 
@@ -260,7 +271,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
                     self._admitted(nbytes)
                     # Tasks start in creation order and Runtime.infer admits a request before
                     # it first suspends, so requests reach their batcher in arrival order.
-                    task = asyncio.ensure_future(self._stream_one(msg, scope))
+                    task = asyncio.ensure_future(self._stream_one(msg, scope, events))
                     running.add(task)
                     task.add_done_callback(lambda t, n=nbytes: finished(n, t))
                 if running:

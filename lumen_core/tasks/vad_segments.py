@@ -27,6 +27,7 @@ import numpy as np
 
 from ..config import Option
 from ..contract import (
+    KEY_VAD_EVENTS,
     KEY_VAD_MAX_SPEECH_DURATION_S,
     KEY_VAD_MIN_SILENCE_DURATION_MS,
     KEY_VAD_MIN_SPEECH_DURATION_MS,
@@ -132,6 +133,9 @@ def segment_options(meta: Optional[Mapping], base: SegmentOptions = DEFAULTS) ->
     checked: ``InvalidArgument`` naming the key at fault."""
     if not has_vad_keys(meta):
         return base
+    ev = meta.get(KEY_VAD_EVENTS)
+    if ev is not None and ev not in ("true", "false"):
+        raise _bad(KEY_VAD_EVENTS, "true or false", ev)
     vals = base.to_dict()
     t = meta.get(KEY_VAD_THRESHOLD)
     if t is not None:
