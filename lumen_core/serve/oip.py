@@ -251,15 +251,31 @@ def tensor_request(rt: Any, task: str, name: str, datatype: str, shape: tuple, p
     return InferRequest(task, payload, OCTET_STREAM, meta, request_id)
 
 
+#: (id(runtime), task) -> (the contract it was read under, the task's first raw mime or None);
+#: ``describe`` builds a dict per call, and a reload gives the task a new contract object
+_DEFAULT_MIMES: dict = {}
+
+
+def _default_mime(rt: Any, task: str) -> str:
+    contract = rt.contract(task)
+    hit = _DEFAULT_MIMES.get((id(rt), task))
+    if hit is None or hit[0] is not contract:
+        mimes = rt.describe(task).get("raw_mimes") or []
+        hit = (contract, mimes[0] if mimes else None)
+        if len(_DEFAULT_MIMES) > 4096:
+            _DEFAULT_MIMES.clear()
+        _DEFAULT_MIMES[(id(rt), task)] = hit
+    if hit[1] is None:
+        raise InvalidArgument(f"model {task!r} takes no BYTES input (it has no raw route); "
+                              f"send a numeric tensor", "datatype")
+    return hit[1]
+
+
 def raw_request(rt: Any, task: str, name: str, element: Any, mime: Optional[str], meta: dict,
                 request_id: str) -> InferRequest:
     """A raw-route request for a one-element BYTES input."""
     if not mime:
-        mimes = rt.describe(task).get("raw_mimes") or []
-        if not mimes:
-            raise InvalidArgument(f"model {task!r} takes no BYTES input (it has no raw route); "
-                                  f"send a numeric tensor", "datatype")
-        mime = mimes[0]
+        mime = _default_mime(rt, task)
     if isinstance(element, str) and not mime.lower().startswith("text/"):
         element = element.encode("utf-8")
     return InferRequest(task, element, mime, meta, request_id)
