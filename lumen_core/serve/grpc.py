@@ -214,7 +214,9 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         """One stream message -> its reply message (a response or an error, never a raise);
         ``events``: the call's speech-segment trackers (``lumen.vad.events``, audio.py)."""
         cid = msg.correlation_id
-        ticket = events.admit(msg.task, msg.meta) if events is not None else None
+        ticket = None
+        if events is not None and not isinstance(msg, Oversized):
+            ticket = events.admit(msg.task, msg.meta)
         try:
             resp = await self._infer(msg, scope)
             reply = lumen_pb2.InferStreamResponse(correlation_id=cid, response=to_proto(resp))
