@@ -18,9 +18,9 @@ Protocol (one stream per socket, run as one sequence of the task, :class:`.audio
   code ``4000 + the HTTP status`` of the error (4400, 4401, 4404, 4413, 4415, 4429, 4503, 4500).
 
 Backpressure: frames are read one at a time and each is run before the next is read, so a
-client sending faster than the model is slowed by TCP flow control (the server's read buffer
-holds at most ``ws_max_queue`` frames of at most ``ws_max_size`` bytes); nothing is buffered
-without bound.  API keys apply: ``Authorization: Bearer KEY`` on the upgrade, or
+client sending faster than the model is slowed by TCP flow control (uvicorn stops reading the
+socket while a received frame waits for the app, so a stream holds at most about one frame of
+at most ``ws_max_size`` bytes, plus its chunk requests); nothing is buffered without bound.  API keys apply: ``Authorization: Bearer KEY`` on the upgrade, or
 ``"api_key"`` in the first text message.
 """
 from __future__ import annotations

@@ -212,3 +212,40 @@ def test_a_fast_client_is_paced_by_the_model_not_buffered(server, pcm):
     for a, b in zip(events[-1]["segments"], whole["segments"], strict=True):
         assert abs(a["start_ms"] - b["start_ms"]) <= TOLERANCE_MS
         assert abs(a["end_ms"] - b["end_ms"]) <= TOLERANCE_MS
+
+
+def test_an_infinitely_fast_client_is_read_one_frame_at_a_time(home, pcm):
+    """The endpoint on a fake ASGI connection whose frames are always ready: whenever it asks
+    for the next frame, every chunk of the previous ones has been answered (nothing of this
+    stream is queued), so the server holds at most one frame of a fast client."""
+    from lumen_core.serve.auth import ApiKeys
+    from lumen_core.serve.ws import StreamEndpoint
+
+    data = pcm * 3
+    parts = [data[i:i + 20000] for i in range(0, len(data), 20000)]
+
+    async def go():
+        async with lc.Runtime.from_dict({"tasks": [vad_task(home)]}) as rt:
+            sent, queued_at_read = [], []
+            inbox = [{"type": "websocket.connect"}]
+            inbox += [{"type": "websocket.receive", "bytes": p} for p in parts]
+            inbox += [{"type": "websocket.receive", "text": '{"event": "end"}'}]
+
+            async def receive():
+                load = rt.load()["vad"]
+                queued_at_read.append(load["pending"] + load["in_flight"])
+                return inbox.pop(0)
+
+            async def send(msg):
+                sent.append(msg)
+
+            scope = {"type": "websocket", "path": "/v1/stream/vad", "query_string": b"",
+                     "headers": [], "path_params": {"task": "vad"}}
+            await StreamEndpoint(rt, ApiKeys(), lambda: False)(scope, receive, send)
+            return sent, queued_at_read
+
+    sent, queued = asyncio.run(go())
+    assert set(queued) == {0} and len(queued) == len(parts) + 2
+    texts = [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send"]
+    assert texts[-1]["event"] == "done" and len(texts[-1]["segments"]) >= 9
+    assert sent[-1]["type"] == "websocket.close" and sent[-1]["code"] == 1000
