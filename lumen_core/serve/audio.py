@@ -160,6 +160,11 @@ def decode_file(body: bytes, mime: str) -> tuple:
     return body, width
 
 
+def _idled_out(res: Any) -> bool:
+    return (isinstance(res, InvalidArgument) and res.field == KEY_SEQUENCE_ID
+            and "max_sequence_idle_us" in res.message)
+
+
 class SegmentStream:
     """One audio stream run as one sequence of a segment task.
 
@@ -186,6 +191,8 @@ class SegmentStream:
         self.nbytes = 0
         self.started = False
         self.closed = False
+        #: times the sequence was begun again after idling out (a paused live stream)
+        self.restarts = 0
 
     @property
     def duration_ms(self) -> float:
@@ -210,9 +217,16 @@ class SegmentStream:
         for lo in range(0, len(payloads), WINDOW_CHUNKS):
             group = payloads[lo:lo + WINDOW_CHUNKS]
             last = lo + len(group) >= len(payloads)
-            reqs = [self._request(p, end and last and i == len(group) - 1)
-                    for i, p in enumerate(group)]
-            results = await self.rt.infer_many(reqs)
+            flags = [end and last and i == len(group) - 1 for i in range(len(group))]
+            results = await self.rt.infer_many(
+                [self._request(p, f) for p, f in zip(group, flags, strict=True)])
+            if results and _idled_out(results[0]):
+                # a live stream paused past the task's max_sequence_idle_us: its slot was
+                # released, so it begins again (fresh model state; the segmenter goes on)
+                self.started = False
+                self.restarts += 1
+                results = await self.rt.infer_many(
+                    [self._request(p, f) for p, f in zip(group, flags, strict=True)])
             for i, res in enumerate(results):
                 if isinstance(res, LumenError):
                     raise res

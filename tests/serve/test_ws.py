@@ -249,3 +249,23 @@ def test_an_infinitely_fast_client_is_read_one_frame_at_a_time(home, pcm):
     texts = [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send"]
     assert texts[-1]["event"] == "done" and len(texts[-1]["segments"]) >= 9
     assert sent[-1]["type"] == "websocket.close" and sent[-1]["code"] == 1000
+
+
+def test_a_stream_paused_past_the_idle_timeout_goes_on(home, pcm):
+    task = vad_task(home)
+    task["sequence"] = {"strategy": "direct", "max_sequence_idle_us": 100_000}
+    srv = ServerThread(lc.Runtime.from_dict({"tasks": [task]}), grpc=False)
+    try:
+        async def go():
+            async with websockets.connect(ws_url(srv)) as ws:
+                await ws.send(pcm[:64000])
+                await asyncio.sleep(0.5)  # the slot idles out
+                await ws.send(pcm[64000:])
+                await ws.send(json.dumps({"event": "end"}))
+                return [json.loads(m) async for m in ws], ws.close_code
+
+        events, code = asyncio.run(go())
+        assert code == 1000 and events[-1]["event"] == "done", events[-1]
+        assert len(events[-1]["segments"]) >= 2
+    finally:
+        srv.stop()
