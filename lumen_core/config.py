@@ -33,7 +33,7 @@ DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 DEFAULT_READ_TIMEOUT_MS = 10_000
 DEFAULT_MAX_CONNECTIONS = 1000
 #: endpoints that may be opened to callers without an API key (/healthz always is)
-AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics")
+AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics", "/v2/health/ready")
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_US = 2000
 DEFAULT_MAX_QUEUE_SIZE = 1024

@@ -86,7 +86,7 @@ ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, POST /v1/
                "GET /v1/tasks, "
                "/v1/models, /healthz, /readyz, /metrics")
 #: the one endpoint that never needs an API key (a liveness probe carries no secret)
-ALWAYS_OPEN = frozenset({"/healthz"})
+ALWAYS_OPEN = frozenset({"/healthz", "/v2/health/live"})
 #: a lone UTF-16 surrogate (JSON can carry one as \ud800): no encoding can represent it
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

@@ -234,3 +234,42 @@ def test_shared_memory_is_off_unless_enabled():
         reg.register("r", "/k", 0, 8)
     with pytest.raises(InvalidArgument, match="off on this server"):
         reg.view("r", 0, 8)
+
+
+def test_api_keys_on_the_oip_routes(tmp_path):
+    """With API keys on: /v2/health/live is open, everything else needs the key (HTTP and the
+    gRPC service alike)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from lumen_core.runtime import Runtime
+
+    key = "oip-test-key-0123456789"
+    srv = S.ServerThread(Runtime.from_dict(S.onnx_config(tmp_path, slow=False, api_keys=[key])))
+    try:
+        host = srv.url.removeprefix("http://")
+        anon = httpclient.InferenceServerClient(host)
+        assert anon.is_server_live()
+        with pytest.raises(InferenceServerException):
+            anon.get_model_metadata("mlp")
+        authed = httpclient.InferenceServerClient(host)
+        x = S.mlp_input()
+        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        auth = {"Authorization": f"Bearer {key}"}
+        assert authed.infer("mlp", [inp], headers=auth).get_response()["model_name"] == "mlp"
+        with pytest.raises(InferenceServerException):
+            authed.infer("mlp", [inp])
+        req = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[x.tobytes()])
+        req.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+        with grpc.insecure_channel(srv.grpc_target) as ch:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfer(req)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = stub.ModelInfer(req, metadata=[("authorization", f"Bearer {key}")])
+            assert out.model_name == "mlp"
+        anon.close()
+        authed.close()
+    finally:
+        srv.stop()
