@@ -69,6 +69,8 @@ P_BINARY_SIZE = "binary_data_size"
 P_BINARY = "binary_data"
 P_BINARY_OUTPUT = "binary_data_output"
 P_CONTENT_TYPE = "content_type"
+P_SHM_REGION = "shared_memory_region"
+P_SHM_BYTE_SIZE = "shared_memory_byte_size"
 P_SEQUENCE_ID = "sequence_id"
 P_SEQUENCE_START = "sequence_start"
 P_SEQUENCE_END = "sequence_end"
@@ -368,6 +370,10 @@ def bytes_tensor(arr: np.ndarray) -> bytes:
     return b"".join(_LEN.pack(len(b)) + b for b in bytes_items(arr))
 
 
+def _output_bytes(arr: np.ndarray, datatype: str) -> Any:
+    return bytes_tensor(arr) if datatype == codec.OIP_BYTES else codec.tensor_view(arr)
+
+
 def response_parameters(resp: Any) -> dict:
     extra = getattr(resp.outputs, "meta", None)
     return {**resp.meta, **extra} if extra else dict(resp.meta)
@@ -499,6 +505,7 @@ class OipRoutes:
             raise InvalidArgument("'outputs' must be an array", "outputs")
         binary_default = params.get(P_BINARY_OUTPUT) is True
         binary_for: dict = {}
+        shm_for: dict = {}  # output name -> its parameters, when they name a region
         names = None
         if wanted:
             names = []
@@ -508,13 +515,22 @@ class OipRoutes:
                                           "'name'", "outputs")
                 names.append(o["name"])
                 op = o.get("parameters") or {}
+                if not isinstance(op, dict):
+                    raise InvalidArgument("an output's 'parameters' must be an object",
+                                          "outputs")
                 binary_for[o["name"]] = op.get(P_BINARY, binary_default) is True
+                if P_SHM_REGION in op:
+                    shm_for[o["name"]] = op
         chunks: list = []
         outs = []
         for name, arr in output_arrays(resp, names):
             dt = codec.oip_datatype(arr)
             entry: dict = {"name": name, "datatype": dt, "shape": list(arr.shape)}
-            if binary_for.get(name, binary_default):
+            if name in shm_for:
+                n = shm.output_write(self.shm, shm_for[name], _output_bytes(arr, dt))
+                entry["parameters"] = {P_SHM_REGION: shm_for[name][P_SHM_REGION],
+                                       P_SHM_BYTE_SIZE: n}
+            elif binary_for.get(name, binary_default):
                 data = bytes_tensor(arr) if dt == codec.OIP_BYTES else codec.tensor_view(arr)
                 entry["parameters"] = {P_BINARY_SIZE: len(data)}
                 chunks.append(data)

@@ -273,12 +273,19 @@ class OipServicer:
 
     def _response(self, resp: Any, msg: Any, version: str) -> Any:
         wanted = [o.name for o in msg.outputs] or None
+        shm_for = {o.name: p for o in msg.outputs
+                   if oip.P_SHM_REGION in (p := _params(o.parameters))}
         out = pb.ModelInferResponse(model_name=resp.task, model_version=version, id=msg.id)
         for name, arr in oip.output_arrays(resp, wanted):
             dt = codec.oip_datatype(arr)
-            out.outputs.add(name=name, datatype=dt, shape=list(arr.shape))
-            out.raw_output_contents.append(oip.bytes_tensor(arr) if dt == codec.OIP_BYTES
-                                           else codec.tensor_bytes(arr))
+            t = out.outputs.add(name=name, datatype=dt, shape=list(arr.shape))
+            data = oip.bytes_tensor(arr) if dt == codec.OIP_BYTES else codec.tensor_bytes(arr)
+            if name in shm_for:
+                n = shm.output_write(self.shm, shm_for[name], data)
+                _set_param(t.parameters, oip.P_SHM_REGION, shm_for[name][oip.P_SHM_REGION])
+                _set_param(t.parameters, oip.P_SHM_BYTE_SIZE, n)
+                data = b""  # keeps raw_output_contents aligned with outputs
+            out.raw_output_contents.append(data)
         for k, v in oip.response_parameters(resp).items():
             _set_param(out.parameters, k, v)
         return out

@@ -6,7 +6,8 @@ Only when ``[server] system_shared_memory = true`` (off by default: a region is 
 from another process's memory, which only makes sense for clients on the same machine).
 
 A registered region is one POSIX shared-memory object (``/dev/shm/<key>``), mapped read-only
-once at registration; an input that names it becomes a memoryview of the mapping, handed to
+once at registration (read-write when the server may write it, so a requested output can be
+written into it too); an input that names it becomes a memoryview of the mapping, handed to
 the runtime as the request's payload, so the batch is assembled straight from the client's
 memory (no copy into a request buffer).  What a hostile or careless client can do, and what
 answers it:
@@ -60,12 +61,18 @@ def _uint(value: Any, what: str, field: str) -> int:
 
 
 class Region:
-    __slots__ = ("name", "key", "offset", "byte_size", "fd", "mm", "base", "end")
+    __slots__ = ("name", "key", "offset", "byte_size", "fd", "mm", "base", "end", "writable")
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int):
         path = os.path.join(SHM_DIR, key.lstrip("/"))
+        flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        self.writable = True  # outputs may be written into a region the server can write
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            try:
+                fd = os.open(path, os.O_RDWR | flags)
+            except PermissionError:
+                fd = os.open(path, os.O_RDONLY | flags)
+                self.writable = False
         except OSError as exc:
             raise InvalidArgument(f"unable to open shared memory key {key!r}: "
                                   f"{exc.strerror}", "key") from None
@@ -79,7 +86,8 @@ class Region:
                                       f"{byte_size} must lie within the object's {st.st_size} "
                                       f"bytes (and byte_size be > 0)", "byte_size")
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            mm = mmap.mmap(fd, offset + byte_size - start, mmap.MAP_SHARED, mmap.PROT_READ,
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            mm = mmap.mmap(fd, offset + byte_size - start, mmap.MAP_SHARED, prot,
                            offset=start)
         except BaseException:
             os.close(fd)
@@ -178,8 +186,7 @@ class ShmRegistry:
                 return [r.status()]
             return [r.status() for r in self._regions.values()]
 
-    def view(self, name: Any, offset: Any, byte_size: Any) -> memoryview:
-        """The bytes an input names: ``byte_size`` bytes at ``offset`` within region ``name``."""
+    def _region(self, name: Any, offset: Any, byte_size: Any) -> tuple:
         self._check_enabled()
         if not isinstance(name, str):
             raise InvalidArgument("shared_memory_region must be a string", "shared_memory_region")
@@ -191,7 +198,26 @@ class ShmRegistry:
         if r is None:
             raise InvalidArgument(f"no shared memory region {name[:MAX_NAME_CHARS]!r} is "
                                   f"registered (register it first)", "shared_memory_region")
+        return r, offset, byte_size
+
+    def view(self, name: Any, offset: Any, byte_size: Any) -> memoryview:
+        """The bytes an input names: ``byte_size`` bytes at ``offset`` within region ``name``."""
+        r, offset, byte_size = self._region(name, offset, byte_size)
         return r.view(offset, byte_size)
+
+    def write(self, name: Any, offset: Any, byte_size: Any, data: Any) -> int:
+        """Write an output's bytes into ``byte_size`` bytes at ``offset`` of region ``name``
+        (refused when they do not fit or the server may not write the region)."""
+        r, offset, byte_size = self._region(name, offset, byte_size)
+        n = memoryview(data).nbytes
+        if n > byte_size:
+            raise InvalidArgument(f"the output is {n} bytes; shared memory region {name!r} was "
+                                  f"given {byte_size} for it", "shared_memory_byte_size")
+        if not r.writable:
+            raise InvalidArgument(f"shared memory region {name!r} is read-only to the server",
+                                  "shared_memory_region")
+        r.view(offset, n)[:] = memoryview(data).cast("B")
+        return n
 
 
 def registry_for(runtime: Any) -> ShmRegistry:
@@ -204,6 +230,22 @@ def registry_for(runtime: Any) -> ShmRegistry:
             enabled = bool(getattr(getattr(cfg, "server", None), "system_shared_memory", False))
             reg = _REGISTRIES[runtime] = ShmRegistry(enabled)
         return reg
+
+
+def output_write(registry: Optional[ShmRegistry], params: dict, data: Any) -> Optional[int]:
+    """Write an output into the region its requested parameters name (its byte count), or
+    None when they name none."""
+    name = params.get("shared_memory_region")
+    if name is None:
+        return None
+    if registry is None:
+        raise InvalidArgument("system shared memory is not available here",
+                              "shared_memory_region")
+    size = params.get("shared_memory_byte_size")
+    if size is None:
+        raise InvalidArgument("an output in shared memory needs shared_memory_byte_size",
+                              "shared_memory_byte_size")
+    return registry.write(name, params.get("shared_memory_offset"), size, data)
 
 
 def input_view(registry: Optional[ShmRegistry], params: dict) -> Optional[memoryview]:

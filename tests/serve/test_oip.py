@@ -213,6 +213,25 @@ def test_shared_memory_input_equals_inline_bytes(client):
             client.register_system_shared_memory("big", key, 1 << 20)
         with pytest.raises(InferenceServerException, match="unable to open"):
             client.register_system_shared_memory("none", "/lumen_no_such_region", 8)
+        # the output into a region too: the client reads it from there
+        out_key = key + "_out"
+        want_arr = want.as_numpy(name)
+        out_handle = shm.create_shared_memory_region("out0", out_key, want_arr.nbytes)
+        try:
+            client.register_system_shared_memory("out0", out_key, want_arr.nbytes)
+            req_out = httpclient.InferRequestedOutput(name)
+            req_out.set_shared_memory("out0", want_arr.nbytes)
+            res = client.infer("mlp", [inp], outputs=[req_out])
+            assert res.get_output(name)["parameters"]["shared_memory_region"] == "out0"
+            got = shm.get_contents_as_numpy(out_handle, want_arr.dtype, want_arr.shape)
+            np.testing.assert_array_equal(got, want_arr)
+            small = httpclient.InferRequestedOutput(name)
+            small.set_shared_memory("out0", want_arr.nbytes - 4)
+            with pytest.raises(InferenceServerException, match="was given"):
+                client.infer("mlp", [inp], outputs=[small])
+        finally:
+            client.unregister_system_shared_memory("out0")
+            shm.destroy_shared_memory_region(out_handle)
         os.truncate("/dev/shm/" + key.lstrip("/"), 16)  # shrunk under the server
         with pytest.raises(InferenceServerException, match="truncated"):
             client.infer("mlp", [inp])

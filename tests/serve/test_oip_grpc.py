@@ -187,6 +187,18 @@ def test_shared_memory_input_equals_inline_bytes(server, client):
         inp.set_shared_memory("g_in", x.nbytes)
         got = client.infer("mlp", [inp])
         np.testing.assert_array_equal(got.as_numpy(name), want.as_numpy(name))
+        want_arr = want.as_numpy(name)
+        out_handle = shm.create_shared_memory_region("g_out", key + "_out", want_arr.nbytes)
+        try:
+            client.register_system_shared_memory("g_out", key + "_out", want_arr.nbytes)
+            req_out = grpcclient.InferRequestedOutput(name)
+            req_out.set_shared_memory("g_out", want_arr.nbytes)
+            client.infer("mlp", [inp], outputs=[req_out])
+            got = shm.get_contents_as_numpy(out_handle, want_arr.dtype, want_arr.shape)
+            np.testing.assert_array_equal(got, want_arr)
+        finally:
+            client.unregister_system_shared_memory("g_out")
+            shm.destroy_shared_memory_region(out_handle)
         client.unregister_system_shared_memory("g_in")
         with pytest.raises(InferenceServerException, match="no shared memory region") as e:
             client.infer("mlp", [inp])
