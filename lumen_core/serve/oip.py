@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import zlib
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -51,7 +52,14 @@ from ..contract import (
     KEY_TIMEOUT_MS,
     UNBOUNDED,
 )
-from ..errors import InvalidArgument, LumenError, TaskNotFound, Unavailable
+from ..errors import (
+    InvalidArgument,
+    LumenError,
+    PayloadTooLarge,
+    TaskNotFound,
+    Unavailable,
+    UnsupportedMediaType,
+)
 from ..request import InferRequest
 from . import codec, shm
 
@@ -412,7 +420,16 @@ class OipRoutes:
                 (base + "/unregister", self.shm_unregister, "POST"),
                 (base + "/region/{name}/unregister", self.shm_unregister, "POST")):
             r.append(Route(path, ep(path, self._wrap(fn)), methods=[method]))
+        # last: any other /v2 path answers in the OIP shape (not the router's Lumen-shaped 404)
+        r.append(Route("/v2/{rest:path}", ep("/v2/{rest}", self._wrap(self.unknown)),
+                       methods=["GET", "POST", "PUT", "DELETE", "PATCH"]))
         return r
+
+    async def unknown(self, request: Request) -> Response:
+        raise TaskNotFound(f"no such endpoint: {request.method} "
+                           f"{request.url.path[:MAX_ECHO]} (the Open Inference Protocol's "
+                           f"routes are under /v2/health, /v2/models/{{model}}, "
+                           f"/v2/systemsharedmemory)")
 
     @staticmethod
     def _wrap(fn: Callable) -> Callable:
@@ -474,6 +491,9 @@ class OipRoutes:
         task = request.path_params["task"]
         contract = check_model(self.rt, task, request.path_params.get("version", ""))
         body = await app._read_body(request, "payload")
+        encoding = request.headers.get("content-encoding")
+        if encoding:
+            body = _decompress(body, encoding, app.max_body)
         obj, binary = _split_body(body, request.headers.get(HEADER_LENGTH))
         params = obj.get("parameters") or {}
         if not isinstance(params, dict):
@@ -548,6 +568,34 @@ class OipRoutes:
             return Response(text, media_type=JSON)
         return Response(b"".join([text, *chunks]), media_type=OCTET_STREAM,
                         headers={"Inference-Header-Content-Length": str(len(text))})
+
+
+#: Content-Encoding -> zlib wbits (tritonclient's request_compression_algorithm)
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "identity": None}
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body decoded, refused with 413 once it inflates past ``limit`` (a small body must
+    not expand into gigabytes)."""
+    enc = encoding.strip().lower()
+    if enc not in _ENCODINGS:
+        raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]!r} is not supported; send "
+                                   f"gzip, deflate or none", "Content-Encoding")
+    wbits = _ENCODINGS[enc]
+    if wbits is None:
+        return body
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidArgument(f"the body is not valid {enc} data: {exc}",
+                              "Content-Encoding") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes "
+                              f"(server.max_payload_bytes)", "payload")
+    if not d.eof:
+        raise InvalidArgument(f"the {enc} body is truncated", "Content-Encoding")
+    return out
 
 
 def _split_body(body: bytes, header_len: Optional[str]) -> tuple:

@@ -292,3 +292,21 @@ def test_api_keys_on_the_oip_routes(tmp_path):
         authed.close()
     finally:
         srv.stop()
+
+
+def test_compressed_requests_and_unknown_paths(server, client):
+    x = S.mlp_input(2)
+    for algo in ("gzip", "deflate"):
+        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        res = client.infer("mlp", [inp], request_compression_algorithm=algo)
+        assert res.get_response()["model_name"] == "mlp"
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        import zlib
+        bomb = zlib.compress(b"\0" * (4 << 20))  # inflates past the 1 MiB limit
+        r = c.post("/v2/models/mlp/infer", content=bomb, headers={"Content-Encoding": "deflate"})
+        assert r.status_code == 413 and "decompressed" in r.json()["error"]
+        r = c.post("/v2/models/mlp/infer", content=b"{}", headers={"Content-Encoding": "br"})
+        assert r.status_code == 415
+        r = c.get("/v2/no/such/thing")
+        assert r.status_code == 404 and isinstance(r.json()["error"], str)
