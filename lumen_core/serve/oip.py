@@ -420,16 +420,9 @@ class OipRoutes:
                 (base + "/unregister", self.shm_unregister, "POST"),
                 (base + "/region/{name}/unregister", self.shm_unregister, "POST")):
             r.append(Route(path, ep(path, self._wrap(fn)), methods=[method]))
-        # last: any other /v2 path answers in the OIP shape (not the router's Lumen-shaped 404)
-        r.append(Route("/v2/{rest:path}", ep("/v2/{rest}", self._wrap(self.unknown)),
-                       methods=["GET", "POST", "PUT", "DELETE", "PATCH"]))
+        # an unknown /v2 path is the router's 404 in Lumen's error shape (SPEC 6: the router's
+        # own errors keep one shape; tests/serve/test_http.py checks /v2/nothing-here)
         return r
-
-    async def unknown(self, request: Request) -> Response:
-        raise TaskNotFound(f"no such endpoint: {request.method} "
-                           f"{request.url.path[:MAX_ECHO]} (the Open Inference Protocol's "
-                           f"routes are under /v2/health, /v2/models/{{model}}, "
-                           f"/v2/systemsharedmemory)")
 
     @staticmethod
     def _wrap(fn: Callable) -> Callable:
