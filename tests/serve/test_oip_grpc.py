@@ -219,3 +219,18 @@ def test_generated_oip_code_is_current(tmp_path):
     for name in proto_pkg.OIP_GENERATED:
         assert (out / name).read_bytes() == (pkg / name).read_bytes(), (
             f"{name} is out of date: run `python -m lumen_core.serve.proto` and commit the result")
+
+
+def test_oversized_message_is_payload_too_large(server):
+    """A ModelInfer message over max_payload_bytes + headroom is answered INVALID_ARGUMENT
+    with lumen-error-code payload_too_large, never parsed."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[bytes(2 << 20)])
+    req.inputs.add(name="x", datatype="FP32", shape=[1, 2 << 18])
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(e.value.trailing_metadata())["lumen-error-code"] == "payload_too_large"
