@@ -3,10 +3,10 @@
 
 Messages come from the vendored ``proto/open_inference_grpc.proto`` (its package is renamed so
 it can live in one process with tritonclient's own copy; the service is registered here under
-the protocol's name, so the wire is the protocol's).  The mapping onto the runtime is the REST
-one (:mod:`.oip`): a numeric input is a tensor-route request, a one-element ``BYTES`` input a
-raw-route request; ``raw_input_contents`` or the typed ``contents`` carry the data, outputs
-go back as ``raw_output_contents``.  ``ModelStreamInfer`` answers each request of a stream in
+the protocol's name, so the wire is the protocol's).  The mapping onto the runtime is the
+REST one (:mod:`.oip_mapping`): a numeric input is a tensor-route request, a one-element
+``BYTES`` input a raw-route request; ``raw_input_contents`` or the typed ``contents`` carry
+the data, outputs go back as ``raw_output_contents``.  ``ModelStreamInfer`` answers each request of a stream in
 turn (an error is an ``error_message`` and the stream stays open), the transport for
 sequences; like ``lumen.v1.Inference``'s stream, at most :data:`STREAM_MAX_IN_FLIGHT` of a
 stream's requests are admitted and unanswered, and the stream is not read further meanwhile.
@@ -26,7 +26,8 @@ import numpy as np
 
 from ..contract import DTYPES
 from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge, Unavailable
-from . import codec, oip, shm
+from . import codec, shm
+from . import oip_mapping as oip
 from .auth import unscope_error
 from .proto import open_inference_grpc_pb2 as pb
 
