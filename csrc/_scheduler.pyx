@@ -54,7 +54,7 @@ cdef class Group:
 cdef class Entry:
     """A queued request (see the twin for the fields)."""
 
-    cdef public object item, waiter, timer, outcome, queue, seq
+    cdef public object item, waiter, timer, outcome, queue, seq, span
     cdef public int priority, state, batch_size
     cdef public long long arrival_ns, dispatch_ns, deadline_ns, compute_us
     cdef public bint start, end, was_open
@@ -77,6 +77,7 @@ cdef class Entry:
         self.start = False
         self.end = False
         self.was_open = True
+        self.span = None
 
     @property
     def queue_us(self):
@@ -187,6 +188,8 @@ async def infer(rt, req):
                 raise rt._prepare_failed(task, exc) from exc
         batcher = task.batcher
         entry = batcher.submit(prepared, desc, priority, timeout_ms)
+        if rt._trace is not None:  # the one tracing check a request pays (tracing.py)
+            rt._trace.admitted(task, route, entry)
         try:
             value = await entry.waiter
         except _CancelledError:

@@ -85,6 +85,8 @@ class ServerConfig:
     #: Triton's system shared-memory extension on the /v2 (OIP) routes: local clients register
     #: POSIX shm regions and name them instead of sending bytes (off by default)
     system_shared_memory: bool = False
+    #: OpenTelemetry spans per request and per batch (``tracing.py``; also ``LUMEN_TRACING=1``)
+    tracing: bool = False
 
     def __repr__(self) -> str:  # never print the keys
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -578,6 +580,7 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         tls_cert_file=_server_path(srv, "tls_cert_file", base_dir),
         tls_key_file=_server_path(srv, "tls_key_file", base_dir),
         system_shared_memory=srv.get("system_shared_memory", bool, False),
+        tracing=srv.get("tracing", bool, False),
     )
     if bool(server.tls_cert_file) != bool(server.tls_key_file):
         missing = "tls_key_file" if server.tls_cert_file else "tls_cert_file"

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import native
+from . import native, tracing
 from .batching.dynamic import DynamicBatcher
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
@@ -103,6 +103,9 @@ class Runtime:
         self.tasks: dict = {}
         self._observer: Observer = Observer()
         self._observe = None  # observer.request when a real observer is installed
+        #: ``tracing.Tracing`` when tracing is on ([server] tracing, LUMEN_TRACING), else None;
+        #: set before ``start`` (the batchers get it as their tasks load)
+        self._trace = tracing.from_config(config)
         self.ready = False
         self._closing = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -177,6 +180,9 @@ class Runtime:
         else:
             batcher = DynamicBatcher(tc.name, tc.batching, runners, on_batch=on_batch,
                                      **backend.batching_options())
+        if self._trace is not None:
+            self._trace.versions[tc.name] = tc.model_version
+            batcher._trace = self._trace
         return Task(tc, backend, instances, runners, batcher)
 
     def _batch_observer(self, name: str):
@@ -344,6 +350,8 @@ class Runtime:
                         observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
                 continue
             submitted.append((task, items, group, entries))
+            if self._trace is not None:
+                self._trace.admitted_group(task, [it[1] for it in items], entries, group)
         try:
             for _t, _items, group, _e in submitted:
                 await group.future

@@ -66,12 +66,13 @@ class Entry:
     timing, and once answered its ``outcome`` (result or ``LumenError``).
 
     ``queue`` is the formation structure holding it (a dynamic batcher's signature queue);
-    ``seq``, ``start``, ``end`` and ``was_open`` are the sequence batcher's.
+    ``seq``, ``start``, ``end`` and ``was_open`` are the sequence batcher's; ``span`` the
+    request's tracing span (None unless tracing is on).
     """
 
     __slots__ = ("item", "waiter", "priority", "arrival_ns", "dispatch_ns", "deadline_ns",
                  "timer", "state", "outcome", "batch_size", "compute_us", "queue", "seq",
-                 "start", "end", "was_open")
+                 "start", "end", "was_open", "span")
 
     def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
                  queue: Any = None, deadline_ns: int = 0):
@@ -91,6 +92,7 @@ class Entry:
         self.start = False
         self.end = False
         self.was_open = True
+        self.span = None  # the request's OTel span when tracing is on (tracing.py)
 
     @property
     def queue_us(self) -> int:
@@ -200,6 +202,8 @@ async def infer(rt: Any, req: Any) -> InferResponse:
                 raise rt._prepare_failed(task, exc) from exc
         batcher = task.batcher
         entry = batcher.submit(prepared, desc, priority, timeout_ms)
+        if rt._trace is not None:  # the one tracing check a request pays (tracing.py)
+            rt._trace.admitted(task, route, entry)
         try:
             value = await entry.waiter
         except asyncio.CancelledError:

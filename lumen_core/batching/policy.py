@@ -72,6 +72,8 @@ class QueuePolicy:
     """
 
     _sched = _sched
+    #: the runtime's ``tracing.Tracing`` when tracing is on (set by the Runtime), else None
+    _trace: Any = None
 
     def __init__(self, name: str, max_queue_size: int,
                  on_batch: Optional[Callable[[int, int], None]] = None):
@@ -174,6 +176,11 @@ class QueuePolicy:
             results = [err] * n
         # entries answered already (expired or cancelled while running) are skipped
         self._sched.deliver(entries, results, compute_us)
+        if self._trace is not None:  # the batch span, here on the loop: workers do no OTel work
+            try:
+                self._trace.batch(self.name, entries, compute_us)
+            except Exception:  # a tracing bug must never strand the batch's callers
+                log.exception("batch tracing failed")
         if self.on_batch is not None:
             try:
                 self.on_batch(n, compute_us)

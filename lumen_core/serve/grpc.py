@@ -120,6 +120,11 @@ def error_metadata(exc: LumenError) -> tuple:
     return tuple(md)
 
 
+def call_metadata(context: Any) -> dict:
+    """A call's invocation metadata as a dict (the W3C trace context carrier)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
 class StreamWindow:
     """The requests of one stream admitted and not yet answered, bounded in count and bytes.
 
@@ -200,6 +205,16 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
             raise InternalError(f"internal server error: {exc}") from exc
 
     async def Infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        tr = getattr(self.runtime, "_trace", None)
+        if tr is None:
+            return await self._unary(request, context)
+        # the transport span: a child of the caller's W3C traceparent metadata, if any
+        with tr.server_span("lumen.v1.Inference/Infer", call_metadata(context),
+                            {"rpc.system": "grpc", "rpc.service": "lumen.v1.Inference",
+                             "rpc.method": "Infer", "lumen.transport": "grpc"}):
+            return await self._unary(request, context)
+
+    async def _unary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             resp = await self._infer(request, self._scope(context))
         except LumenError as exc:
@@ -210,9 +225,21 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         return to_proto(resp)
 
     async def _stream_one(self, msg: Any, scope: Optional[str],
-                          events: Optional[audio.SequenceEvents] = None) -> Any:
+                          events: Optional[audio.SequenceEvents] = None,
+                          carrier: Optional[dict] = None) -> Any:
         """One stream message -> its reply message (a response or an error, never a raise);
-        ``events``: the call's speech-segment trackers (``lumen.vad.events``, audio.py)."""
+        ``events``: the call's speech-segment trackers (``lumen.vad.events``, audio.py);
+        ``carrier``: the call's metadata, for the trace parent when tracing is on."""
+        tr = getattr(self.runtime, "_trace", None)
+        if tr is None:
+            return await self._stream_reply(msg, scope, events)
+        with tr.server_span("lumen.v1.Inference/InferStream", carrier,
+                            {"rpc.system": "grpc", "rpc.service": "lumen.v1.Inference",
+                             "rpc.method": "InferStream", "lumen.transport": "grpc"}):
+            return await self._stream_reply(msg, scope, events)
+
+    async def _stream_reply(self, msg: Any, scope: Optional[str],
+                            events: Optional[audio.SequenceEvents]) -> Any:
         cid = msg.correlation_id
         ticket = None
         if events is not None and not isinstance(msg, Oversized):
@@ -256,6 +283,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
         events = audio.SequenceEvents(self.runtime)
+        carrier = call_metadata(context) if getattr(self.runtime, "_trace", None) else None
         replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes); None: no more
         running: set = set()
 
@@ -273,7 +301,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
                     self._admitted(nbytes)
                     # Tasks start in creation order and Runtime.infer admits a request before
                     # it first suspends, so requests reach their batcher in arrival order.
-                    task = asyncio.ensure_future(self._stream_one(msg, scope, events))
+                    task = asyncio.ensure_future(self._stream_one(msg, scope, events, carrier))
                     running.add(task)
                     task.add_done_callback(lambda t, n=nbytes: finished(n, t))
                 if running:

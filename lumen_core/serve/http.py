@@ -168,6 +168,21 @@ class HttpApp:
         needs_key = keys.enabled and name not in ALWAYS_OPEN and name not in keys.open_endpoints
 
         async def endpoint(request: Request) -> Response:
+            tr = getattr(self.runtime, "_trace", None)
+            if tr is None:
+                return await handle(request)
+            # the transport span: a child of the caller's W3C traceparent, when it sends one
+            with tr.server_span(f"{request.method} {name}", request.headers,
+                                {"http.request.method": request.method, "http.route": name,
+                                 "url.path": request.url.path[:MAX_PATH_ECHO],
+                                 "lumen.transport": "http"}) as span:
+                resp = await handle(request)
+                span.set_attribute("http.response.status_code", resp.status_code)
+                if resp.status_code >= 500:
+                    tr.set_error(span, str(resp.status_code))
+                return resp
+
+        async def handle(request: Request) -> Response:
             t0 = time.perf_counter()
             scope = None
             try:

@@ -1,0 +1,215 @@
+"""OpenTelemetry tracing (the optional ``[otel]`` extra: ``opentelemetry-api``, ``-sdk``).
+
+Off unless ``[server] tracing = true`` or ``LUMEN_TRACING=1``; then ``Runtime._trace`` holds a
+:class:`Tracing` and the rest of the package calls it at four points, each behind one
+``is not None`` check (nothing else is paid when tracing is off, and OpenTelemetry is only
+imported here, lazily, so the package works without it):
+
+* the transports (``serve/http.py``, ``serve/grpc.py``) open a SERVER span per call, the
+  parent taken from the W3C ``traceparent`` header / metadata (``server_span``);
+* ``Runtime.infer`` (both scheduler twins) and ``infer_many`` open a ``lumen.request`` span per
+  admitted request, a child of the current (transport) span, when it enters the queue
+  (``admitted``); it ends when the request is answered, with ``lumen.queue`` and
+  ``lumen.compute`` child spans from the entry's own timestamps and the batch size;
+* ``QueuePolicy._deliver`` (on the loop, once per finished batch) makes a ``lumen.batch`` span
+  from the batch's formation time and compute duration, LINKED to the request spans of the
+  entries it ran (``batch``).  Worker threads do no OpenTelemetry work at all.
+
+Export: the global tracer provider when one is set; else, when tracing is switched on by
+config or environment, an SDK provider whose exporter follows the standard ``OTEL_*``
+variables (``OTEL_TRACES_EXPORTER=otlp`` -- the default -- needs
+``opentelemetry-exporter-otlp`` installed; ``console`` prints; ``none`` exports nothing).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger("lumen.tracing")
+
+#: the environment switch (``1``/``true``/``yes``/``on``)
+ENV = "LUMEN_TRACING"
+#: instrumentation scope name
+SCOPE = "lumen_core"
+
+
+def requested(config: Any = None) -> bool:
+    """Whether tracing is asked for, by ``[server] tracing`` or ``LUMEN_TRACING``."""
+    env = os.environ.get(ENV, "").strip().lower()
+    if env in ("1", "true", "yes", "on"):
+        return True
+    server = getattr(config, "server", None)
+    return bool(getattr(server, "tracing", False))
+
+
+def available() -> bool:
+    try:
+        import opentelemetry.trace  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def from_config(config: Any = None) -> Optional["Tracing"]:
+    """A :class:`Tracing` when tracing is requested (and OpenTelemetry installed), else None."""
+    if not requested(config):
+        return None
+    if not available():
+        log.warning("tracing requested but OpenTelemetry is not installed "
+                    "(pip install 'lumen-core[otel]'); tracing stays off")
+        return None
+    _configure_sdk()
+    return Tracing()
+
+
+def _configure_sdk() -> None:
+    """Install an SDK tracer provider from the ``OTEL_*`` variables unless one is set."""
+    from opentelemetry import trace
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return  # the application configured its own
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError:
+        log.warning("opentelemetry-sdk is not installed: spans are made but not exported")
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": "lumen"}))
+    kinds = [k.strip() for k in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
+    for kind in kinds:
+        if kind == "otlp":
+            exporter = _otlp_exporter()
+            if exporter is not None:
+                provider.add_span_processor(BatchSpanProcessor(exporter))
+        elif kind == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        elif kind and kind != "none":
+            log.warning("OTEL_TRACES_EXPORTER=%s is not supported here (otlp, console, none)",
+                        kind)
+    trace.set_tracer_provider(provider)
+
+
+def _otlp_exporter() -> Any:
+    proto = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                           os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"))
+    try:
+        if proto == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        log.warning("OTLP export needs opentelemetry-exporter-otlp (not installed); "
+                    "spans are made but not exported")
+        return None
+    return OTLPSpanExporter()  # endpoint, headers, timeouts: the OTEL_EXPORTER_OTLP_* variables
+
+
+def _wall_offset() -> int:
+    """Add to a ``time.monotonic_ns()`` reading to get epoch ns (what OTel timestamps are)."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+class Tracing:
+    """The runtime's tracer: span making for the transports, the scheduler and the policy."""
+
+    def __init__(self, tracer_provider: Any = None):
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._tracer = (tracer_provider.get_tracer(SCOPE) if tracer_provider is not None
+                        else trace.get_tracer(SCOPE))
+        self._trace = trace
+        self._context = otel_context
+        self._Link = Link
+        self._SERVER = SpanKind.SERVER
+        self._Status = Status
+        self._ERROR = StatusCode.ERROR
+        self._propagator = TraceContextTextMapPropagator()
+        #: task name -> model version (``Runtime`` fills it as it loads tasks)
+        self.versions: dict = {}
+
+    # -- transports -------------------------------------------------------------------------
+    def extract(self, carrier: Mapping) -> Any:
+        """The OTel context of a W3C ``traceparent`` (and ``tracestate``) in ``carrier``."""
+        return self._propagator.extract(carrier)
+
+    def server_span(self, name: str, carrier: Optional[Mapping], attributes: dict) -> Any:
+        """A context manager: the transport's SERVER span, current while it is open."""
+        ctx = self.extract(carrier) if carrier else None
+        return self._tracer.start_as_current_span(name, context=ctx, kind=self._SERVER,
+                                                  attributes=attributes)
+
+    def set_error(self, span: Any, code: str, message: str = "") -> None:
+        span.set_attribute("lumen.error.code", code)
+        span.set_status(self._Status(self._ERROR, message or code))
+
+    # -- requests (loop thread) ---------------------------------------------------------------
+    def admitted(self, task: Any, route: str, entry: Any) -> None:
+        """``entry`` (a single request) entered ``task``'s queue: open its request span."""
+        span = self._request_span(task.name, route, entry)
+        entry.waiter.add_done_callback(lambda _f: self.finish(entry))
+        return span
+
+    def admitted_group(self, task: Any, routes: list, entries: list, group: Any) -> None:
+        """``infer_many``'s entries for one task: one request span each."""
+        for route, e in zip(routes, entries, strict=True):
+            self._request_span(task.name, route, e)
+        group.future.add_done_callback(lambda _f: [self.finish(e) for e in entries])
+
+    def _request_span(self, task: str, route: str, entry: Any) -> Any:
+        span = self._tracer.start_span(
+            "lumen.request", start_time=entry.arrival_ns + _wall_offset(),
+            attributes={"lumen.task": task, "lumen.route": route,
+                        "lumen.model_version": self.versions.get(task, ""),
+                        "lumen.priority": entry.priority})
+        entry.span = span
+        return span
+
+    def finish(self, entry: Any) -> None:
+        """``entry`` was answered (or cancelled): child spans for its queue wait and compute,
+        the batch size, the outcome; end its request span."""
+        span = entry.span
+        if span is None or not span.is_recording():
+            return
+        off = _wall_offset()
+        ctx = self._trace.set_span_in_context(span)
+        outcome = entry.outcome
+        if entry.dispatch_ns:
+            t_disp = entry.dispatch_ns + off
+            self._tracer.start_span("lumen.queue", context=ctx,
+                                    start_time=entry.arrival_ns + off).end(end_time=t_disp)
+            if entry.batch_size:
+                c = self._tracer.start_span("lumen.compute", context=ctx, start_time=t_disp,
+                                            attributes={"lumen.batch_size": entry.batch_size})
+                c.end(end_time=t_disp + entry.compute_us * 1000)
+            span.set_attribute("lumen.queue_us", (entry.dispatch_ns - entry.arrival_ns) // 1000)
+        span.set_attribute("lumen.batch_size", entry.batch_size)
+        span.set_attribute("lumen.compute_us", entry.compute_us)
+        code = getattr(outcome, "code", None) if isinstance(outcome, Exception) else None
+        if code is not None:
+            self.set_error(span, code, getattr(outcome, "message", ""))
+        elif isinstance(entry.waiter, asyncio.Future) and entry.waiter.cancelled():
+            self.set_error(span, "cancelled")
+        span.end()
+
+    # -- batches (loop thread, QueuePolicy._deliver) --------------------------------------------
+    def batch(self, task: str, entries: Any, compute_us: int) -> None:
+        """One finished batch: a span over its compute, linked to its requests' spans."""
+        if not entries:
+            return
+        off = _wall_offset()
+        start_mono = min(e.dispatch_ns for e in entries) or entries[0].arrival_ns
+        start = start_mono + off
+        links = [self._Link(e.span.get_span_context()) for e in entries if e.span is not None]
+        span = self._tracer.start_span(
+            "lumen.batch", context=self._context.Context(), links=links, start_time=start,
+            attributes={"lumen.task": task, "lumen.batch_size": len(entries),
+                        "lumen.model_version": self.versions.get(task, ""),
+                        "lumen.compute_us": compute_us})
+        span.end(end_time=start + compute_us * 1000)

@@ -1,0 +1,153 @@
+"""OpenTelemetry tracing (issue 19 item 3, ``lumen_core/tracing.py``): request spans with queue
+and compute children, batch spans linked to their requests' spans, W3C ``traceparent`` from
+gRPC metadata, nothing at all when tracing is off.  Spans go to the SDK's in-memory exporter
+through a provider of the test's own (the global provider is never touched, nothing exported).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import serve_support as S
+
+import lumen_core as lc
+from lumen_core import tracing
+from lumen_core.config import parse_config
+from lumen_core.runtime import Runtime
+from lumen_core.serve.proto import lumen_pb2 as pb
+from lumen_core.serve.proto import lumen_pb2_grpc as pb_grpc
+
+pytest.importorskip("opentelemetry.sdk")
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+def in_memory() -> tuple:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return tracing.Tracing(provider), exporter
+
+
+def mlp_request(seed: int, cid: str = "") -> lc.InferRequest:
+    x = S.mlp_input(seed)
+    return lc.InferRequest("mlp", x.tobytes(), "application/octet-stream",
+                           S.tensor_meta(x.shape), correlation_id=cid)
+
+
+def by_name(spans, name: str) -> list:
+    return [s for s in spans if s.name == name]
+
+
+def check_linked(spans, n: int) -> tuple:
+    """``n`` request spans, each linked from exactly one batch span; the batch sizes add up."""
+    reqs = by_name(spans, "lumen.request")
+    batches = by_name(spans, "lumen.batch")
+    assert len(reqs) == n and batches
+    linked: dict = {}
+    for b in batches:
+        assert b.attributes["lumen.batch_size"] == len(b.links) >= 1
+        for link in b.links:
+            linked.setdefault(link.context.span_id, []).append(b)
+    for r in reqs:
+        ran_in = linked.get(r.context.span_id, [])
+        assert len(ran_in) == 1, "each request ran in exactly one batch"
+        b = ran_in[0]
+        assert r.attributes["lumen.batch_size"] == b.attributes["lumen.batch_size"]
+        assert b.start_time >= r.start_time and b.end_time <= r.end_time
+        children = [s for s in spans if s.parent is not None
+                    and s.parent.span_id == r.context.span_id]
+        assert {c.name for c in children} == {"lumen.queue", "lumen.compute"}
+    assert sum(b.attributes["lumen.batch_size"] for b in batches) == n
+    return reqs, batches
+
+
+def test_off_by_default_and_switches(monkeypatch):
+    monkeypatch.delenv(tracing.ENV, raising=False)
+    cfg = parse_config({"server": {}})
+    assert cfg.server.tracing is False and not tracing.requested(cfg)
+    assert tracing.from_config(cfg) is None
+    assert tracing.requested(parse_config({"server": {"tracing": True}}))
+    monkeypatch.setenv(tracing.ENV, "1")
+    assert tracing.requested(cfg)
+    # enabled: a Tracing on the global provider, configured from OTEL_* only when unset
+    monkeypatch.setattr(tracing, "_configure_sdk", lambda: None)
+    assert isinstance(tracing.from_config(cfg), tracing.Tracing)
+
+
+def test_disabled_runtime_makes_no_spans(tmp_path, monkeypatch):
+    monkeypatch.delenv(tracing.ENV, raising=False)
+    rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
+    assert rt._trace is None
+
+    async def main():
+        async with rt:
+            assert all(t.batcher._trace is None for t in rt.tasks.values())
+            resp = await rt.infer(mlp_request(0))
+            assert resp.stats.batch_size == 1
+            await rt.infer_many([mlp_request(i) for i in range(3)])
+
+    asyncio.run(main())
+
+
+def test_runtime_request_and_batch_spans(tmp_path):
+    rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
+    rt._trace, exporter = in_memory()
+
+    async def main():
+        async with rt:
+            exporter.clear()  # the warm-up's
+            one = await rt.infer(mlp_request(0, "one"))
+            assert one.stats.batch_size == 1
+            spans = exporter.get_finished_spans()
+            (req,), _ = check_linked(spans, 1)
+            assert req.parent is None  # no transport here: a root span
+            assert req.attributes["lumen.task"] == "mlp"
+            assert req.attributes["lumen.route"] == "tensor"
+            assert req.attributes["lumen.model_version"] == "1"
+            exporter.clear()
+            many = await rt.infer_many([mlp_request(i) for i in range(5)])
+            assert all(isinstance(r, lc.InferResponse) for r in many)
+            check_linked(exporter.get_finished_spans(), 5)
+            exporter.clear()
+            # an error after admission is recorded on its request span
+            bad = lc.InferRequest("mlp", np.zeros((1, S.D_IN + 1), np.float32).tobytes(),
+                                  "application/octet-stream", S.tensor_meta((1, S.D_IN + 1)))
+            with pytest.raises(lc.LumenError):
+                await rt.infer(bad)
+
+    asyncio.run(main())
+
+
+def test_grpc_traceparent_metadata(tmp_path):
+    rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
+    rt._trace, exporter = in_memory()
+    srv = S.ServerThread(rt)
+    try:
+        exporter.clear()
+        x = S.mlp_input(1)
+        msg = pb.InferRequest(task="mlp", payload=x.tobytes(),
+                              payload_mime="application/octet-stream", correlation_id="g1",
+                              meta=S.tensor_meta(x.shape))
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            resp = pb_grpc.InferenceStub(channel).Infer(
+                msg, metadata=(("traceparent", TRACEPARENT),))
+        assert resp.correlation_id == "g1"
+        spans = exporter.get_finished_spans()
+        (server,) = by_name(spans, "lumen.v1.Inference/Infer")
+        assert format(server.context.trace_id, "032x") == TRACE_ID
+        assert format(server.parent.span_id, "016x") == PARENT_ID
+        (req,), _ = check_linked(spans, 1)
+        assert req.parent.span_id == server.context.span_id
+        assert req.context.trace_id == server.context.trace_id
+    finally:
+        srv.stop()
