@@ -22,7 +22,6 @@ variables (``OTEL_TRACES_EXPORTER=otlp`` -- the default -- needs
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -152,15 +151,15 @@ class Tracing:
     # -- requests (loop thread) ---------------------------------------------------------------
     def admitted(self, task: Any, route: str, entry: Any) -> None:
         """``entry`` (a single request) entered ``task``'s queue: open its request span."""
-        span = self._request_span(task.name, route, entry)
-        entry.waiter.add_done_callback(lambda _f: self.finish(entry))
-        return span
+        self._request_span(task.name, route, entry)
+        entry.waiter.add_done_callback(lambda f: self.finish(entry, f.cancelled()))
 
     def admitted_group(self, task: Any, routes: list, entries: list, group: Any) -> None:
         """``infer_many``'s entries for one task: one request span each."""
         for route, e in zip(routes, entries, strict=True):
             self._request_span(task.name, route, e)
-        group.future.add_done_callback(lambda _f: [self.finish(e) for e in entries])
+        group.future.add_done_callback(
+            lambda f: [self.finish(e, f.cancelled()) for e in entries])
 
     def _request_span(self, task: str, route: str, entry: Any) -> Any:
         span = self._tracer.start_span(
@@ -171,7 +170,7 @@ class Tracing:
         entry.span = span
         return span
 
-    def finish(self, entry: Any) -> None:
+    def finish(self, entry: Any, cancelled: bool = False) -> None:
         """``entry`` was answered (or cancelled): child spans for its queue wait and compute,
         the batch size, the outcome; end its request span."""
         span = entry.span
@@ -194,7 +193,7 @@ class Tracing:
         code = getattr(outcome, "code", None) if isinstance(outcome, Exception) else None
         if code is not None:
             self.set_error(span, code, getattr(outcome, "message", ""))
-        elif isinstance(entry.waiter, asyncio.Future) and entry.waiter.cancelled():
+        elif cancelled:
             self.set_error(span, "cancelled")
         span.end()
 

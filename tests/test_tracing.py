@@ -128,6 +128,30 @@ def test_runtime_request_and_batch_spans(tmp_path):
     asyncio.run(main())
 
 
+def test_cancelled_request_span(tmp_path):
+    """A caller that gives up while queued: its request span ends, marked cancelled."""
+    rt = Runtime.from_dict(S.onnx_config(tmp_path))
+    rt._trace, exporter = in_memory()
+
+    async def main():
+        async with rt:
+            exporter.clear()
+            x = S.mlp_input(0)
+            req = lc.InferRequest("slow", x.tobytes(), "application/octet-stream",
+                                  S.tensor_meta(x.shape))
+            t = asyncio.ensure_future(rt.infer(req))
+            await asyncio.sleep(0.05)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            await asyncio.sleep(0)
+            (span,) = by_name(exporter.get_finished_spans(), "lumen.request")
+            assert span.attributes["lumen.error.code"] == "cancelled"
+            assert not span.status.is_ok
+
+    asyncio.run(main())
+
+
 def test_grpc_traceparent_metadata(tmp_path):
     rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
     rt._trace, exporter = in_memory()
