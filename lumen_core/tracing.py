@@ -164,8 +164,7 @@ class Tracing:
         span = self._tracer.start_span(
             "lumen.request", start_time=entry.arrival_ns + _wall_offset(),
             attributes={"lumen.task": task, "lumen.route": route,
-                        "lumen.model_version": self.versions.get(task, ""),
-                        "lumen.priority": entry.priority})
+                        "lumen.model_version": self.versions.get(task, "")})
         entry.span = span
         return span
 
@@ -176,7 +175,8 @@ class Tracing:
         if span is None or not span.is_recording():
             return
         outcome = entry.outcome
-        attrs = {"lumen.batch_size": entry.batch_size, "lumen.compute_us": entry.compute_us}
+        # few attributes: cleaning them is most of an SDK span's cost (compute time: the event)
+        attrs = {"lumen.batch_size": entry.batch_size}
         if entry.dispatch_ns:
             # events, not child spans: an SDK span costs ~3x an event on the loop thread
             t_disp = entry.dispatch_ns + _wall_offset()
