@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Optional
 
 from .contract import KEY_TIMEOUT_MS
-from .errors import DeadlineExceeded, Overloaded
+from .errors import DeadlineExceeded, Overloaded, Unavailable
 
 log = logging.getLogger("lumen")
 
@@ -74,9 +74,17 @@ class PreparePool:
                 t.start()
 
     def stop(self) -> None:
+        """End the threads; inputs still waiting are answered ``Unavailable``."""
         with self._cond:
             self._stopping = True
+            left, self._heap = self._heap, []
             self._cond.notify_all()
+        for _n, _s, _fn, fut, loop, _d in left:
+            try:
+                loop.call_soon_threadsafe(_settle, fut, False, Unavailable(
+                    "the runtime shut down before this input was preprocessed"))
+            except RuntimeError:  # its loop is closed: nobody waits any more
+                pass
         if self._started:
             for t in self._threads:
                 t.join()

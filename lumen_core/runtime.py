@@ -202,11 +202,13 @@ class Runtime:
     async def stop(self) -> None:
         """Stop admitting, drain in-flight work, release sessions and threads."""
         self._closing = True
+        # the pool first: what it still holds is refused, and nothing reaches a batcher
+        # after that batcher started draining
+        await asyncio.to_thread(self._pool.stop)
+        self._pool = PreparePool()  # a stopped runtime may be started again
         for task in self.tasks.values():
             await task.batcher.drain()
         await self._close_tasks()
-        await asyncio.to_thread(self._pool.stop)
-        self._pool = PreparePool()  # a stopped runtime may be started again
         self.ready = False
 
     async def _close_tasks(self) -> None:

@@ -141,3 +141,27 @@ def test_runtime_deadline_covers_slow_preprocessing(tmp_path, monkeypatch):
         assert asyncio.run(main()).outputs["y"].shape == (8,)
     finally:
         slow.set()
+
+
+def test_stop_answers_inputs_still_waiting():
+    async def main():
+        pool = PreparePool(threads=1, small_bytes=0)
+        gate = threading.Event()
+        running = threading.Event()
+
+        def block():
+            running.set()
+            return gate.wait(WAIT_S)
+
+        busy = asyncio.ensure_future(pool.run(block, 10))
+        await asyncio.to_thread(running.wait, WAIT_S)
+        waiting = asyncio.ensure_future(pool.run(lambda: "never", 10))
+        await asyncio.sleep(0.02)
+        stopper = asyncio.ensure_future(asyncio.to_thread(pool.stop))
+        with pytest.raises(lc.Unavailable):
+            await asyncio.wait_for(waiting, WAIT_S)
+        gate.set()
+        await stopper
+        assert await busy is True
+
+    asyncio.run(main())

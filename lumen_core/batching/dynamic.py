@@ -226,13 +226,20 @@ class DynamicBatcher(QueuePolicy):
             w.start()
 
     async def close(self) -> None:
-        """Stop the workers (after ``drain``; queued work would be dropped) and the hand-back."""
+        """Stop the workers (after ``drain``) and the hand-back; anything still queued (a close
+        without a drain) is answered ``Unavailable``."""
         with self.lock:
             self._closed = True
             self._stopping = True
             self._cond.notify_all()
         for w in self._workers:
             await asyncio.to_thread(w.join)
+        with self.lock:
+            left = [e for q in self._queues.values() for lv in q.levels for e in lv
+                    if e.state == QUEUED]
+            for e in left:
+                self._kill(e)
+        self._refuse(left)
         if self._started:
             self._done.close()
 
@@ -263,16 +270,21 @@ class DynamicBatcher(QueuePolicy):
         group = sched.Group(loop.create_future(), len(specs))
         entries = []
         deadlines: dict = {}
+        if not specs:
+            group.future.set_result(None)
+            return group, entries
+        sigs = [item.signature for item, _d, _p, _t in specs]  # raises before anything queues
+        if any(not 1 <= p <= self._levels for _i, _d, p, _t in specs):
+            raise ValueError(f"priorities must be 1..{self._levels}")
         with self.lock:
             self._admit(len(specs))
             queues = self._queues
-            for item, _desc, priority, timeout_ms in specs:
-                sig = item.signature
+            for sig, (item, _desc, priority, timeout_ms) in zip(sigs, specs, strict=True):
                 q = queues.get(sig)
                 if q is None:
                     q = queues[sig] = SignatureQueue(sig, self._levels)
                 e = sched.Entry(item, group, priority, now, q,
-                          now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+                                now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
                 q.levels[priority - 1].append(e)
                 q.live += 1
                 entries.append(e)
@@ -377,8 +389,8 @@ class DynamicBatcher(QueuePolicy):
             for e in entries:
                 e.state = RUNNING
                 e.dispatch_ns = now
+            self._running += 1  # before pending drops: drain never sees both at 0 mid-handover
             self._pending -= len(entries)
-            self._running += 1
             return Batch(entries, [e.item for e in entries]), 0
         return None, 0
 

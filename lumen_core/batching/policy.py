@@ -156,6 +156,13 @@ class QueuePolicy:
         for e in entries:
             self.cancel(e)
 
+    def _refuse(self, entries: Sequence[Entry]) -> None:
+        """Loop thread: answer entries a closing batcher will never run."""
+        for e in entries:
+            self._sched.answer(e, Unavailable(f"task {self.name!r} shut down before this "
+                                              f"request ran"))
+        self._maybe_idle()
+
     def _kill(self, e: Entry) -> None:
         """Under the lock: a queued entry dies (it never runs)."""
         e.state = DONE

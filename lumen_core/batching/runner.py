@@ -33,6 +33,8 @@ log = logging.getLogger("lumen.batching")
 
 #: bytes read from the wake-up pipe per drain (any number of pending wake-ups)
 WAKE_READ_BYTES = 4096
+#: a worker that hit an error between batches waits this long before it tries again
+ERROR_BACKOFF_S = 0.01
 
 
 class Runner(Protocol):
@@ -76,6 +78,9 @@ class BatchRunner:
             self.before_run()
         outputs = self.engine.run(feeds, len(items))
         results = self.postprocess(outputs, items)
+        if len(results) != len(items):  # before any commit: a retry must not commit twice
+            raise InternalError(f"postprocess returned {len(results)} results for "
+                                f"{len(items)} items")
         for plan in self._commits:
             plan.commit(items, outputs)
         if stats:
@@ -154,9 +159,12 @@ class Worker:
         execute = self.runner.execute
         flush = None if self._hooked else self.flush
         clock = time.perf_counter_ns
-        try:
-            batch = src.next_batch(self)
-            while batch is not None:
+        batch = None
+        while True:
+            try:
+                batch = src.next_batch(self) if batch is None else batch
+                if batch is None:
+                    return
                 t0 = clock()
                 if flush is not None:
                     flush()
@@ -165,9 +173,16 @@ class Worker:
                 except BaseException as exc:  # noqa: BLE001 - never strand a batch's callers
                     results = exc
                 batch = src.finished(self, batch, results, (clock() - t0) // 1000)
-        except BaseException:  # pragma: no cover - a formation bug; logged, never silent
-            log.exception("worker %s stopped on an error", self.thread.name)
-            raise
+                if batch is None:
+                    return
+            except Exception:  # a formation or hand-back bug: logged, and the worker lives on
+                log.exception("worker %s: error between batches; continuing", self.thread.name)
+                batch = None
+                time.sleep(ERROR_BACKOFF_S)  # a persistent fault must not spin a core
+                try:
+                    self.flush()
+                except Exception:  # the loop is gone: nothing left to hand back to
+                    return
 
 
 class CompletionQueue:
@@ -209,7 +224,10 @@ class CompletionQueue:
             if self._w >= 0:
                 self._wake(self._w)
             else:
-                self._loop.call_soon_threadsafe(self._drain)
+                try:
+                    self._loop.call_soon_threadsafe(self._drain)
+                except RuntimeError:  # the loop closed: nobody waits for these results
+                    self._items.clear()
 
     def _drain(self) -> None:
         if self._r >= 0:

@@ -190,7 +190,8 @@ class SequenceBatcher(QueuePolicy):
             w.start()
 
     async def close(self) -> None:
-        """Stop the workers (after ``drain``) and the hand-back."""
+        """Stop the workers (after ``drain``) and the hand-back; anything still queued (a
+        close without a drain) is answered ``Unavailable``."""
         with self.lock:
             self._closed = True
             self._stopping = True
@@ -198,6 +199,14 @@ class SequenceBatcher(QueuePolicy):
                 lane.cond.notify_all()
         for w in self._workers:
             await asyncio.to_thread(w.join)
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        with self.lock:
+            left = [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
+            for e in left:
+                self._kill(e)
+        self._refuse(left)
         if self._started:
             self._done.close()
 
@@ -228,8 +237,11 @@ class SequenceBatcher(QueuePolicy):
         if not self._started:
             self.start()
         loop = self._loop
+        now = time.monotonic_ns()
         with self.lock:
-            entry = self._enqueue(item, desc, loop.create_future(), time.monotonic_ns())
+            entry = self._enqueue(item, desc, loop.create_future(), now)
+            if timeout_ms > 0:  # formation refuses it once this passes, even if its timer is late
+                entry.deadline_ns = now + timeout_ms * 1_000_000
             new_seq = self._sweep is None and self._seqs
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
@@ -245,16 +257,34 @@ class SequenceBatcher(QueuePolicy):
         loop = self._loop
         group = self._sched.Group(loop.create_future(), len(specs))
         entries: list = []
+        if not specs:
+            group.future.set_result(None)
+            return group, entries
         now = time.monotonic_ns()
         with self.lock:
             if len(specs) > self.max_queue:
                 self._admit(len(specs))  # raises: the group can never fit
+            created: list = []  # (sequence, its _gone entry) of sequences this group started
             try:
-                for item, desc, _priority, _timeout in specs:
-                    entries.append(self._enqueue(item, desc, group, now))
+                for item, desc, _priority, timeout_ms in specs:
+                    known = desc.sequence_id in self._seqs
+                    gone = self._gone.get(desc.sequence_id)
+                    e = self._enqueue(item, desc, group, now)
+                    if timeout_ms > 0:
+                        e.deadline_ns = now + timeout_ms * 1_000_000
+                    entries.append(e)
+                    if not known:
+                        created.append((e.seq, gone))
             except BaseException:
                 for e in reversed(entries):
                     self._kill(e)
+                for seq, gone in created:  # a refused group leaves no sequence behind
+                    if seq.sid in self._seqs and not seq.queue and not seq.running:
+                        self._release(seq, ENDED)
+                    if gone is None:
+                        self._gone.pop(seq.sid, None)
+                    else:
+                        self._gone[seq.sid] = gone
                 raise
             new_seq = self._sweep is None and self._seqs
         if new_seq:
@@ -475,7 +505,15 @@ class SequenceBatcher(QueuePolicy):
     def _form(self, lane: _Lane, now: int) -> tuple:
         """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
         ready = lane.ready
+        expired = [s for s in ready if s.queue and s.queue[0].deadline_ns
+                   and s.queue[0].deadline_ns <= now]
+        for s in expired:  # past its deadline: never run (its loop timer answers the caller)
+            while s.queue and s.queue[0].deadline_ns and s.queue[0].deadline_ns <= now \
+                    and s.queue[0].state == QUEUED:
+                self._kill(s.queue[0])
         n = len(ready)
+        if not n:
+            return None, 0
         if self._delay_ns and n < self.max_batch and n < self._min_util * min(lane.nseq,
                                                                                 self.max_batch):
             due = max(next(iter(ready)).ready_ns, lane.free_ns) + self._delay_ns
@@ -521,8 +559,8 @@ class SequenceBatcher(QueuePolicy):
             end[i] = e.end
             if corrid is not None:
                 corrid.append(s.corrid)
+        self._running += 1  # before pending drops: drain never sees both at 0 mid-handover
         self._pending -= n
-        self._running += 1
         lane.busy = True
         items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
         return Batch(entries, items, (seqs, start))

@@ -410,3 +410,19 @@ def test_a_failing_batch_observer_does_not_strand_callers():
         res = await asyncio.wait_for(asyncio.gather(*[b.infer(Item(i)) for i in range(6)]), 5)
         assert [r.value for r in res] == [0, 2, 4, 6, 8, 10]
     asyncio.run(main())
+
+
+def test_close_without_drain_answers_queued_requests_and_groups_are_atomic():
+    async def main():
+        b = DynamicBatcher("t", cfg(max_batch_size=4, max_queue_delay_us=10_000_000), [FakeWorker()])
+        e = b.submit(Item(1))
+        with pytest.raises(ValueError, match="priorities"):
+            b.submit_many([(Item(2), None, 1, 0), (Item(3), None, 9, 0)])  # nothing queued
+        assert b.pending == 1
+        group, entries = b.submit_many([])
+        assert group.future.done() and entries == []
+        await b.close()
+        with pytest.raises(Unavailable):
+            await e.waiter
+        assert b.pending == 0
+    asyncio.run(main())

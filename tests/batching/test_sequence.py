@@ -8,6 +8,8 @@ requests of a sequence, ``y`` must be the running sum of its inputs since its st
 from __future__ import annotations
 
 import asyncio
+import time
+import types
 
 import numpy as np
 import onnx
@@ -16,10 +18,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 import lumen_core as lc
 from lumen_core import tasks
-from lumen_core.config import ConfigError, parse_task
+from lumen_core.batching.sequence import SequenceBatcher
+from lumen_core.config import BatchingConfig, SequenceConfig, parse_task
 from lumen_core.contract import TensorContract, TensorSpec
 from lumen_core.engine.plan import DenseInput, ModelSpec, OutputSpec, PreparedModelRequest
 from lumen_core.engine.state import SequenceBatch, check_model_io, sequence_plans
+from lumen_core.errors import ConfigError
 from lumen_core.tasks.base import TaskBackend, split_outputs
 
 D = 4
@@ -576,3 +580,81 @@ def test_cancelled_restart_after_an_end_leaves_the_sequence_ended(acc_path):
             assert batcher(rt).active_sequences == 0  # the slot is free again
 
     run(main())
+
+
+# ------------------------------------------- review findings (worker-side formation, round 2)
+class _Runner:
+    """A stateless runner for the bare sequence batcher: returns each item's tag."""
+
+    spec = types.SimpleNamespace(inputs=[])
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.ran: list = []
+
+    def execute(self, items):
+        self.ran.append([it.tag for it in items])
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return [it.tag for it in items]
+
+
+class _Tagged:
+    signature = ("s",)
+
+    def __init__(self, tag):
+        self.tag = tag
+
+
+def _desc(sid, start=False, end=False):
+    return types.SimpleNamespace(sequence_id=sid, sequence_start=start, sequence_end=end)
+
+
+def test_a_request_past_its_deadline_never_runs_even_when_its_timer_is_late():
+    async def main():
+        r = _Runner(delay_s=0.1)
+        b = SequenceBatcher("t", BatchingConfig(max_batch_size=1), SequenceConfig(), [r])
+        first = b.submit(_Tagged("A"), _desc("1", start=True))  # runs 100 ms
+        await asyncio.sleep(0.01)
+        late = b.submit(_Tagged("B"), _desc("1"), timeout_ms=20)
+        time.sleep(0.15)  # the loop is busy: the 20 ms timer cannot fire
+        with pytest.raises(lc.DeadlineExceeded, match="in the queue"):
+            await late.waiter
+        assert await first.waiter == "A"
+        await b.drain()
+        await b.close()
+        return r.ran
+
+    assert asyncio.run(main()) == [["A"]]
+
+
+def test_a_refused_group_leaves_no_sequence_behind():
+    async def main():
+        b = SequenceBatcher("t", BatchingConfig(max_batch_size=2), SequenceConfig(), [_Runner()])
+        with pytest.raises(lc.InvalidArgument, match="unknown sequence 'Y'"):
+            b.submit_many([(_Tagged("x0"), _desc("X", start=True), 1, 0),
+                           (_Tagged("y"), _desc("Y"), 1, 0)])
+        assert (b.active_sequences, b.pending, b.backlog) == (0, 0, 0)
+        with pytest.raises(lc.InvalidArgument, match="unknown sequence 'X'"):
+            b.submit(_Tagged("x1"), _desc("X"))  # X never began
+        group, entries = b.submit_many([])
+        assert group.future.done() and entries == []
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_close_without_drain_answers_what_is_still_queued():
+    async def main():
+        cfg = SequenceConfig(max_queue_delay_us=10_000_000, minimum_slot_utilization=1.0)
+        b = SequenceBatcher("t", BatchingConfig(max_batch_size=4), cfg, [_Runner()])
+        first = [b.submit(_Tagged(s), _desc(s, start=True)) for s in ("1", "2")]
+        assert [await e.waiter for e in first] == ["1", "2"]  # both hold a slot now
+        a = b.submit(_Tagged("a"), _desc("1"))  # one of two streams ready: the lane waits
+        await asyncio.sleep(0.01)
+        await b.close()
+        with pytest.raises(lc.Unavailable):
+            await a.waiter
+        assert b.pending == 0
+
+    asyncio.run(main())
