@@ -48,7 +48,10 @@ every other; they are applied to the item's own row in :meth:`postprocess`):
 from __future__ import annotations
 
 import codecs
+import json
 import os
+import re
+import unicodedata
 from typing import Any, Optional
 
 import numpy as np
@@ -221,6 +224,144 @@ def codec_for(charset: Optional[str]) -> str:
     return info.name
 
 
+# -- exact reduction of long texts ------------------------------------------------------------
+#: candidates for "solid" characters: letters and digits below U+3000 (Latin, Greek, Cyrillic,
+#: Armenian, Hebrew, Arabic, Indic, ...); each is verified against the tokenizer itself before
+#: it is used (see :class:`_Reducer`)
+_SOLID_RANGE = (0x30, 0x3000)
+#: candidates for "vanishing" characters: C0/C1 controls, a few format characters, the BMP's
+#: private use area (all removed by ``clean_text``, before NFD) and the combining diacritical
+#: marks with a non-zero combining class (removed by accent stripping)
+_VANISH_CANDIDATES = (
+    [c for c in range(0x20) if chr(c) not in "\t\n\r"] + list(range(0x7F, 0xA0))
+    + [0xAD, 0x200B, 0x200C, 0x200D, 0x200E, 0x200F, 0x2060, 0xFEFF] + list(range(0xE000, 0xF900))
+    + [c for c in range(0x300, 0x370) if unicodedata.combining(chr(c))])
+#: candidates for whitespace (each must normalise to one space)
+_SPACE_CANDIDATES = [0x9, 0xA, 0xD, 0x20, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029,
+                     0x202F, 0x205F, 0x3000]
+
+
+def _char_class(chars) -> str:
+    """A regex character class (without brackets) matching exactly ``chars``."""
+    cps = sorted({ord(c) for c in chars})
+    parts = []
+    i = 0
+    while i < len(cps):
+        j = i
+        while j + 1 < len(cps) and cps[j + 1] == cps[j] + 1:
+            j += 1
+        lo, hi = chr(cps[i]), chr(cps[j])
+        parts.append(re.escape(lo) if i == j else f"{re.escape(lo)}-{re.escape(hi)}")
+        i = j + 1
+    return "".join(parts)
+
+
+class _Reducer:
+    """Shortens a text without changing one of its WordPiece ids (so the token count is kept too).
+
+    Three classes of characters are used, each verified against the loaded tokenizer (its
+    normaliser and pre-tokenizer, one character at a time in a probe) rather than assumed:
+
+    - *solid* S: normalises to one or more characters, none of them whitespace or punctuation
+      and not split off like a CJK character (probe ``"a" + c + "a"`` is one pre-token of
+      length >= 3);
+    - *vanishing* T: normalises to nothing (probe ``"a" + c + "a"`` -> ``"aa"``): characters
+      ``clean_text`` removes before NFD, and combining marks of non-zero combining class that
+      accent stripping removes after it;
+    - *space* W: normalises to exactly one space.
+
+    BertNormalizer works per character (clean_text, CJK spacing, NFD + dropping nonspacing
+    marks, per-character lowercase); the only interaction between characters is NFD's
+    canonical reordering, which moves marks of non-zero class only within a run of such marks
+    and never across a class-0 character.  BertPreTokenizer splits at whitespace and
+    punctuation only.  Then, with every added token ([CLS], [MASK], ...) matched on the raw
+    text, never normalised, without lstrip / rstrip / single_word, containing no T or W
+    character and beginning and ending with a character outside S and T (BERT's all begin with
+    ``[`` and end with ``]``) and at most ``K - 1`` long, these rewrites keep every id:
+
+    1. a run of T characters -> its first one: the normalised text is the same (T characters
+       vanish; removing marks of class != 0 from a run of such marks keeps the relative order of
+       the rest, and removing ``clean_text``'s characters happens before NFD anyway).  One is
+       kept so that no added token can be joined across the run.
+    2. a run of two or more W / T characters (after 1, it holds a W) -> one space: a non-empty
+       run of spaces between the same words either way.
+    3. a run of S / T characters holding at least ``K = max_input_chars_per_word + 1`` S
+       characters -> the run up to its K-th S character.  The run contains no word boundary, so
+       it lies inside one word, whose normalised length is at least K before and after: that
+       word is one [UNK] both times and every other word is untouched.
+
+    No added-token match can touch a rewritten place: a match is at most ``K - 1`` long, and it
+    would need its first or last character (outside S, T and W) inside the run it touches.
+    The remaining prefix-first tokenisation in :meth:`TextEmbeddingBackend._count_ids` then
+    reads a bounded prefix for every text made of these classes, punctuation, CJK and words.
+    A character outside all three classes is left alone (correct, just not shortened).
+    """
+
+    def __init__(self, tok):
+        self.ok = False
+        try:
+            cfg = json.loads(tok.to_str())
+        except Exception:  # noqa: BLE001 - a tokenizer we cannot inspect is used unreduced
+            return
+        model = cfg.get("model") or {}
+        if (model.get("type") != "WordPiece" or (cfg.get("normalizer") or {}).get("type")
+                != "BertNormalizer" or (cfg.get("pre_tokenizer") or {}).get("type")
+                != "BertPreTokenizer"):
+            return
+        k = int(model.get("max_input_chars_per_word", 100)) + 1
+        norm = tok.normalizer.normalize_str
+        pre = tok.pre_tokenizer.pre_tokenize_str
+        solid = self._solid(norm, pre)
+        vanish = [chr(c) for c in _VANISH_CANDIDATES if norm("a" + chr(c) + "a") == "aa"]
+        space = [chr(c) for c in _SPACE_CANDIDATES if norm(chr(c)) == " "]
+        if not (solid and vanish and space):
+            return
+        inner = set(vanish) | set(space)
+        edge = inner | set(solid)
+        for added in cfg.get("added_tokens") or ():
+            c = added.get("content") or ""
+            if (not c or len(c) >= k or added.get("normalized") or added.get("lstrip")
+                    or added.get("rstrip") or added.get("single_word")
+                    or c[0] in edge or c[-1] in edge or any(ch in inner for ch in c)):
+                return
+        s, t, w = _char_class(solid), _char_class(vanish), _char_class(space)
+        self._vanish_runs = re.compile(f"([{t}])[{t}]+")
+        # after rule 1 no two T are adjacent, so a W / T run of two or more holds a W
+        self._space_runs = re.compile(f"[{w}{t}]{{2,}}")
+        # a match starts at an S not preceded by an S (the lookbehind, after the first
+        # character so that the scan for a start stays a fast character-set scan) and keeps
+        # its first K S characters; where it starts after a T it is still inside one run
+        self._word_runs = re.compile(f"([{s}](?<![{s}].)(?:[{t}]*[{s}]){{{k - 1}}})[{s}{t}]+")
+        self.ok = True
+
+    @staticmethod
+    def _solid(norm, pre) -> list:
+        cands = [chr(c) for c in range(*_SOLID_RANGE) if not 0xD800 <= c < 0xE000]
+        cands = [c for c in cands if unicodedata.category(c)[0] in "LN"]
+        probe = " ".join("a" + c + "a" for c in cands)
+        normed = norm(probe)
+        pieces = [p for p, _ in pre(normed)]
+        if (len(pieces) == len(cands) and normed == " ".join(pieces)
+                and all(len(p) >= 3 for p in pieces)):
+            return cands
+        out = []  # one at a time: keep those that pass alone
+        for c in cands:
+            n = norm("a" + c + "a")
+            p = pre(n)
+            if len(p) == 1 and p[0][0] == n and len(n) >= 3:
+                out.append(c)
+        return out
+
+    def __call__(self, text: str) -> str:
+        # rule 3 first: it turns the costliest texts (one long word) into a few hundred
+        # characters; every pattern starts with a character set (a fast scan) and consumes a
+        # whole run from where it starts, so no run is rescanned from inside (rule 2's runs
+        # of two or more hold a W once rule 1 has left no two T side by side)
+        text = self._word_runs.sub(r"\1", text)
+        text = self._vanish_runs.sub(r"\1", text)
+        return self._space_runs.sub(" ", text)
+
+
 class TextEmbeddingBackend(TaskBackend):
     raw_mimes = (TEXT_MIME,)
     inline_prepare_max_bytes = INLINE_PREPARE_MAX_BYTES
@@ -246,6 +387,7 @@ class TextEmbeddingBackend(TaskBackend):
         self._signature: tuple = ()
         self._n_prefix = 1  # special tokens the post-processor puts before / after the text
         self._n_suffix = 1
+        self._reducer: Optional[_Reducer] = None  # built at the first long text
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
@@ -433,16 +575,39 @@ class TextEmbeddingBackend(TaskBackend):
         the last kept token's word is not the prefix's last word (only that word can be cut by
         the prefix boundary: BERT normalisation is per character and words end at whitespace or
         punctuation).  Otherwise the prefix grows; in the worst case the whole text is read.
+
+        Every text longer than ``LONG_TEXT_CHARS`` (each prefix, and the whole text) is first
+        shortened by :class:`_Reducer`, which provably keeps every id and so the count too:
+        runs that can only be one [UNK] are cut to ``max_input_chars_per_word + 1`` solid
+        characters, runs of whitespace and of vanishing characters to one character.  A text of
+        one 16 MB "word", of accented letters (composed or not), of spaces or of control
+        characters reaches the tokenizer as a few hundred characters; punctuation, CJK and
+        ordinary words make at least one token per few characters, so a short prefix proves
+        them.  The reduction reads the prefix once per step (regex scans, tens of ns a char).
         """
         tok = self.tokenizer
         encode = (lambda s: tok.encode_batch([s])[0]) if off_loop else tok.encode
         limit = self.max_seq_length
         ns = self._n_suffix
         n = len(text)
+        reduce = None
+        if n > LONG_TEXT_CHARS:
+            if self._reducer is None:
+                self._reducer = _Reducer(tok)
+            if self._reducer.ok:
+                reduce = self._reducer
+        done, head = 0, ""  # head: text[:done], reduced (every rewrite is context-free)
+
+        def upto(p: int) -> str:
+            nonlocal done, head
+            head = reduce(head + text[done:p]) if reduce is not None else text[:p]
+            done = p
+            return head
+
         if n > LONG_TEXT_CHARS and cut:
             p = LONG_TEXT_CHARS
             while p < n:
-                enc = encode(text[:p])
+                enc = encode(upto(p))  # the same ids (and words) as text[:p]
                 ids = enc.ids
                 if len(ids) > limit:
                     words = enc.word_ids
@@ -451,7 +616,7 @@ class TextEmbeddingBackend(TaskBackend):
                     if kept_last is not None and prefix_last is not None and kept_last < prefix_last:
                         return ids[:limit - ns] + ids[len(ids) - ns:], len(ids)
                 p *= PREFIX_GROWTH
-        ids = encode(text).ids
+        ids = encode(upto(n) if n > LONG_TEXT_CHARS else text).ids
         n_ids = len(ids)
         if n_ids > limit:
             if cut:
