@@ -15,7 +15,7 @@ runtime's job, as on every other front door):
   layout and preprocess id are implied when the task's contract leaves one choice (the input's
   name may also be a preprocess id), else taken from ``lumen.*`` request parameters;
 - a ``BYTES`` input of one element goes the **raw route**: the element is the payload, the mime
-  comes from a ``content_type`` parameter (input or request) or the task's first raw mime;
+  comes from a ``content_type`` parameter (input or request) or the task's ``default_mime`` (else its first raw mime);
 - request parameters ``sequence_id`` / ``sequence_start`` / ``sequence_end`` (Triton's sequence
   extension), ``priority`` and ``timeout`` (microseconds) map to ``lumen.*`` keys; ``lumen.*``
   parameters pass as they are; other scalar parameters go to the task as plain options.

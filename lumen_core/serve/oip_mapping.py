@@ -231,8 +231,11 @@ def _default_mime(rt: Any, task: str) -> str:
     contract = rt.contract(task)
     hit = _DEFAULT_MIMES.get((id(rt), task))
     if hit is None or hit[0] is not contract:
-        mimes = rt.describe(task).get("raw_mimes") or []
-        hit = (contract, mimes[0] if mimes else None)
+        desc = rt.describe(task)
+        mimes = desc.get("raw_mimes") or []
+        # the task's default_mime (a full media type, e.g. vad's audio/L16;rate=16000) when it
+        # declares one, else its first raw mime
+        hit = (contract, (desc.get("default_mime") or mimes[0]) if mimes else None)
         if len(_DEFAULT_MIMES) > 4096:
             _DEFAULT_MIMES.clear()
         _DEFAULT_MIMES[(id(rt), task)] = hit

@@ -156,6 +156,7 @@ class ImageEmbeddingBackend(TaskBackend):
         self.output_name = self._pick_output(outputs)
         odims = next(d for n, _, d in outputs if n == self.output_name)
         item = (odims[1],) if len(odims) == 2 and odims[1] is not None else None
+        self._out_dims = [odims[1] if len(odims) == 2 else None]
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         r = self.recipe
         self.contract = TensorContract(
@@ -242,4 +243,5 @@ class ImageEmbeddingBackend(TaskBackend):
 
     def describe(self) -> dict:
         return {**super().describe(), "output": OUTPUT_NAME, "model_output": self.output_name,
+                "outputs": {OUTPUT_NAME: ["fp32", list(getattr(self, "_out_dims", [None]))]},
                 "normalize": self.normalize, "max_image_pixels": self.max_pixels}

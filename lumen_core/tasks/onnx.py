@@ -76,11 +76,19 @@ class OnnxBackend(TaskBackend):
             specs=(TensorSpec(dtype, layout, frozenset(pps), spec_dims),),
             model_id=self.model_id, model_version=cfg.model_version)
         outs = []
+        self._outputs = {name: [odt if odt in DTYPES else "fp32", list(odims[1:])]
+                         for name, odt, odims in outputs}
         for name, odt, odims in outputs:
             item = tuple(odims[1:]) if odims and all(d for d in odims[1:]) else None
             outs.append(OutputSpec(name, DTYPES.get(odt, np.float32), item))
         self.model = ModelSpec(cfg.model, [DenseInput(in_name, DTYPES[dtype])], outs)
         return self.model
+
+    def describe(self) -> dict:
+        """The base description plus the model's outputs: ``{name: [dtype, per-item shape]}``
+        (None for a dimension the model leaves open)."""
+        d = {**super().describe(), "outputs": dict(getattr(self, "_outputs", {}))}
+        return d
 
     def prepare_tensor(self, req, desc, payload) -> PreparedModelRequest:
         item_shape = desc.shape[1:]

@@ -77,6 +77,9 @@ PREPROCESS_ID = "silero_vad_16k_v5"
 MIME_L16 = "audio/l16"
 MIME_PCM = "audio/pcm"
 PCM_FORMAT = "f32le"
+#: the full media types the raw route takes (``;channels=1`` may be added to either)
+MIME_L16_ACCEPTED = f"audio/L16;rate={SAMPLE_RATE}"
+MIME_PCM_ACCEPTED = f"audio/pcm;rate={SAMPLE_RATE};format={PCM_FORMAT}"
 LAYOUT = "NL"
 OUTPUT_NAME = "speech_prob"
 #: PCM16 full scale (Silero and torchaudio normalise int16 samples by 1/32768)
@@ -122,8 +125,20 @@ class VadBackend(TaskBackend):
         self.segment_options = vad_segments.options_from_config(self.options)
 
     def describe(self) -> dict:
+        """``raw_mimes`` are the media types routed here; ``accepts`` is exactly what each one
+        needs (parameters, bytes per request), ``default_mime`` what a raw payload without a
+        mime is read as (OIP BYTES without ``content_type``)."""
         return {**super().describe(), "segments": self.segment_options.to_dict(),
-                "sample_rate": SAMPLE_RATE, "chunk_samples": CHUNK_SAMPLES}
+                "sample_rate": SAMPLE_RATE, "chunk_samples": CHUNK_SAMPLES,
+                "accepts": [
+                    {"mime": MIME_L16_ACCEPTED, "optional": {"channels": "1"},
+                     "sample": "int16 little-endian", "chunk_samples": CHUNK_SAMPLES,
+                     "chunk_bytes": CHUNK_SAMPLES * 2},
+                    {"mime": MIME_PCM_ACCEPTED, "optional": {"channels": "1"},
+                     "sample": "float32 little-endian, finite", "chunk_samples": CHUNK_SAMPLES,
+                     "chunk_bytes": CHUNK_SAMPLES * 4}],
+                "default_mime": MIME_L16_ACCEPTED,
+                "outputs": {OUTPUT_NAME: [OUTPUT_DTYPE, [1]]}}
 
     def declared_sequence(self) -> SequenceConfig:
         return default_sequence()
