@@ -27,10 +27,11 @@ def traced(tmp_path_factory):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # the server starts (and its tasks resolve their models) inside LUMEN_HOME's block
     with S.lumen_home_env(S.prepared_home(tmp_path_factory)):
         rt = Runtime.from_dict({"tasks": default_task_tables()})
-    rt._trace = tracing.Tracing(provider)
-    srv = S.ServerThread(rt, grpc=False)
+        rt._trace = tracing.Tracing(provider)
+        srv = S.ServerThread(rt, grpc=False)
     yield srv, exporter
     srv.stop()
 
