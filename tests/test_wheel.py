@@ -133,8 +133,7 @@ def test_wheel_tag_licence_and_stripped_extensions(wheel):
 
 def test_sdist_carries_the_licence_beside_the_wheel(wheel):
     sdists = list(wheel.parent.glob("lumen_core-*.tar.gz"))
-    if not sdists:
-        pytest.skip("no sdist beside the wheel (make wheel writes both)")
+    assert sdists, "no sdist beside the wheel: `make wheel` writes both"
     with tarfile.open(sdists[0]) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"LICENSE", "NOTICE", "pyproject.toml", "setup.py", "csrc/_scheduler.pyx"} <= names

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..config import BatchingConfig
 from .policy import QUEUED, RUNNING, UNSET, Entry, QueuePolicy
-from .runner import Batch, CompletionQueue, Runner, Worker, run_split
+from .runner import Batch, Runner, Worker, run_split
 
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
 LENGTH_WINDOW_FACTOR = 4
@@ -197,51 +197,25 @@ class DynamicBatcher(QueuePolicy):
         (token budget per batch, padded slots counted); 0 keeps strict FIFO batches."""
         super().__init__(name, config.max_queue_size, on_batch)
         self.config = config
-        self.runners = list(runners)
         self._queues: dict = {}
         self._cond = threading.Condition(self.lock)
         self._waiting = 0  # workers blocked in ``next_batch``
-        self._stopping = False
         self._delay_ns = config.max_queue_delay_us * 1000
         self._max_batch = config.max_batch_size
         self._preferred = tuple(config.preferred_batch_sizes)
         self._levels = config.priority_levels
         self._max_tokens = max(0, int(max_batch_tokens))
         self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
-        self._done = CompletionQueue(self._deliver)
         self._enqueue = self._sched.enqueue  # the compiled admission path (or its twin)
-        self._workers = [Worker(r, self, f"{name}#{i}", i, self._done.flush)
-                         for i, r in enumerate(self.runners)]
-        self._started = False
+        self._init_workers(name, runners)
 
-    # -- lifecycle --------------------------------------------------------------------------
-    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        """Bind to the running loop and start the worker threads (idempotent)."""
-        if self._started:
-            return
-        self._loop = loop or asyncio.get_running_loop()
-        self._done.attach(self._loop)
-        self._started = True
-        for w in self._workers:
-            w.start()
+    # -- lifecycle (QueuePolicy: start, close) ----------------------------------------------
+    def _wake_all(self) -> None:
+        self._cond.notify_all()
 
-    async def close(self) -> None:
-        """Stop the workers (after ``drain``) and the hand-back; anything still queued (a close
-        without a drain) is answered ``Unavailable``."""
-        with self.lock:
-            self._closed = True
-            self._stopping = True
-            self._cond.notify_all()
-        for w in self._workers:
-            await asyncio.to_thread(w.join)
-        with self.lock:
-            left = [e for q in self._queues.values() for lv in q.levels for e in lv
-                    if e.state == QUEUED]
-            for e in left:
-                self._kill(e)
-        self._refuse(left)
-        if self._started:
-            self._done.close()
+    def _queued(self) -> list:
+        return [e for q in self._queues.values() for lv in q.levels for e in lv
+                if e.state == QUEUED]
 
     # -- admission (loop thread) ------------------------------------------------------------
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Entry:

@@ -43,6 +43,7 @@ from ..errors import (
     Overloaded,
     Unavailable,
 )
+from .runner import CompletionQueue, Worker
 
 log = logging.getLogger("lumen.batching")
 
@@ -86,6 +87,54 @@ class QueuePolicy:
         self._closed = False
         self._idle: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # -- workers (both batchers: one thread per runner, results back through one queue) -----
+    def _init_workers(self, name: str, runners: Sequence[Any]) -> None:
+        self.runners = list(runners)
+        self._stopping = False
+        self._done = CompletionQueue(self._deliver)
+        self._workers = [Worker(r, self, f"{name}#{i}", i, self._done.flush)
+                         for i, r in enumerate(self.runners)]
+        self._started = False
+
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Bind to the running loop and start the worker threads (idempotent)."""
+        if self._started:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._done.attach(self._loop)
+        self._started = True
+        for w in self._workers:
+            w.start()
+
+    async def close(self) -> None:
+        """Stop the workers (after ``drain``) and the hand-back; anything still queued (a close
+        without a drain) is answered ``Unavailable``."""
+        with self.lock:
+            self._closed = True
+            self._stopping = True
+            self._wake_all()
+        for w in self._workers:
+            await asyncio.to_thread(w.join)
+        self._stop_timers()
+        with self.lock:
+            left = self._queued()
+            for e in left:
+                self._kill(e)
+        self._refuse(left)
+        if self._started:
+            self._done.close()
+
+    def _wake_all(self) -> None:  # pragma: no cover - overridden
+        """Under the lock: wake every worker waiting for work."""
+        raise NotImplementedError
+
+    def _queued(self) -> list:  # pragma: no cover - overridden
+        """Under the lock: every entry still queued."""
+        raise NotImplementedError
+
+    def _stop_timers(self) -> None:
+        """Loop thread, at close: cancel the batcher's own timers (none by default)."""
 
     # -- state ----------------------------------------------------------------------------
     @property

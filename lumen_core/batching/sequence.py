@@ -68,7 +68,7 @@ from ..engine.state import SequenceBatch, SlotStore, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
 from .dynamic import BatchResult
 from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, QueuePolicy
-from .runner import Batch, CompletionQueue, Runner, Worker
+from .runner import Batch, Runner, Worker
 
 #: how many ended / idled-out ids are remembered for a precise error message
 MAX_REMEMBERED_IDS = 4096
@@ -172,43 +172,20 @@ class SequenceBatcher(QueuePolicy):
         self._min_util = seq.minimum_slot_utilization
         self._sig0: Any = None
         self._multi_sig = False
-        self._stopping = False
-        self._done = CompletionQueue(self._deliver)
-        self._workers = [Worker(r, self, f"{name}#{i}", i, self._done.flush)
-                         for i, r in enumerate(self.runners)]
-        self._started = False
+        self._init_workers(name, runners)
 
-    # -- lifecycle --------------------------------------------------------------------------
-    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        """Bind to the running loop and start the lanes' worker threads (idempotent)."""
-        if self._started:
-            return
-        self._loop = loop or asyncio.get_running_loop()
-        self._done.attach(self._loop)
-        self._started = True
-        for w in self._workers:
-            w.start()
+    # -- lifecycle (QueuePolicy: start, close) ----------------------------------------------
+    def _wake_all(self) -> None:
+        for lane in self._lanes:
+            lane.cond.notify_all()
 
-    async def close(self) -> None:
-        """Stop the workers (after ``drain``) and the hand-back; anything still queued (a
-        close without a drain) is answered ``Unavailable``."""
-        with self.lock:
-            self._closed = True
-            self._stopping = True
-            for lane in self._lanes:
-                lane.cond.notify_all()
-        for w in self._workers:
-            await asyncio.to_thread(w.join)
+    def _queued(self) -> list:
+        return [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
+
+    def _stop_timers(self) -> None:
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
-        with self.lock:
-            left = [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
-            for e in left:
-                self._kill(e)
-        self._refuse(left)
-        if self._started:
-            self._done.close()
 
     # -- public ---------------------------------------------------------------------------
     @property
