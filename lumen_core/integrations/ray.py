@@ -407,6 +407,19 @@ def build_app(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
     return LumenDeployment.options(**opts).bind(spec, num_cpus)
 
 
+def app_builder(args: Mapping) -> Any:
+    """Ray's application builder for ``serve deploy`` / ``serve run`` config files
+    (``import_path: lumen_core.integrations.ray:app_builder``, ``args`` = :func:`build_app`'s
+    keywords).  Deployed that way, a change of only the deployment's ``user_config`` is a
+    lightweight update: Ray calls ``reconfigure`` on the running replicas."""
+    known = {"config", "num_replicas", "num_cpus", "max_replicas", "user_config", "options"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown argument {unknown[0]!r} for lumen's Ray app (known: "
+                         f"{', '.join(sorted(known))})")
+    return build_app(**args)
+
+
 # -- the command ------------------------------------------------------------------------------
 def serve_forever(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
                   num_cpus: float = DEFAULT_NUM_CPUS, max_replicas: Optional[int] = None,

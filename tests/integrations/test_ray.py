@@ -45,6 +45,8 @@ TOL = 1e-4
 HOLD_US = 400_000
 HOLD_QUEUE = 6
 HOLD_ONGOING = 2
+#: handle calls sent before and after the reconfigure of the swap test
+RECONF_LOAD = 96
 
 
 def _free_port() -> int:
@@ -131,6 +133,24 @@ def test_local_testing_mode_embed_infer_health_reconfigure(prepared_home, refere
             h.embed.remote("a").result()
         assert h.reconfigure.remote({"config": renamed}).result() is None  # same: no-op
         assert h.check_health.remote().result() is None
+
+
+def test_reconfigure_under_load_loses_no_call(prepared_home, reference):
+    """Calls in flight and arriving while ``reconfigure`` swaps the runtime (a new batch size)
+    all succeed: the old runtime finishes what it holds, new calls go to the new one."""
+    texts, ref = reference
+    smaller = _embed_config(max_batch_size=4)
+    with S.lumen_home_env(prepared_home):
+        h = serve.run(LR.build_app(_embed_config(), num_cpus=1), _local_testing_mode=True,
+                      name="swap")
+        before = [h.embed.remote(texts[i % len(texts)]) for i in range(RECONF_LOAD)]
+        swap = h.reconfigure.remote({"config": smaller})
+        after = [h.embed.remote(texts[i % len(texts)]) for i in range(RECONF_LOAD)]
+        assert swap.result() is None
+        for i, r in enumerate(before + after):
+            np.testing.assert_allclose(r.result(), ref[i % len(texts)], atol=TOL)
+        info = h.describe.remote().result()
+        assert info["tasks"]["text_embed"] and h.check_health.remote().result() is None
 
 
 # -- a local Ray cluster ----------------------------------------------------------------------
@@ -307,3 +327,45 @@ def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, referenc
         time.sleep(0.5)
     else:
         raise AssertionError(f"the deployment did not recover: {st}")
+
+
+def test_command_joins_the_cluster_serves_and_stops_on_sigterm(cluster, prepared_home, reference):
+    """``python -m lumen_core.integrations.ray`` with RAY_ADDRESS: deploys, prints the URL,
+    serves, and on SIGTERM deletes its application (Ray drains the replica) and exits 0,
+    leaving the cluster it joined running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url, _ = cluster
+    texts, ref = reference
+    serve.delete(LR.APP_NAME)  # the command deploys its own under the same name
+    port = int(url.rsplit(":", 1)[1])
+    cfg = prepared_home / "ray_cmd.toml"
+    table = default_task_table()
+    cfg.write_text(f'[[tasks]]\nname = "text_embed"\nbackend = "{table["backend"]}"\n'
+                   f'model_id = "{table["model_id"]}"\ninstances = 1\n')
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address,
+               LUMEN_HOME=str(prepared_home))
+    proc = subprocess.Popen([sys.executable, "-m", "lumen_core.integrations.ray", "--config",
+                             str(cfg), "--host", "127.0.0.1", "--http-port", str(port),
+                             "--num-cpus", "0.25"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"lumen on Ray: {url} (1 replica(s) x 0.25 CPU"), \
+            (line, proc.stderr.read() if proc.poll() is not None else "")
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": "text_embed", "input": texts[2]},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["lumen-replica"]
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], ref[2], atol=TOL)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(RAY_WAIT_S) == 0, proc.stderr.read()
+        assert "stopping (draining the replicas)" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert LR.APP_NAME not in serve.status().applications
+    assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2  # still running
