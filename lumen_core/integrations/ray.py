@@ -462,14 +462,11 @@ def serve_forever(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lumen_core.integrations.ray [lumen serve options]``: ``lumen serve --ray``."""
+if __name__ == "__main__":  # pragma: no cover - tested through its process
+    # `python -m lumen_core.integrations.ray [options]` is `lumen serve --ray [options]`: the
+    # command line is the CLI's (run by name, so this module never imports the CLI back)
+    import runpy
     import sys
 
-    from ..cli import main as cli_main
-
-    return cli_main(["serve", "--ray", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover - the command is tested through its process
-    raise SystemExit(main())
+    sys.argv = ["lumen", "serve", "--ray", *sys.argv[1:]]
+    runpy.run_module("lumen_core.cli", run_name="__main__", alter_sys=True)

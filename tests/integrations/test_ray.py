@@ -6,10 +6,13 @@ deployment that calls Lumen through a handle; the replicas find the prepared mod
 ``LUMEN_HOME``, passed in their runtime_env by the builder.  The unit tests at the top need no
 cluster (``_local_testing_mode`` runs the deployment in this process).
 
-Budget: starting the cluster and its replicas dominates (tens of seconds on the shared 2-core
-box); each cluster test sends a few hundred requests.  The cluster tests exercise Ray's
-routing, replica lifecycle and the Lumen HTTP app; the compiled-vs-pure choice is made
-inside each replica exactly as in a plain server, whose own tests run in both modes.
+Budget: the cluster tests take about two minutes on the shared 2-core box (starting Ray, Serve
+and the replicas is half of it; each test sends a few hundred requests), too much to run twice.
+They run once, in the compiled run; with ``LUMEN_NO_EXTENSIONS=1`` the ``cluster`` fixture
+skips them, saying so.  They test Ray's routing, the replica lifecycle and the wiring of the
+Lumen HTTP app into Ray, no compiled function: inside a replica the compiled-vs-pure choice is
+made by ``lumen_core.native`` exactly as in a plain server, whose tests run in both modes.  The
+tests without a cluster (options, errors, the CLI flags, ``_local_testing_mode``) run in both.
 """
 from __future__ import annotations
 
@@ -94,6 +97,33 @@ def test_options_follow_the_lumen_config(prepared_home):
         LR.deployment_options(cfg, num_cpus=0)
 
 
+def test_lumen_errors_pickle_whole():
+    """What a handle call raises in a replica crosses to the caller by pickle."""
+    import pickle
+
+    from lumen_core.errors import Overloaded
+
+    err = pickle.loads(pickle.dumps(Overloaded("queue full", "task", retry_after_s=3)))
+    assert (type(err), err.message, err.field, err.retry_after_s) == \
+        (Overloaded, "queue full", "task", 3)
+    assert err.to_dict() == {"code": "resource_exhausted", "message": "queue full",
+                             "field": "task"}
+
+
+def test_cli_ray_flags_are_checked(capsys):
+    from lumen_core import cli
+
+    for argv, says in ((["serve", "--replicas", "2"], "--replicas is a Ray option: add --ray"),
+                       (["serve", "--ray", "--grpc-port", "9"], "--grpc-port does not apply"),
+                       (["serve", "--ray", "--replicas", "3", "--max-replicas", "2"],
+                        "--max-replicas (2) must be >= --replicas (3)")):
+        assert cli.main(argv) == cli.EXIT_USAGE
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--ray", "--num-cpus", "0"])
+    assert "must be > 0" in capsys.readouterr().err
+
+
 def test_config_errors_surface_before_deploying(tmp_path):
     from lumen_core.errors import ConfigError
 
@@ -169,6 +199,11 @@ class Caller:
 def cluster(prepared_home):
     import sys
 
+    from lumen_core import native
+
+    if native.NO_EXTENSIONS:
+        pytest.skip("the Ray cluster tests run once, in the compiled run (module docstring: "
+                    "they test no compiled function and take minutes)")
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Caller, for the workers
@@ -237,8 +272,9 @@ def test_handle_call_from_another_deployment(cluster, reference):
     try:
         np.testing.assert_allclose(caller.remote(texts).result(), ref, atol=TOL)
         np.testing.assert_allclose(caller.remote(texts[3]).result(), ref[3], atol=TOL)
-        with pytest.raises(TaskNotFound):
+        with pytest.raises(TaskNotFound) as info:  # through two processes, field and all
             caller.remote("a", task="nope").result()
+        assert info.value.field == "task" and "unknown task 'nope'" in info.value.message
     finally:
         serve.delete("caller")
 
