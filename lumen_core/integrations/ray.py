@@ -85,6 +85,10 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_WAIT_LOOP_S = 0.5
 #: Ray's overload reply carries the Retry-After of Lumen's own (errors.Overloaded)
 RETRY_AFTER_S = Overloaded("").retry_after_s
+#: seconds Ray's proxy waits for a reply before answering 408 (`lumen serve --ray`).  Ray's
+#: default is no limit, and a request in flight on a replica that dies can then stay
+#: unanswered for good (seen when the replica-kill test kills one mid-load)
+REQUEST_TIMEOUT_S = 60.0
 #: the environment a replica needs from the driver (where the prepared models are, which
 #: hot path, tracing); anything else is set through Ray's runtime_env by the caller
 PASS_ENV = ("LUMEN_HOME", "LUMEN_NO_EXTENSIONS", "LUMEN_TRACING")
@@ -441,7 +445,8 @@ def serve_forever(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port,
+                                  "request_timeout_s": REQUEST_TIMEOUT_S})
         serve.run(build_app(spec, num_replicas, num_cpus, max_replicas), name=APP_NAME,
                   route_prefix="/", blocking=False)
         where = "a local Ray instance" if address == "local" else f"the Ray cluster at {address}"

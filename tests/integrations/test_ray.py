@@ -42,11 +42,13 @@ LOAD = 512
 RAY_WAIT_S = 120.0
 #: attempts per request in the replica-kill test (a failed one is sent again)
 ATTEMPTS = 6
+#: Ray's per-request timeout (x-request-timeout-seconds) in that test
+KILL_REQUEST_TIMEOUT_S = 20
 TOL = 1e-4
 #: the overload test's task: a lone batch waits this long; Lumen's (and so Ray's) queue bound;
 #: the replica's max_ongoing_requests
-HOLD_US = 400_000
-HOLD_QUEUE = 6
+HOLD_US = 1_000_000
+HOLD_QUEUE = 4
 HOLD_ONGOING = 2
 #: handle calls sent before and after the reconfigure of the swap test
 RECONF_LOAD = 96
@@ -221,7 +223,8 @@ def cluster(prepared_home):
             ray.shutdown()
 
 
-async def _embed_all(url: str, texts: list, attempts: int = 1, on_done=None) -> list:
+async def _embed_all(url: str, texts: list, attempts: int = 1, on_done=None,
+                     headers=None) -> list:
     """POST each text to /v1/embeddings at once; per request (status, replica, vector or
     None) of its last attempt, and the statuses of failed attempts."""
     limits = httpx.Limits(max_connections=len(texts), max_keepalive_connections=len(texts))
@@ -230,8 +233,8 @@ async def _embed_all(url: str, texts: list, attempts: int = 1, on_done=None) -> 
         async def one(text: str) -> tuple:
             for attempt in range(attempts):
                 try:
-                    r = await client.post("/v1/embeddings", json={"model": "text_embed",
-                                                                  "input": text})
+                    r = await client.post("/v1/embeddings", headers=headers,
+                                          json={"model": "text_embed", "input": text})
                 except httpx.TransportError as exc:  # a dropped connection is not clean
                     failures.append(type(exc).__name__)
                     continue
@@ -313,8 +316,9 @@ def test_overload_past_rays_queue_is_a_fast_429_with_retry_after(cluster, tmp_pa
         serve.delete("overload")
     ok = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 429]
-    assert len(ok) == HOLD_ONGOING + HOLD_QUEUE, collections.Counter(r[0] for r in results)
-    assert len(refused) == n - len(ok)
+    # held by the replica and Ray's queue (more when a slot freed before the last arrived)
+    assert len(ok) >= HOLD_ONGOING + HOLD_QUEUE, collections.Counter(r[0] for r in results)
+    assert refused and len(refused) == n - len(ok), collections.Counter(r[0] for r in results)
     assert all(r[3] is not None for r in ok)  # answered by the replica
     assert all(r[1] == "1" and r[3] is None for r in refused)  # by Ray's proxy, Retry-After
     # refused at once: before any held request's batch delay had passed
@@ -330,8 +334,9 @@ def _replica_actor(replica_id: str):
 
 def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, reference):
     """Kill one replica's actor while 512 requests are in flight: every 200 is a correct
-    embedding, every failure is a clean HTTP error (no dropped connection) that the client
-    sends again, and every request ends answered correctly."""
+    embedding, every failure is a clean HTTP error (500 for a request the dead replica held,
+    408 for one Ray's proxy lost; no dropped connection) that the client sends again, and
+    every request ends answered correctly."""
     url, handle = cluster
     texts, ref = reference
     victim = handle.describe.remote().result()["replica"]
@@ -346,12 +351,16 @@ def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, referenc
             killed["at"] = done["n"]
             ray.kill(actor, no_restart=True)
 
-    results, failures = asyncio.run(_embed_all(url, [texts[i] for i in idx], ATTEMPTS, on_done))
+    # Ray's proxy has no request timeout unless told: a request in flight on the killed
+    # replica can stay unanswered for good (seen here); with one it is a clean 408
+    results, failures = asyncio.run(_embed_all(
+        url, [texts[i] for i in idx], ATTEMPTS, on_done,
+        headers={"x-request-timeout-seconds": str(KILL_REQUEST_TIMEOUT_S)}))
     assert killed, "the load finished before the kill"
     for (status, _replica, vec), i in zip(results, idx, strict=True):
         assert status == 200, (status, collections.Counter(failures))
         np.testing.assert_allclose(vec, ref[i], atol=TOL)
-    assert all(f in (500, 502, 503, 429) for f in failures), collections.Counter(failures)
+    assert all(f in (408, 429, 500, 502, 503) for f in failures), collections.Counter(failures)
     served = collections.Counter(r for _s, r, _v in results)
     assert served[victim] >= 1  # the victim was serving before it died
     # Ray replaces the replica; the deployment is whole again
