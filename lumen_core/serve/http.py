@@ -377,14 +377,22 @@ class HttpApp:
         rt = self.runtime
         try:
             if len(reqs) == 1:
-                results = [await self._until_done_or_gone(request, rt.infer(reqs[0]))]
+                try:
+                    results = [await self._until_done_or_gone(request, rt.infer(reqs[0]))]
+                except LumenError as exc:
+                    if exc.field == "payload":  # the body's name for the text
+                        exc.field = "input"
+                    raise
             else:
                 # each item is its own request (batched by the runtime) and has its own
                 # outcome; the first error in index order answers the call, as one bad input
-                # fails an OpenAI request
+                # fails an OpenAI request, naming the item
                 results = await self._until_done_or_gone(request, rt.infer_many(reqs))
-                for res in results:
+                for i, res in enumerate(results):
                     if isinstance(res, LumenError):
+                        if res.field == "payload":
+                            res.field = f"input[{i}]"
+                            res.message = f"input[{i}]: {res.message}"
                         raise res
         except TaskNotFound as exc:
             raise TaskNotFound(exc.message, "model") from None

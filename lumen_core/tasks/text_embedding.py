@@ -581,6 +581,10 @@ class TextEmbeddingBackend(TaskBackend):
                                       f"or name the right charset in payload_mime",
                                       "payload") from None
             off_loop = payload.nbytes > self.inline_prepare_max_bytes
+        if not text:  # as TEI: an empty input is the caller's mistake, not [CLS][SEP]
+            raise InvalidArgument(f"the text is empty; task {self.name!r} embeds text of at least "
+                                  f"one character (send token ids [CLS, SEP] as a tensor for the "
+                                  f"embedding of no text)", "payload")
         truncate = _flag(req.meta, OPT_TRUNCATE) if req.meta else None
         try:
             ids, truncated = self._count_ids(text, off_loop, truncate is not False)
