@@ -224,7 +224,8 @@ class _Generation:
             self.idle.set()
 
     async def retire(self, grace_s: float) -> None:
-        """Refuse new calls, wait (up to ``grace_s``) for those still running, stop."""
+        """Wait (up to ``grace_s``) for the calls it still serves (new ones already go to
+        the next generation), then refuse what still comes and stop the runtime."""
         try:
             await asyncio.wait_for(self.idle.wait(), grace_s)
         except asyncio.TimeoutError:
