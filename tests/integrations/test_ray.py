@@ -146,9 +146,9 @@ def test_local_testing_mode_embed_infer_health_reconfigure(prepared_home, refere
     """The deployment in this process: handle calls, errors as themselves, readiness, and a
     reconfigure that replaces the runtime (the task is renamed)."""
     texts, ref = reference
-    renamed = _embed_config()
-    renamed["tasks"][0]["name"] = "embed_v2"
     with S.lumen_home_env(prepared_home):
+        renamed = _embed_config()
+        renamed["tasks"][0]["name"] = "embed_v2"
         h = serve.run(LR.build_app(_embed_config(), num_cpus=0.5), _local_testing_mode=True,
                       name="local")
         vecs = h.embed.remote(texts).result()
@@ -176,8 +176,8 @@ def test_reconfigure_under_load_loses_no_call(prepared_home, reference):
     """Calls in flight and arriving while ``reconfigure`` swaps the runtime (a new batch size)
     all succeed: the old runtime finishes what it holds, new calls go to the new one."""
     texts, ref = reference
-    smaller = _embed_config(max_batch_size=4)
     with S.lumen_home_env(prepared_home):
+        smaller = _embed_config(max_batch_size=4)
         h = serve.run(LR.build_app(_embed_config(), num_cpus=1), _local_testing_mode=True,
                       name="swap")
         before = [h.embed.remote(texts[i % len(texts)]) for i in range(RECONF_LOAD)]
@@ -394,7 +394,8 @@ def test_command_joins_the_cluster_serves_and_stops_on_sigterm(cluster, prepared
     serve.delete(LR.APP_NAME)  # the command deploys its own under the same name
     port = int(url.rsplit(":", 1)[1])
     cfg = prepared_home / "ray_cmd.toml"
-    table = default_task_table()
+    with S.lumen_home_env(prepared_home):  # CI's own LUMEN_HOME is empty
+        table = default_task_table()
     cfg.write_text(f'[[tasks]]\nname = "text_embed"\nbackend = "{table["backend"]}"\n'
                    f'model_id = "{table["model_id"]}"\ninstances = 1\n')
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address,
