@@ -501,14 +501,16 @@ class Runtime:
         return {name: t.backend.describe() for name, t in self.tasks.items()}
 
     def load(self) -> dict:
-        """``{task: {pending, in_flight, padding_ratio[, active_sequences, backlog]}}`` now:
-        queued requests, running batches, padded share of token slots; for stateful tasks the
-        sequences holding a slot and those waiting for one."""
+        """``{task: {pending, in_flight, padding_ratio[, steps][, active_sequences, backlog]}}``
+        now: queued requests, running batches, padded share of token slots; for ensembles the
+        per-step counters; for stateful tasks the sequences holding a slot and those waiting."""
         out = {}
         for name, t in list(self.tasks.items()):
             b = t.batcher
             load = {"pending": b.pending, "in_flight": b.in_flight,
                     "padding_ratio": t.padding_ratio}
+            if hasattr(b, "step_stats"):  # an ensemble: per-step batches, items, times
+                load["steps"] = b.step_stats()
             if t.backend.stateful:
                 load["active_sequences"] = b.active_sequences
                 load["backlog"] = b.backlog
