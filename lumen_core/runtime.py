@@ -206,6 +206,10 @@ class Runtime:
 
         batcher = build_pipeline(tc.name, tc.batching, backend.steps(), backend.flow,
                                  make_runners, on_batch)
+        if self._trace is not None:  # request spans per ocr request, batch spans per step
+            self._trace.versions[tc.name] = tc.model_version
+            for step in batcher.steps.values():
+                step.batcher._trace = self._trace
         return Task(tc, backend, instances, batcher.runners, batcher)
 
     def _batch_observer(self, name: str):

@@ -176,3 +176,21 @@ def test_http_and_grpc(prepared_home, together):
             _same_lines(json.loads(t.data), together[name])
     finally:
         srv.stop()
+
+
+def test_default_tables_and_config_errors(prepared_home, tmp_path):
+    from serve_support import lumen_home_env
+
+    from lumen_core.tasks import default_task_tables
+
+    with lumen_home_env(prepared_home):
+        assert "ocr" in [t["name"] for t in default_task_tables()]
+    with lumen_home_env(tmp_path):  # nothing prepared: no ocr default task, a clear error
+        assert "ocr" not in [t["name"] for t in default_task_tables()]
+        with pytest.raises(lc.ModelMissingError, match="lumen models prepare"):
+            with lc.Runtime.from_dict({"tasks": [{"name": "ocr", "backend": "ocr"}]}):
+                pass
+    with pytest.raises(lc.ConfigError, match=r"tasks\[0\]\.model"):
+        with lc.Runtime.from_dict({"tasks": [{"name": "ocr", "backend": "ocr",
+                                              "model": str(tmp_path / "none")}]}):
+            pass
