@@ -10,7 +10,8 @@ Both sides read the same fixture images (``shared/fixtures/ocr``), on the same m
 - **lumen**: ``Runtime.infer`` from ``--callers`` concurrent asyncio callers, each taking the
   next image; the task's steps run on their own engine instances (``--threads`` per instance).
 
-Also printed: per-step batches, mean batch size and compute time (where the time goes).
+Also printed: CPU seconds of the process per image on each side (less sensitive to the
+neighbours' load than wall time on a shared box), per-step batches, mean batch size and compute time (where the time goes).
 
     python bench/bench_ocr.py [--runs 3] [--callers 8] [--rounds 2]
 """
@@ -36,15 +37,17 @@ def load_images() -> list:
     return [(im["file"], (OCR_DIR / im["file"]).read_bytes()) for im in ref["images"]]
 
 
-def rapidocr_loop(engine, images: list, rounds: int) -> float:
-    t0 = time.perf_counter()
+def rapidocr_loop(engine, images: list, rounds: int) -> tuple:
+    """(images/s, CPU seconds of this process per image)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(rounds):
         for _name, data in images:
             engine(data)
-    return rounds * len(images) / (time.perf_counter() - t0)
+    n = rounds * len(images)
+    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
 
 
-async def lumen_run(rt, images: list, rounds: int, callers: int) -> float:
+async def lumen_run(rt, images: list, rounds: int, callers: int) -> tuple:
     import lumen_core as lc
 
     work = [(name, data) for _ in range(rounds) for name, data in images]
@@ -55,9 +58,9 @@ async def lumen_run(rt, images: list, rounds: int, callers: int) -> float:
             req = lc.new_infer_request("ocr").for_raw_input(data, MIME[name.rsplit(".", 1)[1]])
             await rt.infer(req.build())
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*[caller() for _ in range(callers)])
-    return len(work) / (time.perf_counter() - t0)
+    return len(work) / (time.perf_counter() - t0), (time.process_time() - c0) / len(work)
 
 
 def main() -> None:
@@ -97,15 +100,19 @@ def main() -> None:
     async def go() -> None:
         rt = lc.Runtime.from_dict(cfg)
         async with rt:
-            ratios = []
+            ratios, cpu_ratios = [], []
             for run in range(args.runs):
-                ref = rapidocr_loop(engine, images, args.rounds)
-                ours = await lumen_run(rt, images, args.rounds, args.callers)
+                ref, ref_cpu = rapidocr_loop(engine, images, args.rounds)
+                ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers)
                 ratios.append(ours / ref)
-                print(f"run {run + 1}: rapidocr {ref:.2f} img/s, lumen {ours:.2f} img/s, "
-                      f"ratio {ours / ref:.2f}x (load {os.getloadavg()[0]:.2f})")
-            print(f"ratio median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, "
-                  f"max {max(ratios):.2f}x over {args.runs} runs")
+                cpu_ratios.append(ref_cpu / our_cpu)
+                print(f"run {run + 1}: rapidocr {ref:.2f} img/s ({ref_cpu:.2f} CPU-s/img), "
+                      f"lumen {ours:.2f} img/s ({our_cpu:.2f} CPU-s/img), ratio {ours / ref:.2f}x "
+                      f"wall, {ref_cpu / our_cpu:.2f}x per CPU-second "
+                      f"(load {os.getloadavg()[0]:.2f})")
+            for what, rs in (("wall", ratios), ("per CPU-second", cpu_ratios)):
+                print(f"ratio ({what}) median {statistics.median(rs):.2f}x, min {min(rs):.2f}x, "
+                      f"max {max(rs):.2f}x over {args.runs} runs")
             for step, s in rt.load()["ocr"]["steps"].items():
                 print(f"  step {step}: {s['items']} items in {s['batches']} batches "
                       f"(mean {s['mean_batch_size']:.1f}, max {s['max_batch_size']}), "
