@@ -86,6 +86,22 @@ def test_alone_equals_together_and_tensor_route(rt, together):
     _same_lines(rt.infer_sync(req).outputs["lines"], together[name])
 
 
+def test_many_concurrent_callers(rt, together):
+    """12 threads calling at once (two images, six callers each): crops of different
+    requests share cls / rec batches, and every caller gets its own image's answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = ["ocr_11_01.png", "ocr_11_09.png"] * 6
+    before = rt.load()["ocr"]["steps"]["rec"]["batches"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        outs = list(pool.map(lambda n: rt.infer_sync(fixture_request(n)), names))
+    for name, resp in zip(names, outs, strict=True):
+        _same_lines(resp.outputs["lines"], together[name])
+    rec = rt.load()["ocr"]["steps"]["rec"]
+    crops = sum(len(together[n]) for n in names)
+    assert rec["batches"] - before < crops  # recognition batched crops across requests
+
+
 def _same_lines(a: list, b: list) -> None:
     assert [x["text"] for x in a] == [x["text"] for x in b]
     for x, y in zip(a, b, strict=True):
