@@ -581,6 +581,11 @@ class Runtime:
                                f"{', '.join(sorted(self.tasks)) or 'no tasks'}", "task")
         return task
 
+    def versions(self, task: str) -> list:
+        """The versions ``task`` serves now, in version order (``lumen.model.version`` may pin
+        any of them)."""
+        return self._lifecycle.serving(task) or [self._task(task).version]
+
     def contract(self, task: str) -> TensorContract:
         """The tensor contract of ``task`` (dtypes, layouts, shapes, preprocess ids)."""
         return self._task(task).backend.contract

@@ -97,6 +97,18 @@ def wait_stable(path: str, quiet_s: float = STABLE_QUIET_S,
         st = now
 
 
+def stable_revision(path: str, quiet_s: float = STABLE_QUIET_S) -> tuple:
+    """(state, sha256) of ``path`` once its writer has finished; (None, "") when it does not
+    exist or cannot be read.  One worker-thread hop for the whole check."""
+    st = wait_stable(path, quiet_s)
+    if st is None:
+        return None, ""
+    try:
+        return st, file_hash(path)
+    except OSError:
+        return st, ""
+
+
 def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
     """``{version: weight}`` over the serving versions: the requested weights of those that
     serve; when none of them has a positive weight (no split configured, or its versions are
@@ -285,6 +297,9 @@ class Lifecycle:
         self.config_failures = 0
         self._watch: Optional[asyncio.Task] = None
         self._seen: dict = {}  # watched path -> its state at the last look
+        #: seconds a changed file must stay unchanged before it is read (STABLE_QUIET_S)
+        self.quiet_s = STABLE_QUIET_S
+        self._config_state: Optional[tuple] = None
 
     # -- loaded tasks ------------------------------------------------------------------------
     def tasks(self) -> list:
@@ -293,6 +308,10 @@ class Lifecycle:
         for tv in self.sets.values():
             out += [i.task for i in tv.serving.values()] + [i.task for i in tv.draining]
         return out
+
+    def serving(self, name: str) -> list:
+        tv = self.sets.get(name)
+        return sorted(tv.serving, key=version_key) if tv is not None else []
 
     def describe(self, name: Optional[str] = None) -> dict:
         if name is not None:
@@ -312,8 +331,9 @@ class Lifecycle:
         for tc in configs:
             tv = self.sets[tc.name] = TaskVersions(tc.name, tc)
             for vtc in task_versions(tc):
-                stat = file_state(vtc.model) if vtc.model else None
-                rev = await asyncio.to_thread(file_hash, vtc.model) if stat else ""
+                stat, rev = None, ""
+                if vtc.model and file_state(vtc.model) is not None:
+                    stat, rev = await asyncio.to_thread(stable_revision, vtc.model, 0.0)
                 await self._bring_up(tv, vtc, rev, stat, strict=True)
             self._install(tv)
 
@@ -362,15 +382,21 @@ class Lifecycle:
         src = self.rt.config.source
         if not src or src.startswith("<") or not os.path.isfile(src):
             return None
-        await asyncio.to_thread(wait_stable, src)
+        def read() -> tuple:
+            st = file_state(src)
+            if st != self._config_state:  # changed since the last read: let the writer finish
+                st = wait_stable(src, self.quiet_s)
+            return st, load_config(src)
+
         try:
-            cfg = await asyncio.to_thread(load_config, src)
+            st, cfg = await asyncio.to_thread(read)
         except ConfigError as exc:
             self.config_error = str(exc)
             self.config_failures += 1
             log.error("lumen reload: %s; keeping the running config", exc)
             return None
         self.config_error = None
+        self._config_state = st
         return cfg
 
     async def reconcile(self, name: str, tc: Optional[TaskConfig]) -> None:
@@ -419,12 +445,9 @@ class Lifecycle:
             for known in (cur, failed):
                 if known is not None and known.stat == stat and _same_config(known.config, vtc):
                     return None  # nothing changed since it loaded (or since it failed)
+        rev = ""
         if stat is not None:
-            stat = await asyncio.to_thread(wait_stable, vtc.model)
-        try:
-            rev = await asyncio.to_thread(file_hash, vtc.model) if stat else ""
-        except OSError:
-            rev = ""
+            stat, rev = await asyncio.to_thread(stable_revision, vtc.model, self.quiet_s)
         if not force:
             for known in (cur, failed):
                 if known is not None and known.revision == rev \
