@@ -21,7 +21,7 @@ def _versions_cfg(tmp_path, ks=(1.0, 2.0), traffic=None, **task) -> dict:
     versions = [{"version": str(i + 1), "model": M.offset(tmp_path / f"v{i + 1}.onnx", k, D)}
                 for i, k in enumerate(ks)]
     t = {"name": "emb", "backend": "onnx", "intra_op_threads": 1, "versions": versions,
-         "batching": {"max_queue_delay_us": 0}, **task}
+         "batching": {"max_queue_delay_us": 0, "max_queue_size": 4096}, **task}
     if traffic is not None:
         t["traffic"] = traffic
     return {"tasks": [t]}
