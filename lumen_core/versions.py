@@ -51,6 +51,9 @@ DRAIN_POLL_S = 0.005
 #: lifecycle events kept per task for the admin API
 MAX_EVENTS = 64
 _POINTS = float(1 << 64)
+#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts empty)
+MAX_STICKY_KEYS = 65536
+_random = random.random
 
 
 def version_key(v: str) -> tuple:
@@ -148,13 +151,14 @@ def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
 class Router:
     """Picks the version of one request of a task with several (installed as ``head.router``).
 
-    Built once per change, read-only afterwards: the request path makes no dict or list.
-    Order of the checks: a sequence that lives on a draining version stays there (stateful
-    tasks), then a pin (``lumen.model.version``), then the split -- a sticky key's point, or
-    a random one.
+    Built once per change, read-only afterwards (but for the memo of sticky keys): the request
+    path makes no list.  Order of the checks: an open sequence stays on the version that holds
+    it (stateful tasks: ``sequences`` lists their versions, draining ones first), then a pin
+    (``lumen.model.version``), then the split -- a sticky key's point (a stateful task's
+    sequence id is its key), or a random one.
     """
 
-    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences")
+    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky")
 
     def __init__(self, name: str, serving: Mapping, split: Mapping,
                  sequences: Iterable[Any] = ()):
@@ -170,12 +174,14 @@ class Router:
         self.cum = tuple(cum)
         self.total = total
         self.sequences = tuple(sequences)
+        self._sticky: dict = {}  # route key -> its version's task, under this split
 
     def __call__(self, meta: Any) -> Any:
         try:
             get = meta.get
         except AttributeError:  # not a mapping: parse_meta refuses it with the right error
             return self.tasks[0]
+        sid = None
         if self.sequences:
             sid = get(KEY_SEQUENCE_ID)
             if sid is not None:
@@ -191,9 +197,20 @@ class Router:
         tasks = self.tasks
         if len(tasks) == 1:
             return tasks[0]
-        key = get(KEY_ROUTE_KEY)
-        x = (route_point(key) if type(key) is str and key else random.random()) * self.total
-        i = bisect_right(self.cum, x)
+        key = get(KEY_ROUTE_KEY) or sid
+        if type(key) is str and key:
+            t = self._sticky.get(key)
+            if t is None:
+                t = self._pick(route_point(key))
+                if len(self._sticky) < MAX_STICKY_KEYS:
+                    self._sticky[key] = t
+            return t
+        return self._pick(_random())
+
+    def _pick(self, point: float) -> Any:
+        """The version whose share of ``[0, total)`` holds ``point * total``."""
+        i = bisect_right(self.cum, point * self.total)
+        tasks = self.tasks
         return tasks[i if i < len(tasks) else -1]
 
     def _unknown(self, v: Any) -> InvalidArgument:
@@ -410,8 +427,7 @@ class Lifecycle:
             if tc is None:
                 retired = list(tv.serving.values())
                 tv.serving.clear()
-                self._install(tv)
-                await self._retire_all(tv, retired)
+                await self._swap(tv, retired)
                 if not tv.serving and not tv.loading:
                     del self.sets[name]
                 return
@@ -430,8 +446,7 @@ class Lifecycle:
                 replaced.append(tv.serving.pop(v))
             for v in [v for v in tv.failed if v not in labels]:
                 del tv.failed[v]
-            self._install(tv)
-            await self._retire_all(tv, replaced)
+            await self._swap(tv, replaced)
             if not tv.serving and name in self.sets and not tv.failed:
                 del self.sets[name]
 
@@ -509,6 +524,8 @@ class Lifecycle:
         split = tv.split()
         head = serving[_head_version(split)]
         sequences = [i.task for i in tv.draining if i.task.backend.stateful]
+        if len(serving) > 1 and head.backend.stateful:
+            sequences += list(serving.values())
         router = (Router(tv.name, serving, split, sequences)
                   if len(serving) > 1 or sequences else None)
         head.router = router
@@ -539,8 +556,7 @@ class Lifecycle:
                                       f"(versions: {', '.join(_labels(tv.config))}); give its "
                                       f"model", "version")
             old = await self._update(tv, vtc, force=True)
-            self._install(tv)
-            await self._retire_all(tv, [old] if old is not None else [])
+            await self._swap(tv, [old] if old is not None else [])
             return tv.describe()
 
     async def unload_version(self, name: str, version: str) -> dict:
@@ -555,24 +571,26 @@ class Lifecycle:
                                       f"{name!r}; load another first (or remove the task from "
                                       f"the config)", "version")
             inst = tv.serving.pop(version)
-            self._install(tv)
-            await self._retire_all(tv, [inst])
+            await self._swap(tv, [inst])
             return tv.describe()
 
     # -- retiring ----------------------------------------------------------------------------
-    async def _retire_all(self, tv: TaskVersions, insts: list) -> None:
-        if insts:
-            await asyncio.gather(*(self._retire(tv, i) for i in insts))
+    async def _swap(self, tv: TaskVersions, retired: list) -> None:
+        """Install ``tv``'s serving versions, then drain and unload ``retired`` (out of the
+        split already; a stateful one keeps its open sequences, so it is marked draining in
+        the same step)."""
+        for inst in retired:
+            inst.state = DRAINING
+            tv.draining.append(inst)
+            tv.event("draining", inst)
+        self._install(tv)
+        if retired:
+            await asyncio.gather(*(self._retire(tv, i) for i in retired))
 
     async def _retire(self, tv: TaskVersions, inst: Instance) -> None:
-        """Drain ``inst`` (no new traffic reaches it: it is out of the router already): its
-        held, queued and running requests finish on it, then it is unloaded."""
+        """Let ``inst`` finish what it holds (requests routed to it still being prepared, its
+        queued and running requests, a stateful task's open sequences), then unload it."""
         task = inst.task
-        inst.state = DRAINING
-        tv.draining.append(inst)
-        tv.event("draining", inst)
-        if task.backend.stateful:
-            self._install(tv)  # its open sequences keep reaching it
         try:
             while task.holds:  # requests routed here, still preparing off the loop
                 await asyncio.sleep(DRAIN_POLL_S)

@@ -11,6 +11,7 @@ import threading
 import time
 
 import numpy as np
+import onnx
 import onnx_models as M
 import pytest
 from onnx import TensorProto, helper
@@ -103,7 +104,12 @@ class Load:
         await asyncio.gather(*self.tasks)
 
 
-def test_swaps_versions_and_bad_files_under_load_fail_nothing(tmp_path, scheduler):
+def test_swaps_versions_and_bad_files_under_load_fail_nothing(tmp_path):
+    """Under CALLERS concurrent callers for the whole test: ten swaps of the model file (in
+    place and by rename), a version added and removed twice, a corrupt file and a wrong one.
+    Zero failures; every response names its version; none comes from a revision whose unload
+    had finished when the request was sent.  (``rt.infer`` is the twin ``native`` chose: the
+    suite's two modes cover both.)"""
     model = tmp_path / "emb.onnx"
     v2 = tmp_path / "emb_v2.onnx"
     cfg = tmp_path / "lumen.toml"
@@ -115,7 +121,7 @@ def test_swaps_versions_and_bad_files_under_load_fail_nothing(tmp_path, schedule
         rt = lc.Runtime.from_config(str(cfg))
         rt._lifecycle.quiet_s = QUIET_S
         async with rt:
-            with Load(scheduler.infer, rt) as load:
+            with Load(lambda rt, req: rt.infer(req), rt) as load:
                 await asyncio.sleep(0.05)
                 for g in range(1, 11):  # ten swaps of the model file
                     revision[_write_model(model, 100.0 + g, in_place=g % 2 == 0)] = 100.0 + g
@@ -273,3 +279,50 @@ def test_wait_stable_waits_for_the_writer(tmp_path):
     assert done.is_set() and st == file_state(str(path)) and st[0] == 8000
     t.join()
     assert wait_stable(str(tmp_path / "none"), quiet_s=0.01) is None
+
+
+def test_stateful_swap_keeps_open_sequences_on_their_version(tmp_path, monkeypatch):
+    """A swap of a stateful task's model: sequences open on the old version finish there
+    (their state intact), new ones start on the new version, and the old one unloads once
+    the last of its sequences ended."""
+    from batching import test_sequence as TS
+
+    from lumen_core import tasks
+
+    monkeypatch.setitem(tasks.BACKENDS, "accumulator", "batching.test_sequence:AccumulatorBackend")
+    acc = TS.accumulator_model(tmp_path / "acc.onnx")
+    cfg = TS.config(acc, max_batch_size=32)  # a slot for every sequence
+    x = np.ones(TS.D, np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            rt._lifecycle.quiet_s = QUIET_S
+            old = rt.tasks["acc"]
+            await asyncio.gather(*(rt.infer(TS.req(s, x, start=True)) for s in range(16)))
+            pathlib.Path(acc).write_bytes(pathlib.Path(acc).read_bytes())  # same content
+            assert [e["event"] for e in (await rt.reload("acc"))["events"]].count("ready") == 1
+            m = onnx.load(acc)
+            m.doc_string = "revision 2"
+            onnx.save(m, acc)
+            reload = asyncio.ensure_future(rt.reload("acc"))
+            for _ in range(400):
+                if rt.tasks["acc"] is not old:
+                    break
+                await asyncio.sleep(0.01)
+            new = rt.tasks["acc"]
+            assert new is not old and new.router is not None  # old drains: it still routes
+            assert not reload.done()  # waiting for the old version's sequences
+            # open sequences continue on the old version, state intact; new ones start anew
+            mid = await asyncio.gather(*(rt.infer(TS.req(s, x)) for s in range(16)))
+            assert all(float(r.outputs["y"].reshape(-1)[0]) == 2.0 for r in mid)
+            fresh = await rt.infer(TS.req(100, x, start=True))
+            assert float(fresh.outputs["y"].reshape(-1)[0]) == 1.0
+            assert new.batcher.holds_sequence("100") and not old.batcher.holds_sequence("100")
+            ends = await asyncio.gather(*(rt.infer(TS.req(s, x, end=True)) for s in range(16)))
+            assert all(float(r.outputs["y"].reshape(-1)[0]) == 3.0 for r in ends)
+            view = await asyncio.wait_for(reload, 30)
+            assert [v["state"] for v in view["versions"]] == [READY]
+            assert rt.tasks["acc"].router is None
+            r = await rt.infer(TS.req(100, x, end=True))
+            assert float(r.outputs["y"].reshape(-1)[0]) == 2.0
+    asyncio.run(main())
