@@ -172,7 +172,7 @@ def test_split_90_10_and_sticky_keys(tmp_path, scheduler):
             assert second == await by_key()
             assert 0.35 < second.count("2") / 300 < 0.65
             # growing version 2's share only moves keys towards it
-            assert all(b == "2" for a, b in zip(first, second) if a == "2")
+            assert all(b == "2" for a, b in zip(first, second, strict=True) if a == "2")
             view = rt.set_traffic("emb", {"2": 1})
             assert view["traffic"] == {"1": 0.0, "2": 1.0} and view["default_version"] == "2"
             rs = await asyncio.gather(*(infer(rt, _req(x)) for _ in range(50)))
