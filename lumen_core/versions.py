@@ -484,6 +484,8 @@ class Lifecycle:
             try:
                 task.batcher.start(rt._loop)
                 await rt._warmup(task)
+                if rt._closing:  # the runtime stopped meanwhile: nothing may serve now
+                    raise RuntimeError("the runtime is shutting down")
             except BaseException:
                 await rt._close_task(task)
                 raise
