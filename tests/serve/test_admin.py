@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import re
+import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -205,3 +209,41 @@ def test_serve_watch_flags():
     args = build_parser().parse_args(["serve", "--watch", "--watch-interval", "0.5"])
     assert args.watch and args.watch_interval == 0.5
     assert not build_parser().parse_args(["serve"]).watch
+
+
+def test_lumen_serve_watch_and_sighup(tmp_path):
+    """`lumen serve --watch` in a subprocess picks up a swapped model file by itself, and
+    SIGHUP triggers a reload (logged) without stopping the server."""
+    v1, v2 = tmp_path / "v1.onnx", tmp_path / "v2.onnx"
+    _write(v1, 1.0)
+    _write(v2, 2.0)
+    cfg = tmp_path / "lumen.toml"
+    _config(cfg, v1, v2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "lumen_core.cli", "serve", "--config", str(cfg),
+                             "--http-port", "0", "--grpc-port", "0", "--watch",
+                             "--watch-interval", "0.1"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    lines: list = []
+    try:
+        port = None
+        for line in proc.stderr:
+            lines.append(line)
+            if "lumen ready" in line:
+                port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))
+                break
+        assert port is not None, "".join(lines)
+        threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+        assert _served(_infer(url)) == ("1", 1.0)
+        _write(v1, 5.0)
+        S.wait_for(lambda: _served(_infer(url)) == ("1", 5.0), "the watcher's swap")
+        proc.send_signal(signal.SIGHUP)
+        S.wait_for(lambda: any("SIGHUP" in ln for ln in lines), "the SIGHUP reload line")
+        assert _served(_infer(url)) == ("1", 5.0) and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
