@@ -247,3 +247,33 @@ def test_lumen_serve_watch_and_sighup(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_oip_grpc_pins_and_names_versions(tmp_path):
+    """tritonclient over gRPC: model_version pins a loaded version, the reply names the one
+    that served, metadata lists the loaded versions."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    v1, v2 = tmp_path / "v1.onnx", tmp_path / "v2.onnx"
+    _write(v1, 1.0)
+    _write(v2, 2.0)
+    rt = Runtime.from_dict({"tasks": [{
+        "name": "emb", "backend": "onnx", "intra_op_threads": 1,
+        "versions": [{"version": "1", "model": str(v1)}, {"version": "2", "model": str(v2)}]}]})
+    srv = S.ServerThread(rt, grpc=True)
+    client = grpcclient.InferenceServerClient(srv.grpc_target)
+    try:
+        assert client.get_model_metadata("emb").versions == ["1", "2"]
+        x = grpcclient.InferInput("none", [1, D], "FP32")
+        x.set_data_from_numpy(np.zeros((1, D), np.float32))
+        for pin, want in (("1", 1.0), ("2", 2.0), ("", 2.0)):
+            r = client.infer("emb", [x], model_version=pin)
+            assert r.get_response().model_version == (pin or "2")
+            assert r.as_numpy("y").reshape(-1)[0] == want
+        with pytest.raises(InferenceServerException) as ei:
+            client.infer("emb", [x], model_version="9")
+        assert "no version '9'" in str(ei.value)
+    finally:
+        client.close()
+        srv.stop()
