@@ -37,7 +37,7 @@ from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
 from .oip_grpc import OipServicer
 from .proto import lumen_pb2, lumen_pb2_grpc
-from .streams import StreamWindow, windowed_replies
+from .streams import StreamWindow, call_metadata, windowed_replies
 
 log = logging.getLogger("lumen.grpc")
 
@@ -120,11 +120,6 @@ def error_metadata(exc: LumenError) -> tuple:
     return tuple(md)
 
 
-def call_metadata(context: Any) -> dict:
-    """A call's invocation metadata as a dict (the W3C trace context carrier)."""
-    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-
-
 class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
     """Implements ``lumen.v1.Inference`` over one running runtime.
 
@@ -177,9 +172,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         if tr is None:
             return await self._unary(request, context)
         # the transport span: a child of the caller's W3C traceparent metadata, if any
-        with tr.server_span("lumen.v1.Inference/Infer", call_metadata(context),
-                            {"rpc.system": "grpc", "rpc.service": "lumen.v1.Inference",
-                             "rpc.method": "Infer", "lumen.transport": "grpc"}):
+        with tr.rpc_span("lumen.v1.Inference", "Infer", call_metadata(context)):
             return await self._unary(request, context)
 
     async def _unary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -201,9 +194,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         tr = getattr(self.runtime, "_trace", None)
         if tr is None:
             return await self._stream_reply(msg, scope, events)
-        with tr.server_span("lumen.v1.Inference/InferStream", carrier,
-                            {"rpc.system": "grpc", "rpc.service": "lumen.v1.Inference",
-                             "rpc.method": "InferStream", "lumen.transport": "grpc"}):
+        with tr.rpc_span("lumen.v1.Inference", "InferStream", carrier):
             return await self._stream_reply(msg, scope, events)
 
     async def _stream_reply(self, msg: Any, scope: Optional[str],

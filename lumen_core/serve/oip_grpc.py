@@ -30,7 +30,7 @@ from . import codec, shm
 from . import oip_mapping as oip
 from .auth import unscope_error
 from .proto import open_inference_grpc_pb2 as pb
-from .streams import StreamWindow, windowed_replies
+from .streams import StreamWindow, call_metadata, windowed_replies
 
 log = logging.getLogger("lumen.oip.grpc")
 
@@ -311,6 +311,14 @@ class OipServicer:
             raise InternalError(f"internal server error: {exc}") from exc
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        tr = getattr(self.base.runtime, "_trace", None)
+        if tr is None:
+            return await self._model_infer(request, context)
+        # the transport span: a child of the caller's W3C traceparent metadata, if any
+        with tr.rpc_span(SERVICE, "ModelInfer", call_metadata(context)):
+            return await self._model_infer(request, context)
+
+    async def _model_infer(self, request: Any, context: Any) -> Any:
         try:
             reply = await self._infer(request, self.base._scope(context))
         except LumenError as exc:
@@ -318,7 +326,15 @@ class OipServicer:
         self.base._count("oip.ModelInfer", "OK")
         return reply
 
-    async def _stream_one(self, msg: Any, scope: Optional[str]) -> Any:
+    async def _stream_one(self, msg: Any, scope: Optional[str],
+                          carrier: Optional[dict] = None) -> Any:
+        tr = getattr(self.base.runtime, "_trace", None)
+        if tr is None:
+            return await self._stream_reply(msg, scope)
+        with tr.rpc_span(SERVICE, "ModelStreamInfer", carrier):
+            return await self._stream_reply(msg, scope)
+
+    async def _stream_reply(self, msg: Any, scope: Optional[str]) -> Any:
         try:
             reply = pb.ModelStreamInferResponse(infer_response=await self._infer(msg, scope))
         except LumenError as exc:
@@ -338,9 +354,10 @@ class OipServicer:
             await self._abort(context, "ModelStreamInfer", exc)
         base = self.base  # one window rule and one in-flight count for both services
         window = StreamWindow(base.stream_window, base.stream_window_bytes)
+        carrier = call_metadata(context) if getattr(base.runtime, "_trace", None) else None
         replies = windowed_replies(
-            request_iterator, window, _message_bytes, lambda msg: self._stream_one(msg, scope),
-            base._admitted, base._answered)
+            request_iterator, window, _message_bytes,
+            lambda msg: self._stream_one(msg, scope, carrier), base._admitted, base._answered)
         try:
             async for reply in replies:
                 yield reply

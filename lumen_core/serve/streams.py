@@ -1,4 +1,4 @@
-"""Bidirectional gRPC streams, for both services (``lumen.v1.Inference/InferStream`` and the
+"""gRPC plumbing both services share; bidirectional streams, for both services (``lumen.v1.Inference/InferStream`` and the
 Open Inference Protocol's ``ModelStreamInfer``): one window rule, one reading loop.
 
 A stream's requests run concurrently (so a client can pipeline), but each stream is bounded by
@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable
+
+
+def call_metadata(context: Any) -> dict:
+    """A call's invocation metadata as a dict (the W3C trace context carrier)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
 class StreamWindow:
