@@ -169,7 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port,
                              log_level=args.log_level, api_keys=args.api_key,
                              tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             access_log=args.access_log)
+                             access_log=args.access_log,
+                             watch_s=args.watch_interval if args.watch else None)
         _run(server.run())
     finally:
         undo()
@@ -186,6 +187,9 @@ def _serve_ray(args: argparse.Namespace) -> int:
     if args.api_key:
         raise ValueError("--api-key does not apply with --ray: set [server] api_keys in the "
                          "config (every replica reads it)")
+    if args.watch:
+        raise ValueError("--watch does not apply with --ray: a new config reaches the replicas "
+                         "as the deployment's user_config (README, \"More than one machine\")")
     from .integrations.ray import DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
 
     replicas = args.replicas or DEFAULT_REPLICAS
@@ -466,6 +470,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true",
                    help="log one line per HTTP request: client, method, path, status, task, "
                         "response and request bytes, ms, correlation id")
+    p.add_argument("--watch", action="store_true",
+                   help="reload when the config file or a model file changes (content hash; a "
+                        "file is loaded once it stopped changing); SIGHUP reloads on demand")
+    p.add_argument("--watch-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between two looks at the files with --watch (default 1)")
     ray = p.add_argument_group("Ray Serve (more than one machine; the [ray] extra)")
     ray.add_argument("--ray", action="store_true",
                      help="serve through Ray Serve: join $RAY_ADDRESS (or --ray-address), else "

@@ -33,9 +33,9 @@ Settings (:func:`deployment_options`, from the Lumen config, so the two never di
 - ``check_health`` is readiness (the runtime has loaded and warmed up every task);
   ``graceful_shutdown_timeout_s`` is Lumen's shutdown grace: Ray first waits for the
   replica's ongoing requests, then ``__del__`` stops the runtime, which drains its batchers.
-- ``reconfigure`` (Ray's ``user_config``, ``{"config": <TOML path or table>}``) builds the new
-  runtime, starts it, switches new requests to it at once, waits for the requests the old one
-  still holds, then stops it: no request is lost or refused while a config changes.
+- ``reconfigure`` (Ray's ``user_config``, ``{"config": <TOML path or table>}``) applies the
+  config through the runtime's model lifecycle (``Runtime.apply_config``, the reload path
+  ``lumen serve --watch`` and SIGHUP use): no request is lost or refused while it changes.
 
 Every HTTP reply carries ``Lumen-Replica`` (the replica's id) so a client can tell which
 replica answered.  Stateful tasks: Ray routes each HTTP request on its own, so a sequence
@@ -198,8 +198,7 @@ def deployment_options(cfg: LumenConfig, num_replicas: int = DEFAULT_REPLICAS,
 
 # -- the replica ------------------------------------------------------------------------------
 class _Generation:
-    """One started runtime and the HTTP app over it; counts the calls it is serving so a
-    reconfigure can stop it once the last one finished."""
+    """The started runtime of a replica and the HTTP app over it."""
 
     def __init__(self, runtime: Runtime, spec: Optional[dict], version: str):
         self.runtime = runtime
@@ -210,34 +209,15 @@ class _Generation:
                                    keys=ApiKeys.from_config(runtime.config.server),
                                    version=version)
         self.app = RequestContext(self.http)
-        self.active = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
 
-    def enter(self) -> None:
-        self.active += 1
-        self.idle.clear()
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.idle.set()
-
-    async def retire(self, grace_s: float) -> None:
-        """Wait (up to ``grace_s``) for the calls it still serves (new ones already go to
-        the next generation), then refuse what still comes and stop the runtime."""
-        try:
-            await asyncio.wait_for(self.idle.wait(), grace_s)
-        except asyncio.TimeoutError:
-            log.warning("%d call(s) still running after %.0f s; stopping the runtime (it "
-                        "drains what it holds)", self.active, grace_s)
+    async def stop(self) -> None:
+        """Refuse new calls, drain the runtime's batchers, release its sessions."""
         self.http.draining = True
         await self.runtime.stop()
 
 
 class _Front:
-    """The replica's ASGI app: each HTTP / WebSocket call goes to the current generation's
-    app (swapped by ``reconfigure``), its reply marked with the replica's id."""
+    """The replica's ASGI app: Lumen's HTTP app, each reply marked with the replica's id."""
 
     def __init__(self, owner: "_LumenReplica"):
         self.owner = owner
@@ -259,12 +239,7 @@ class _Front:
                 msg = dict(msg, headers=[*msg.get("headers", ()), header])
             await send(msg)
 
-        gen = self.owner.generation
-        gen.enter()
-        try:
-            await gen.app(scope, receive, marked)
-        finally:
-            gen.leave()
+        await self.owner.generation.app(scope, receive, marked)
 
 
 def _replica_id() -> str:
@@ -321,21 +296,11 @@ class _LumenReplica:
     # -- handle calls -----------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
         """``Runtime.infer`` on this replica (a LumenError reaches the caller as itself)."""
-        gen = self.generation
-        gen.enter()
-        try:
-            return await gen.runtime.infer(request)
-        finally:
-            gen.leave()
+        return await self.generation.runtime.infer(request)
 
     async def infer_many(self, requests: Sequence[InferRequest]) -> list:
         """``Runtime.infer_many``: per request its response or its LumenError, in order."""
-        gen = self.generation
-        gen.enter()
-        try:
-            return await gen.runtime.infer_many(list(requests))
-        finally:
-            gen.leave()
+        return await self.generation.runtime.infer_many(list(requests))
 
     async def embed(self, texts: Any, task: str = DEFAULT_EMBED_TASK) -> np.ndarray:
         """Embeddings of one text (``[D]``) or a list of texts (``[N, D]``), batched by the
@@ -367,27 +332,28 @@ class _LumenReplica:
             raise Unavailable(f"lumen replica {self.replica_id} is not ready")
 
     async def reconfigure(self, user_config: Optional[dict]) -> None:
-        """Apply ``{"config": <TOML path | table>}``: start a runtime on it, switch to it,
-        drain and stop the old one.  The same config again is a no-op; a bad one raises and
-        the running runtime keeps serving."""
+        """Apply ``{"config": <TOML path | table>}`` through the runtime's model lifecycle
+        (``Runtime.apply_config``: added tasks load, dropped ones drain and unload, changed
+        ones load beside the serving one and take its traffic in one step; no request fails).
+        The same config again is a no-op; a bad one raises and what serves is untouched."""
         if not user_config or "config" not in user_config:
             return
         spec = config_spec(user_config["config"])
         async with self._lock:
-            if spec == self.generation.spec:
+            gen = self.generation
+            if spec == gen.spec:
                 return
-            new = await self._start(spec)
-            old, self.generation = self.generation, new
+            await gen.runtime.apply_config(apply_threads(parse_spec(spec), self.threads))
+            gen.spec = spec
             log.info("lumen replica %s reconfigured: tasks %s", self.replica_id,
-                     ", ".join(new.runtime.task_names()))
-            await old.retire(SHUTDOWN_GRACE_S)
+                     ", ".join(gen.runtime.task_names()))
 
     async def __del__(self) -> None:
         """Ray's graceful stop has waited for the replica's ongoing requests: refuse what
         still comes, drain the runtime's batchers, release its sessions."""
         gen = getattr(self, "generation", None)
         if gen is not None:
-            await gen.retire(0)
+            await gen.stop()
 
 
 #: the Ray Serve deployment (``LumenDeployment.options(**deployment_options(cfg)).bind(...)``;

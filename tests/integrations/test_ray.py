@@ -166,15 +166,15 @@ def test_local_testing_mode_embed_infer_health_reconfigure(prepared_home, refere
         assert list(h.describe.remote().result()["tasks"]) == ["embed_v2"]
         np.testing.assert_allclose(h.embed.remote(texts[:3], task="embed_v2").result(),
                                    ref[:3], atol=TOL)
-        with pytest.raises(TaskNotFound):  # the old runtime is gone
+        with pytest.raises(TaskNotFound):  # the dropped task is gone
             h.embed.remote("a").result()
         assert h.reconfigure.remote({"config": renamed}).result() is None  # same: no-op
         assert h.check_health.remote().result() is None
 
 
 def test_reconfigure_under_load_loses_no_call(prepared_home, reference):
-    """Calls in flight and arriving while ``reconfigure`` swaps the runtime (a new batch size)
-    all succeed: the old runtime finishes what it holds, new calls go to the new one."""
+    """Calls in flight and arriving while ``reconfigure`` applies a new batch size (through
+    the runtime's lifecycle: the changed task loads beside the serving one) all succeed."""
     texts, ref = reference
     with S.lumen_home_env(prepared_home):
         smaller = _embed_config(max_batch_size=4)
