@@ -22,7 +22,7 @@ EXTRA_FOR_MODULE = {
     "uvicorn": "serve", "starlette": "serve", "httptools": "serve", "grpc": "serve",
     "prometheus_client": "serve", "google": "serve", "uvloop": "serve",
     "onnxruntime": "cpu", "onnx": "cpu", "tokenizers": "cpu", "safetensors": "cpu", "PIL": "cpu",
-    "httpx": "test", "matplotlib": "bench",
+    "httpx": "test", "matplotlib": "bench", "ray": "ray",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")  # lumen_core.serve.logs.LOG_FORMATS (kept import-free here)
@@ -154,6 +154,12 @@ def _run(coro) -> object:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _serve_ray(args)
+    for flag, value in (("--replicas", args.replicas), ("--max-replicas", args.max_replicas),
+                        ("--num-cpus", args.num_cpus), ("--ray-address", args.ray_address)):
+        if value is not None:
+            raise ValueError(f"{flag} is a Ray option: add --ray")
     from .serve.server import LumenServer  # first: a missing [serve] extra is one message
 
     undo = _configure_logging(args.log_level, args.access_log, args.log_format)
@@ -169,6 +175,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         undo()
     return EXIT_OK
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    """`lumen serve --ray`: the runtime's replicas on Ray Serve (integrations/ray.py)."""
+    for flag, value in (("--grpc-port", args.grpc_port), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key)):
+        if value is not None:
+            raise ValueError(f"{flag} does not apply with --ray: Ray's proxy serves HTTP only "
+                             f"(put TLS in front of it)")
+    if args.api_key:
+        raise ValueError("--api-key does not apply with --ray: set [server] api_keys in the "
+                         "config (every replica reads it)")
+    if args.watch:
+        raise ValueError("--watch does not apply with --ray: a new config reaches the replicas "
+                         "as the deployment's user_config (README, \"More than one machine\")")
+    from .integrations.ray import DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
+
+    replicas = args.replicas or DEFAULT_REPLICAS
+    if args.max_replicas is not None and args.max_replicas < replicas:
+        raise ValueError(f"--max-replicas ({args.max_replicas}) must be >= --replicas "
+                         f"({replicas})")
+    undo = _configure_logging(args.log_level, args.access_log, args.log_format)
+    try:
+        return serve_forever(args.config, replicas,
+                             args.num_cpus if args.num_cpus is not None else DEFAULT_NUM_CPUS,
+                             args.max_replicas, args.host, args.http_port, args.ray_address)
+    finally:
+        undo()
+
+
+def _positive_float(text: str) -> float:
+    """argparse type for CPU counts (a fraction is allowed, zero is not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _guess_mime(path: str) -> str:
@@ -430,6 +475,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "file is loaded once it stopped changing); SIGHUP reloads on demand")
     p.add_argument("--watch-interval", type=float, default=1.0, metavar="S",
                    help="seconds between two looks at the files with --watch (default 1)")
+    ray = p.add_argument_group("Ray Serve (more than one machine; the [ray] extra)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: join $RAY_ADDRESS (or --ray-address), else "
+                          "start a local Ray instance; Ray's proxy listens on --host/--http-port")
+    ray.add_argument("--replicas", type=_at_least_one, default=None, metavar="N",
+                     help="Lumen replicas (default 1; with --max-replicas: the fewest)")
+    ray.add_argument("--max-replicas", type=_at_least_one, default=None, metavar="M",
+                     help="autoscale between --replicas and M on ongoing requests")
+    ray.add_argument("--num-cpus", type=_positive_float, default=None, metavar="C",
+                     help="CPUs per replica, fractions allowed (default 1); ONNX Runtime "
+                          "threads per replica: max(1, floor(C))")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="the Ray cluster to join, e.g. ray://head:10001 or head:6379 "
+                          "(default: $RAY_ADDRESS, else a new local instance)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -30,6 +30,11 @@ class LumenError(Exception):
     def to_dict(self) -> dict:
         return {"code": self.code, "message": self.message, "field": self.field}
 
+    def __reduce__(self) -> tuple:
+        """Pickle with ``field`` and subclass attributes (``retry_after_s``): an error that
+        crosses a process (a Ray handle call, multiprocessing) arrives whole."""
+        return (type(self), (self.message, self.field), dict(self.__dict__))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code!r}, field={self.field!r}, message={self.message!r})"
 
