@@ -69,6 +69,9 @@ RESP_COMPUTE_US = "lumen.compute_us"
 RESP_TOKENS = "lumen.tokens"
 #: ``"true"`` when the input was cut to the task's token limit (absent otherwise)
 RESP_TRUNCATED = "lumen.truncated"
+#: on a task with ``[tasks.cache]``: ``hit`` (served from the cache), ``miss`` (computed and
+#: stored) or ``coalesced`` (waited for an identical computation); see cache.py
+RESP_CACHE = "lumen.cache"
 
 # --------------------------------------------------------------------------- limits
 MAX_META_VALUE_CHARS = 1024  # any lumen.* value; bounds the work on hostile input

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from . import native, tracing
+from .cache import MISS, ResponseCache
 from .batching.dynamic import DynamicBatcher
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
@@ -70,6 +71,8 @@ class Task:
         self.instances = instances
         self.runners = runners
         self.batcher = batcher
+        #: the response cache ([tasks.cache]) or None
+        self.cache: Optional[ResponseCache] = None
         b = config.batching
         # resolved once: the per-request policy check reads plain attributes
         self.name = config.name
@@ -112,6 +115,13 @@ class Runtime:
         self._thread: Optional[threading.Thread] = None
         self._max_payload = config.server.max_payload_bytes
         self._pool = PreparePool()  # heavy preprocessing: bounded, smallest first, deadlines
+        #: task name -> ResponseCache of the loaded tasks with [tasks.cache]
+        self._caches: dict = {}
+        if any(tc.cache is not None for tc in config.tasks):
+            # instance attributes: a runtime without caches runs the class's uncached path
+            # untouched (not one extra check per request)
+            self.infer = self._infer_cached
+            self.infer_many = self._infer_many_cached
 
     @property
     def observer(self) -> Observer:
@@ -183,7 +193,18 @@ class Runtime:
         if self._trace is not None:
             self._trace.versions[tc.name] = tc.model_version
             batcher._trace = self._trace
-        return Task(tc, backend, instances, runners, batcher)
+        task = Task(tc, backend, instances, runners, batcher)
+        if tc.cache is not None:
+            if backend.stateful:
+                from .errors import ConfigError
+
+                raise ConfigError(tc.source, f"{tc.key}.cache",
+                                  f"task {tc.name!r} is stateful (sequences): its responses "
+                                  f"depend on the sequence's state and cannot be cached; "
+                                  f"remove [tasks.cache]")
+            task.cache = self._caches[tc.name] = ResponseCache(tc.name, tc.cache.max_bytes,
+                                                               tc.cache.ttl_s)
+        return task
 
     def _batch_observer(self, name: str):
         def on_batch(n: int, compute_us: int) -> None:
@@ -195,7 +216,7 @@ class Runtime:
     async def _warmup(self, task: Task) -> None:
         for req in task.backend.warmup_requests():
             try:
-                await self.infer(req)
+                await Runtime.infer(self, req)  # the uncached path: warm-up fills no cache
             except LumenError as exc:
                 raise InternalError(f"warm-up of task {task.config.name!r} failed: {exc}") from exc
 
@@ -217,6 +238,7 @@ class Runtime:
             for runner in task.runners:
                 await asyncio.to_thread(runner.close)
         self.tasks = {}
+        self._caches = {}
 
     async def __aenter__(self) -> "Runtime":
         await self.start()
@@ -241,6 +263,58 @@ class Runtime:
     #: its batch, respond).  The per-request hot path lives in ``lumen_core/scheduler.py`` and
     #: its compiled twin ``csrc/_scheduler.pyx``; this is whichever ``native`` chose.
     infer = native.scheduler.infer
+
+    async def _infer_cached(self, req: InferRequest) -> InferResponse:
+        """``infer`` of a runtime where some task has ``[tasks.cache]`` (cache.py): a cached
+        task's request is validated (meta, payload limits, deadline policy) and then answered
+        from its cache, by an identical computation already running, or by ``infer``."""
+        cache = self._caches.get(getattr(req, "task", None))
+        if cache is None:
+            return await Runtime.infer(self, req)
+        task = self._route(req.task)
+        observe = self._observe
+        t0 = time.perf_counter_ns() if observe is not None else 0
+        route = route_of(req.meta)
+        where: list = [None]
+        try:
+            payload, nbytes = self._payload(req.payload, task.backend)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, task.backend.contract)
+            route = desc.kind
+            timeout_ms = task.policy(desc)[1]
+            key = cache.key(task.config.model_version, req.payload_mime, req.meta, payload)
+            resp = await cache.fetch(key, req, functools.partial(Runtime.infer, self, req),
+                                     timeout_ms, where)
+        except LumenError as exc:
+            if observe is not None and where[0] != MISS:  # a miss: Runtime.infer observed it
+                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
+            raise
+        if observe is not None and where[0] != MISS:
+            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000)
+        return resp
+
+    async def _infer_many_cached(self, requests: Sequence[InferRequest]) -> list:
+        """``infer_many`` where some task has a cache: items of cached tasks go one by one
+        through ``_infer_cached`` (each is its own request there too), the rest as one group."""
+        caches = self._caches
+        cached = [i for i, r in enumerate(requests) if getattr(r, "task", None) in caches]
+        if not cached:
+            return await Runtime.infer_many(self, requests)
+        out: list = [None] * len(requests)
+        plain = [i for i, r in enumerate(requests) if getattr(r, "task", None) not in caches]
+
+        async def one(i: int) -> None:
+            try:
+                out[i] = await self._infer_cached(requests[i])
+            except LumenError as exc:
+                out[i] = exc
+
+        async def group() -> None:
+            for i, res in zip(plain, await Runtime.infer_many(self, [requests[i] for i in plain]),
+                              strict=True):
+                out[i] = res
+
+        await asyncio.gather(*(one(i) for i in cached), *([group()] if plain else []))
+        return out
 
     def _validate(self, task: Task, req: InferRequest) -> tuple:
         """(descriptor, prepared request or None when it must be prepared off the loop)."""
@@ -491,6 +565,11 @@ class Runtime:
                 load["backlog"] = b.backlog
             out[name] = load
         return out
+
+    def cache_stats(self) -> dict:
+        """``{task: {hits, misses, coalesced, evictions, expired, bytes, entries, max_bytes}}``
+        of the tasks with a response cache (cache.py); empty when none has one."""
+        return {name: c.stats() for name, c in list(self._caches.items())}
 
     @staticmethod
     def extensions() -> dict:
