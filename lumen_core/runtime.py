@@ -17,10 +17,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from . import native, tracing
-from .cache import MISS, ResponseCache
 from .batching.dynamic import DynamicBatcher
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
+from .cache import MISS, ResponseCache
 from .config import LumenConfig, TaskConfig, load_config, parse_config
 from .contract import KEY_TIMEOUT_MS, TensorContract
 from .engine.ort import make_instances
