@@ -143,6 +143,12 @@ class Tracing:
         return self._tracer.start_as_current_span(name, context=ctx, kind=self._SERVER,
                                                   attributes=attributes)
 
+    def rpc_span(self, service: str, method: str, carrier: Optional[Mapping]) -> Any:
+        """The SERVER span of one gRPC call (or one message of a stream) of ``service``."""
+        return self.server_span(f"{service}/{method}", carrier,
+                                {"rpc.system": "grpc", "rpc.service": service,
+                                 "rpc.method": method, "lumen.transport": "grpc"})
+
     def set_error(self, span: Any, code: str, message: str = "") -> None:
         span.set_attribute("lumen.error.code", code)
         span.set_status(self._Status(self._ERROR, message or code))

@@ -178,3 +178,46 @@ def test_grpc_traceparent_metadata(tmp_path):
         assert req.context.trace_id == server.context.trace_id
     finally:
         srv.stop()
+
+
+def test_oip_grpc_traceparent_metadata(tmp_path):
+    """OIP's ModelInfer and ModelStreamInfer open the same transport span as lumen.v1's."""
+    from lumen_core.serve.proto import open_inference_grpc_pb2 as oip_pb
+
+    rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
+    rt._trace, exporter = in_memory()
+    srv = S.ServerThread(rt)
+    try:
+        exporter.clear()
+        x = S.mlp_input(2)
+        req = oip_pb.ModelInferRequest(model_name="mlp", id="o1")
+        inp = req.inputs.add()
+        inp.name, inp.datatype = "x", "FP32"
+        inp.shape.extend(x.shape)
+        req.raw_input_contents.append(x.tobytes())
+        md = (("traceparent", TRACEPARENT),)
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            unary = channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=oip_pb.ModelInferRequest.SerializeToString,
+                response_deserializer=oip_pb.ModelInferResponse.FromString)
+            assert unary(req, metadata=md).id == "o1"
+            stream = channel.stream_stream(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                request_serializer=oip_pb.ModelInferRequest.SerializeToString,
+                response_deserializer=oip_pb.ModelStreamInferResponse.FromString)
+            replies = list(stream(iter([req, req]), metadata=md))
+        assert [r.infer_response.id for r in replies] == ["o1", "o1"]
+        assert not any(r.error_message for r in replies)
+        spans = exporter.get_finished_spans()
+        servers = (by_name(spans, "inference.GRPCInferenceService/ModelInfer")
+                   + by_name(spans, "inference.GRPCInferenceService/ModelStreamInfer"))
+        assert len(servers) == 3
+        for s in servers:
+            assert format(s.context.trace_id, "032x") == TRACE_ID
+            assert format(s.parent.span_id, "016x") == PARENT_ID
+            assert s.attributes["rpc.system"] == "grpc"
+        reqs, _ = check_linked(spans, 3)
+        assert {r.parent.span_id for r in reqs} == {s.context.span_id for s in servers}
+    finally:
+        srv.stop()

@@ -24,7 +24,6 @@ across sequences.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, AsyncIterator, Optional
 
@@ -38,6 +37,7 @@ from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
 from .oip_grpc import OipServicer
 from .proto import lumen_pb2, lumen_pb2_grpc
+from .streams import StreamWindow, call_metadata, windowed_replies
 
 log = logging.getLogger("lumen.grpc")
 
@@ -120,43 +120,6 @@ def error_metadata(exc: LumenError) -> tuple:
     return tuple(md)
 
 
-def call_metadata(context: Any) -> dict:
-    """A call's invocation metadata as a dict (the W3C trace context carrier)."""
-    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-
-
-class StreamWindow:
-    """The requests of one stream admitted and not yet answered, bounded in count and bytes.
-
-    ``acquire`` waits while the window is full; one request is always let in when the window
-    is empty, so a message larger than the byte budget still runs (alone)."""
-
-    __slots__ = ("max_requests", "max_bytes", "requests", "nbytes", "_freed")
-
-    def __init__(self, max_requests: int, max_bytes: int):
-        self.max_requests = max_requests
-        self.max_bytes = max_bytes
-        self.requests = 0
-        self.nbytes = 0
-        self._freed = asyncio.Event()
-
-    def _full(self, nbytes: int) -> bool:
-        return self.requests > 0 and (self.requests >= self.max_requests
-                                      or self.nbytes + nbytes > self.max_bytes)
-
-    async def acquire(self, nbytes: int) -> None:
-        while self._full(nbytes):
-            self._freed.clear()
-            await self._freed.wait()
-        self.requests += 1
-        self.nbytes += nbytes
-
-    def release(self, nbytes: int) -> None:
-        self.requests -= 1
-        self.nbytes -= nbytes
-        self._freed.set()
-
-
 class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
     """Implements ``lumen.v1.Inference`` over one running runtime.
 
@@ -209,9 +172,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         if tr is None:
             return await self._unary(request, context)
         # the transport span: a child of the caller's W3C traceparent metadata, if any
-        with tr.server_span("lumen.v1.Inference/Infer", call_metadata(context),
-                            {"rpc.system": "grpc", "rpc.service": "lumen.v1.Inference",
-                             "rpc.method": "Infer", "lumen.transport": "grpc"}):
+        with tr.rpc_span("lumen.v1.Inference", "Infer", call_metadata(context)):
             return await self._unary(request, context)
 
     async def _unary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -233,9 +194,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         tr = getattr(self.runtime, "_trace", None)
         if tr is None:
             return await self._stream_reply(msg, scope, events)
-        with tr.server_span("lumen.v1.Inference/InferStream", carrier,
-                            {"rpc.system": "grpc", "rpc.service": "lumen.v1.Inference",
-                             "rpc.method": "InferStream", "lumen.transport": "grpc"}):
+        with tr.rpc_span("lumen.v1.Inference", "InferStream", carrier):
             return await self._stream_reply(msg, scope, events)
 
     async def _stream_reply(self, msg: Any, scope: Optional[str],
@@ -268,8 +227,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self.stream_in_flight += 1
         self.stream_in_flight_bytes += nbytes
 
-    def _answered(self, window: StreamWindow, nbytes: int) -> None:
-        window.release(nbytes)
+    def _answered(self, nbytes: int) -> None:
         self.stream_in_flight -= 1
         self.stream_in_flight_bytes -= nbytes
 
@@ -284,48 +242,17 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
         events = audio.SequenceEvents(self.runtime)
         carrier = call_metadata(context) if getattr(self.runtime, "_trace", None) else None
-        replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes); None: no more
-        running: set = set()
-
-        def finished(nbytes: int, task: asyncio.Task) -> None:
-            running.discard(task)
-            if not task.cancelled():
-                replies.put_nowait((task.result(), nbytes))
-
-        async def read() -> None:
-            try:
-                async for msg in request_iterator:
-                    nbytes = len(msg.payload)
-                    # backpressure: while the window is full no further message is read
-                    await window.acquire(nbytes)
-                    self._admitted(nbytes)
-                    # Tasks start in creation order and Runtime.infer admits a request before
-                    # it first suspends, so requests reach their batcher in arrival order.
-                    task = asyncio.ensure_future(self._stream_one(msg, scope, events, carrier))
-                    running.add(task)
-                    task.add_done_callback(lambda t, n=nbytes: finished(n, t))
-                if running:
-                    await asyncio.wait(set(running))
-            finally:
-                replies.put_nowait(None)
-
-        reader = asyncio.ensure_future(read())
+        replies = windowed_replies(
+            request_iterator, window, lambda msg: len(msg.payload),
+            lambda msg: self._stream_one(msg, scope, events, carrier),
+            self._admitted, self._answered)
         try:
-            while True:
-                item = await replies.get()
-                if item is None:
-                    break
-                try:
-                    yield item[0]
-                finally:
-                    self._answered(window, item[1])  # handed to gRPC, or the call is over
-            await reader  # surfaces a broken request stream as the call's error
+            async for reply in replies:
+                yield reply
         finally:
             # the caller went away (or the stream failed): cancel what is still queued and
             # take this stream's remaining share off the servicer's in-flight counts
-            reader.cancel()
-            for task in list(running):
-                task.cancel()
+            await replies.aclose()
             self.stream_in_flight -= window.requests
             self.stream_in_flight_bytes -= window.nbytes
 

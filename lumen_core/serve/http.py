@@ -160,9 +160,11 @@ class HttpApp:
         await self.app(scope, receive, send)
 
     # -- plumbing -------------------------------------------------------------------------
-    def _endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]]) -> Callable:
-        """Wrap a route: check the API key, LumenError -> JSON error, anything else -> logged
-        500, count it (and log it when the access log is on)."""
+    def _endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]],
+                  errors: Callable[[LumenError], Response] = error_response) -> Callable:
+        """Wrap a route: check the API key, LumenError -> JSON error (``errors`` makes the
+        body: a protocol of its own, such as OIP's, keeps its shape for a missing key too),
+        anything else -> logged 500, count it (and log it when the access log is on)."""
         observer = self.observer
         keys = self.keys
         needs_key = keys.enabled and name not in ALWAYS_OPEN and name not in keys.open_endpoints
@@ -191,12 +193,12 @@ class HttpApp:
                 request.state.key_scope = scope
                 resp = await fn(request)
             except LumenError as exc:
-                resp = error_response(unscope_error(exc, scope))
+                resp = errors(unscope_error(exc, scope))
             except ClientGone:
                 resp = Response(status_code=CLIENT_CLOSED_STATUS)
             except Exception as exc:  # noqa: BLE001 - a bug must answer 500, not drop the socket
                 log.exception("unhandled error on %s", name)
-                resp = error_response(InternalError(f"internal server error: {exc}"))
+                resp = errors(InternalError(f"internal server error: {exc}"))
             if observer is not None:
                 observer.transport_request("http", name, str(resp.status_code))
             if self.access_log:
@@ -377,14 +379,22 @@ class HttpApp:
         rt = self.runtime
         try:
             if len(reqs) == 1:
-                results = [await self._until_done_or_gone(request, rt.infer(reqs[0]))]
+                try:
+                    results = [await self._until_done_or_gone(request, rt.infer(reqs[0]))]
+                except LumenError as exc:
+                    if exc.field == "payload":  # the body's name for the text
+                        exc.field = "input"
+                    raise
             else:
                 # each item is its own request (batched by the runtime) and has its own
                 # outcome; the first error in index order answers the call, as one bad input
-                # fails an OpenAI request
+                # fails an OpenAI request, naming the item
                 results = await self._until_done_or_gone(request, rt.infer_many(reqs))
-                for res in results:
+                for i, res in enumerate(results):
                     if isinstance(res, LumenError):
+                        if res.field == "payload":
+                            res.field = f"input[{i}]"
+                            res.message = f"input[{i}]: {res.message}"
                         raise res
         except TaskNotFound as exc:
             raise TaskNotFound(exc.message, "model") from None

@@ -77,6 +77,8 @@ def error_response(exc: LumenError) -> Response:
     retry = getattr(exc, "retry_after_s", None)
     if retry is not None:
         headers["Retry-After"] = str(retry)
+    if exc.http_status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return Response(codec.dumps({"error": exc.message}), status_code=exc.http_status,
                     headers=headers, media_type=JSON)
 
@@ -92,7 +94,9 @@ class OipRoutes:
         self.shm = shm.registry_for(self.rt)
 
     def routes(self) -> list:
-        ep = self.app._endpoint
+        def ep(name: str, fn: Callable) -> Callable:  # OIP's error shape, 401 included
+            return self.app._endpoint(name, fn, error_response)
+
         r = []
         for suffix in ("", "/versions/{version}"):
             base = "/v2/models/{task}" + suffix

@@ -8,15 +8,15 @@ REST one (:mod:`.oip_mapping`): a numeric input is a tensor-route request, a one
 ``BYTES`` input a raw-route request; ``raw_input_contents`` or the typed ``contents`` carry
 the data, outputs go back as ``raw_output_contents``.  ``ModelStreamInfer`` answers each request of a stream in
 turn (an error is an ``error_message`` and the stream stays open), the transport for
-sequences; like ``lumen.v1.Inference``'s stream, at most :data:`STREAM_MAX_IN_FLIGHT` of a
-stream's requests are admitted and unanswered, and the stream is not read further meanwhile.
+sequences; it shares ``lumen.v1.Inference``'s stream window (:func:`.streams.windowed_replies`:
+at most ``stream_window`` requests and ``stream_window_bytes`` of their tensor bytes admitted
+and unanswered per stream; the stream is not read further meanwhile) and in-flight counts.
 
 Errors are gRPC statuses from Lumen's error table, with the ``lumen-error-code`` /
 ``lumen-error-field`` trailing metadata of the Lumen service.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from typing import Any, AsyncIterator, Optional
@@ -30,6 +30,7 @@ from . import codec, shm
 from . import oip_mapping as oip
 from .auth import unscope_error
 from .proto import open_inference_grpc_pb2 as pb
+from .streams import StreamWindow, call_metadata, windowed_replies
 
 log = logging.getLogger("lumen.oip.grpc")
 
@@ -37,8 +38,11 @@ log = logging.getLogger("lumen.oip.grpc")
 SERVICE = "inference.GRPCInferenceService"
 ERROR_CODE_KEY = "lumen-error-code"
 ERROR_FIELD_KEY = "lumen-error-field"
-#: the most requests of one ModelStreamInfer call admitted and not yet answered
-STREAM_MAX_IN_FLIGHT = 256
+def _message_bytes(msg: Any) -> int:
+    """The tensor bytes a ModelInferRequest carries (what the stream window bounds)."""
+    return sum(len(b) for b in msg.raw_input_contents) or msg.ByteSize()
+
+
 #: typed ``contents`` field per OIP datatype (raw_input_contents is what tritonclient sends)
 _CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT32": "int_contents",
                    "INT64": "int64_contents", "UINT8": "uint_contents", "FP32": "fp32_contents",
@@ -303,6 +307,14 @@ class OipServicer:
             raise InternalError(f"internal server error: {exc}") from exc
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        tr = getattr(self.base.runtime, "_trace", None)
+        if tr is None:
+            return await self._model_infer(request, context)
+        # the transport span: a child of the caller's W3C traceparent metadata, if any
+        with tr.rpc_span(SERVICE, "ModelInfer", call_metadata(context)):
+            return await self._model_infer(request, context)
+
+    async def _model_infer(self, request: Any, context: Any) -> Any:
         try:
             reply = await self._infer(request, self.base._scope(context))
         except LumenError as exc:
@@ -310,7 +322,15 @@ class OipServicer:
         self.base._count("oip.ModelInfer", "OK")
         return reply
 
-    async def _stream_one(self, msg: Any, scope: Optional[str]) -> Any:
+    async def _stream_one(self, msg: Any, scope: Optional[str],
+                          carrier: Optional[dict] = None) -> Any:
+        tr = getattr(self.base.runtime, "_trace", None)
+        if tr is None:
+            return await self._stream_reply(msg, scope)
+        with tr.rpc_span(SERVICE, "ModelStreamInfer", carrier):
+            return await self._stream_reply(msg, scope)
+
+    async def _stream_reply(self, msg: Any, scope: Optional[str]) -> Any:
         try:
             reply = pb.ModelStreamInferResponse(infer_response=await self._infer(msg, scope))
         except LumenError as exc:
@@ -328,41 +348,16 @@ class OipServicer:
             scope = self.base._scope(context)
         except LumenError as exc:
             await self._abort(context, "ModelStreamInfer", exc)
-        window = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
-        replies: asyncio.Queue = asyncio.Queue()  # None: no more
-        running: set = set()
-
-        def finished(task: asyncio.Task) -> None:
-            running.discard(task)
-            if not task.cancelled():
-                replies.put_nowait(task.result())
-
-        async def read() -> None:
-            try:
-                async for msg in request_iterator:
-                    await window.acquire()  # backpressure: no read while the window is full
-                    # tasks start in creation order and Runtime.infer admits a request before
-                    # it first suspends: a sequence's requests reach its batcher in order
-                    task = asyncio.ensure_future(self._stream_one(msg, scope))
-                    running.add(task)
-                    task.add_done_callback(finished)
-                if running:
-                    await asyncio.wait(set(running))
-            finally:
-                replies.put_nowait(None)
-
-        reader = asyncio.ensure_future(read())
+        base = self.base  # one window rule and one in-flight count for both services
+        window = StreamWindow(base.stream_window, base.stream_window_bytes)
+        carrier = call_metadata(context) if getattr(base.runtime, "_trace", None) else None
+        replies = windowed_replies(
+            request_iterator, window, _message_bytes,
+            lambda msg: self._stream_one(msg, scope, carrier), base._admitted, base._answered)
         try:
-            while True:
-                item = await replies.get()
-                if item is None:
-                    break
-                try:
-                    yield item
-                finally:
-                    window.release()
-            await reader
+            async for reply in replies:
+                yield reply
         finally:
-            reader.cancel()
-            for task in list(running):
-                task.cancel()
+            await replies.aclose()
+            base.stream_in_flight -= window.requests
+            base.stream_in_flight_bytes -= window.nbytes

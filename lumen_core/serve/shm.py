@@ -232,9 +232,9 @@ def registry_for(runtime: Any) -> ShmRegistry:
         return reg
 
 
-def output_write(registry: Optional[ShmRegistry], params: dict, data: Any) -> Optional[int]:
-    """Write an output into the region its requested parameters name (its byte count), or
-    None when they name none."""
+def _region_of(registry: Optional[ShmRegistry], params: dict, what: str) -> Optional[tuple]:
+    """(region name, offset, byte size) that a tensor's parameters name, or None when they
+    name no region; ``what`` ("an input", "an output") words the errors."""
     name = params.get("shared_memory_region")
     if name is None:
         return None
@@ -243,21 +243,19 @@ def output_write(registry: Optional[ShmRegistry], params: dict, data: Any) -> Op
                               "shared_memory_region")
     size = params.get("shared_memory_byte_size")
     if size is None:
-        raise InvalidArgument("an output in shared memory needs shared_memory_byte_size",
+        raise InvalidArgument(f"{what} in shared memory needs shared_memory_byte_size",
                               "shared_memory_byte_size")
-    return registry.write(name, params.get("shared_memory_offset"), size, data)
+    return name, params.get("shared_memory_offset"), size
+
+
+def output_write(registry: Optional[ShmRegistry], params: dict, data: Any) -> Optional[int]:
+    """Write an output into the region its requested parameters name (its byte count), or
+    None when they name none."""
+    region = _region_of(registry, params, "an output")
+    return None if region is None else registry.write(*region, data)
 
 
 def input_view(registry: Optional[ShmRegistry], params: dict) -> Optional[memoryview]:
     """The input's bytes when its parameters name a region, else None."""
-    name = params.get("shared_memory_region")
-    if name is None:
-        return None
-    if registry is None:
-        raise InvalidArgument("system shared memory is not available here",
-                              "shared_memory_region")
-    size = params.get("shared_memory_byte_size")
-    if size is None:
-        raise InvalidArgument("an input in shared memory needs shared_memory_byte_size",
-                              "shared_memory_byte_size")
-    return registry.view(name, params.get("shared_memory_offset"), size)
+    region = _region_of(registry, params, "an input")
+    return None if region is None else registry.view(*region)

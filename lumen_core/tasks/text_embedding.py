@@ -229,10 +229,23 @@ def codec_for(charset: Optional[str]) -> str:
 
 
 # -- exact reduction of long texts ------------------------------------------------------------
-#: candidates for "solid" characters: letters and digits below U+3000 (Latin, Greek, Cyrillic,
-#: Armenian, Hebrew, Arabic, Indic, ...); each is verified against the tokenizer itself before
-#: it is used (see :class:`_Reducer`)
-_SOLID_RANGE = (0x30, 0x3000)
+#: candidates for "solid" characters: letters, digits and symbols of every plane (Latin, Greek,
+#: Cyrillic, Indic, Hangul, kana, fullwidth forms, emoji, ...; BERT's CJK ideographs are split
+#: into words of their own and fail the probe); each is verified against the tokenizer itself
+#: before it is used (see :class:`_Reducer`)
+_SOLID_RANGE = (0x30, 0x20000)
+#: (planes 2 and 3 are CJK ideographs, 4-13 unassigned, 14 tags, 15-16 private use: none solid
+#: or none in a text worth shortening) letters, numbers, symbols and unassigned code points (the tokenizer's Unicode tables may be
+#: newer than Python's: the probe, not the category, decides)
+_SOLID_CATEGORIES = ("L", "N", "S", "Cn")
+#: BERT's CJK ideograph blocks (each ideograph becomes a word of its own, never solid): left
+#: out of the probe only to keep it quick, the probe would refuse them anyway
+_CJK_BLOCKS = ((0x3400, 0x4DC0), (0x4E00, 0xA000), (0xF900, 0xFB00), (0x20000, 0x2A6E0),
+               (0x2A700, 0x2B740), (0x2B740, 0x2B820), (0x2B820, 0x2CEB0), (0x2F800, 0x2FA20))
+#: the longest runs of astral solid characters kept in the class (see _few_astral_ranges)
+_MAX_ASTRAL_RANGES = 16
+#: candidates probed in one normaliser call; a chunk that fails is probed one by one
+_PROBE_CHUNK = 128
 #: candidates for "vanishing" characters: C0/C1 controls, a few format characters, the BMP's
 #: private use area (all removed by ``clean_text``, before NFD) and the combining diacritical
 #: marks with a non-zero combining class (removed by accent stripping)
@@ -258,6 +271,27 @@ def _char_class(chars) -> str:
         parts.append(re.escape(lo) if i == j else f"{re.escape(lo)}-{re.escape(hi)}")
         i = j + 1
     return "".join(parts)
+
+
+#: the probed solid characters per tokenizer configuration (see _Reducer)
+_SOLID_CACHE: dict = {}
+
+
+def _few_astral_ranges(chars: list) -> list:
+    """``chars`` less the astral characters outside long contiguous runs.  ``re`` tests a BMP
+    character against a class in constant time (a bitmap) but walks the class's astral ranges
+    one by one for every character the bitmap lacks: hundreds of small astral islands made a
+    scan of plain words three times slower.  Leaving a character out of the solid class is
+    always safe (its runs are just not shortened)."""
+    bmp = [c for c in chars if ord(c) < 0x10000]
+    runs: list = []
+    for cp in sorted(ord(c) for c in chars if ord(c) >= 0x10000):
+        if runs and runs[-1][1] == cp - 1:
+            runs[-1][1] = cp
+        else:
+            runs.append([cp, cp])
+    runs = sorted(runs, key=lambda r: r[1] - r[0], reverse=True)[:_MAX_ASTRAL_RANGES]
+    return bmp + [chr(cp) for lo, hi in runs for cp in range(lo, hi + 1)]
 
 
 class _Reducer:
@@ -315,7 +349,12 @@ class _Reducer:
         k = int(model.get("max_input_chars_per_word", 100)) + 1
         norm = tok.normalizer.normalize_str
         pre = tok.pre_tokenizer.pre_tokenize_str
-        solid = self._solid(norm, pre)
+        # the probe reads ~130k code points (a few hundred ms): once per normaliser and
+        # pre-tokenizer configuration in a process, not once per task or backend
+        key = json.dumps([cfg.get("normalizer"), cfg.get("pre_tokenizer")], sort_keys=True)
+        solid = _SOLID_CACHE.get(key)
+        if solid is None:
+            solid = _SOLID_CACHE[key] = self._solid(norm, pre)
         vanish = [chr(c) for c in _VANISH_CANDIDATES if norm("a" + chr(c) + "a") == "aa"]
         space = [chr(c) for c in _SPACE_CANDIDATES if norm(chr(c)) == " "]
         if not (solid and vanish and space):
@@ -340,21 +379,29 @@ class _Reducer:
 
     @staticmethod
     def _solid(norm, pre) -> list:
-        cands = [chr(c) for c in range(*_SOLID_RANGE) if not 0xD800 <= c < 0xE000]
-        cands = [c for c in cands if unicodedata.category(c)[0] in "LN"]
-        probe = " ".join("a" + c + "a" for c in cands)
-        normed = norm(probe)
-        pieces = [p for p, _ in pre(normed)]
-        if (len(pieces) == len(cands) and normed == " ".join(pieces)
-                and all(len(p) >= 3 for p in pieces)):
-            return cands
-        out = []  # one at a time: keep those that pass alone
-        for c in cands:
-            n = norm("a" + c + "a")
-            p = pre(n)
-            if len(p) == 1 and p[0][0] == n and len(n) >= 3:
-                out.append(c)
-        return out
+        skip = set()
+        for lo, hi in ((0xD800, 0xE000), *_CJK_BLOCKS):
+            skip.update(range(lo, hi))
+        cats = _SOLID_CATEGORIES
+        cands = [chr(c) for c in range(*_SOLID_RANGE) if c not in skip
+                 and (unicodedata.category(chr(c))[0] in cats
+                      or unicodedata.category(chr(c)) in cats)]
+        out: list = []
+        for i in range(0, len(cands), _PROBE_CHUNK):
+            chunk = cands[i:i + _PROBE_CHUNK]
+            # all at once when the whole chunk passes (the common case), else one at a time
+            normed = norm(" ".join("a" + c + "a" for c in chunk))
+            pieces = [p for p, _ in pre(normed)]
+            if (len(pieces) == len(chunk) and normed == " ".join(pieces)
+                    and all(len(p) >= 3 for p in pieces)):
+                out.extend(chunk)
+                continue
+            for c in chunk:
+                n = norm("a" + c + "a")
+                p = pre(n)
+                if len(p) == 1 and p[0][0] == n and len(n) >= 3:
+                    out.append(c)
+        return _few_astral_ranges(out)
 
     def __call__(self, text: str) -> str:
         # rule 3 first: it turns the costliest texts (one long word) into a few hundred
@@ -391,7 +438,7 @@ class TextEmbeddingBackend(TaskBackend):
         self._signature: tuple = ()
         self._n_prefix = 1  # special tokens the post-processor puts before / after the text
         self._n_suffix = 1
-        self._reducer: Optional[_Reducer] = None  # built at the first long text
+        self._reducer: Optional[_Reducer] = None  # built at load (or the first long text)
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
@@ -449,6 +496,7 @@ class TextEmbeddingBackend(TaskBackend):
                               f"{self._n_prefix + self._n_suffix} special tokens")
         self.tokenizer = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._reducer = _Reducer(tok)  # at load, so that no request pays its probe
 
     def batching_options(self) -> dict:
         return {"max_batch_tokens": self.max_batch_tokens}
@@ -539,6 +587,10 @@ class TextEmbeddingBackend(TaskBackend):
                                       f"or name the right charset in payload_mime",
                                       "payload") from None
             off_loop = payload.nbytes > self.inline_prepare_max_bytes
+        if not text:  # as TEI: an empty input is the caller's mistake, not [CLS][SEP]
+            raise InvalidArgument(f"the text is empty; task {self.name!r} embeds text of at least "
+                                  f"one character (send token ids [CLS, SEP] as a tensor for the "
+                                  f"embedding of no text)", "payload")
         truncate = _flag(req.meta, OPT_TRUNCATE) if req.meta else None
         try:
             ids, truncated = self._count_ids(text, off_loop, truncate is not False)

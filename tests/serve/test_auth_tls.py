@@ -67,6 +67,12 @@ def test_http_needs_a_valid_key_except_on_open_endpoints(client):
         assert client.get("/readyz", headers=bearer(key)).status_code == 200
     r = client.post("/v1/embeddings", json={"model": "text_embed", "input": "hi"})
     assert r.status_code == 401
+    # the Open Inference Protocol keeps its own error shape, {"error": "<message>"}, for 401 too
+    for path in ("/v2", "/v2/models/text_embed", "/v2/health/ready"):
+        r = client.get(path)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert isinstance(r.json()["error"], str) and "API key" in r.json()["error"]
+    assert client.get("/v2", headers=bearer(KEY_A)).json()["name"] == "lumen-core"
 
 
 def test_sequences_are_scoped_to_the_key_that_started_them(client):

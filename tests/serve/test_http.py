@@ -405,18 +405,32 @@ def reference(fixtures_dir):
 
 def test_embeddings_list_keeps_order_and_matches_the_reference(embed_server, reference):
     texts, ref = reference
+    empty = texts.index("")  # an empty text is a 400 (TEI); its embedding is [CLS] [SEP]'s
+    keep = [i for i in range(len(texts)) if i != empty]
     with httpx.Client(base_url=embed_server.url, timeout=60) as c:
-        r = c.post("/v1/embeddings", json={"model": "text_embed", "input": texts})
+        r = c.post("/v1/embeddings", json={"model": "text_embed",
+                                           "input": [texts[i] for i in keep]})
         one = c.post("/v1/embeddings", json={"model": "text_embed", "input": texts[3]})
+        bad_list = c.post("/v1/embeddings", json={"model": "text_embed", "input": texts})
+        bad_one = c.post("/v1/embeddings", json={"model": "text_embed", "input": ""})
+        no_text = c.post("/v1/embeddings", json={"model": "text_embed", "input": [101, 102]})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["model"] == "text_embed"
-    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    assert [d["index"] for d in body["data"]] == list(range(len(keep)))
     got = np.array([d["embedding"] for d in body["data"]], np.float32)
-    np.testing.assert_allclose(got, ref, atol=EMBED_TOLERANCE)
+    np.testing.assert_allclose(got, ref[keep], atol=EMBED_TOLERANCE)
     usage = body["usage"]
-    assert usage["prompt_tokens"] == usage["total_tokens"] >= 2 * len(texts)  # [CLS]/[SEP] each
+    assert usage["prompt_tokens"] == usage["total_tokens"] >= 2 * len(keep)  # [CLS]/[SEP] each
     np.testing.assert_allclose(one.json()["data"][0]["embedding"], ref[3], atol=EMBED_TOLERANCE)
+    # issue 12 item 7: the empty item is named; a lone empty input is the body's 'input'
+    assert bad_list.status_code == 400
+    err = bad_list.json()["error"]
+    assert err["code"] == "invalid_argument" and err["field"] == f"input[{empty}]"
+    assert "empty" in err["message"]
+    assert bad_one.status_code == 400 and bad_one.json()["error"]["field"] == "input"
+    np.testing.assert_allclose(no_text.json()["data"][0]["embedding"], ref[empty],
+                               atol=EMBED_TOLERANCE)
 
 
 def test_embeddings_base64_and_token_ids(embed_server, reference):

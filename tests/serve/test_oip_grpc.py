@@ -118,6 +118,26 @@ def test_stream_error_keeps_the_stream_open(client):
     assert e2 is None and r2.get_response().model_name == "mlp"
 
 
+def test_streams_share_the_servers_window_and_counts(server, client):
+    """ModelStreamInfer runs on the same stream engine as lumen.v1's InferStream: its requests
+    are counted in the servicer's in-flight figures while unanswered and leave them after."""
+    servicer = server.server.grpc.servicer
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        x = S.mlp_input()
+        inp = grpcclient.InferInput("x", [1, S.D_IN], "FP32")
+        inp.set_data_from_numpy(x)
+        for _ in range(20):
+            client.async_stream_infer("mlp", [inp])
+        got = [results.get(timeout=STREAM_TIMEOUT_S) for _ in range(20)]
+    finally:
+        client.stop_stream()
+    assert all(e is None for _, e in got)
+    S.wait_for(lambda: servicer.stream_in_flight == 0 and servicer.stream_in_flight_bytes == 0,
+               "the stream's counts to return to zero")
+
+
 def test_errors_as_the_client_raises_them(client):
     x = S.mlp_input()
     inp = grpcclient.InferInput("x", list(x.shape), "FP32")

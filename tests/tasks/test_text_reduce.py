@@ -81,12 +81,19 @@ def test_the_reducer_is_active_for_the_prepared_tokenizer(backend):
     assert r("é" * 5000) == "é" * 101
     assert r("  \t\n " * 1000) == " "
     assert r("x" + "\x01" * 1000 + "y") == "x\x01y"
+    # scripts above U+3000 and astral symbols are solid too (issue 12 item 6: 16 MB of Hangul
+    # took minutes): one long word of them is one [UNK] whatever its length
+    for c in ("한", "ａ", "カ", "😀"):
+        assert r(c * 5000) == c * 101
+    # BERT's CJK ideographs are words of their own: never shortened
+    assert r("中" * 5000) == "中" * 5000
 
 
 _PIECES = st.sampled_from([
     "a", "Z", "é", "E\u0301", "\u0301", "ß", "İ", "ω", "Ж", "中", "東京", "!", ".", "[", "]",
     "[MASK]", "[UNK]", "[SEP", "MASK]", " ", "\t", "\n", "\u3000", "\u00a0", "\x00", "\x01",
     "\u200b", "\ufeff", "\ue000", "\u00ad", "1", "٣", "😀", "-", "'", "\u034f", "\u0345",
+    "한", "ｶ", "ａ", "カ", "\U0001d400", "\U0001f1e6", "€", "\U0001faff",
 ])
 
 
@@ -137,7 +144,12 @@ def _punct(n):
     lambda: " " * MB16,
     lambda: "e\u0301" * (MB16 // 3),
     lambda: "\x01" * MB16,
-], ids=["one-word", "e-acute", "punctuation", "spaces", "nfd", "controls"])
+    lambda: "한" * (MB16 // 3),
+    lambda: "ａ" * (MB16 // 3),
+    lambda: "😀" * (MB16 // 4),
+    lambda: "カ한😀€ｶ" * (MB16 // 16),
+], ids=["one-word", "e-acute", "punctuation", "spaces", "nfd", "controls", "hangul", "fullwidth",
+        "emoji", "mixed-scripts"])
 @pytest.mark.parametrize("off_loop", [False, True], ids=["encode", "encode_batch"])
 def test_16mb_inputs_reach_the_tokenizer_bounded(tok_path, full, make, off_loop):
     b = _Backend(tok_path)

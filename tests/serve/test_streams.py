@@ -1,0 +1,99 @@
+"""``serve/streams.py``: the one stream engine of both gRPC services (``InferStream`` and OIP's
+``ModelStreamInfer``): a window bounded in requests and bytes, reading paused while it is full,
+replies as they finish, counts that balance, and everything cancelled when the call ends."""
+from __future__ import annotations
+
+import asyncio
+
+from lumen_core.serve.streams import StreamWindow, windowed_replies
+
+
+class _Counts:
+    def __init__(self):
+        self.requests = self.nbytes = self.peak_requests = self.peak_bytes = 0
+
+    def admitted(self, n):
+        self.requests += 1
+        self.nbytes += n
+        self.peak_requests = max(self.peak_requests, self.requests)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    def answered(self, n):
+        self.requests -= 1
+        self.nbytes -= n
+
+
+async def _source(msgs, read):
+    for m in msgs:
+        read.append(m)
+        yield m
+
+
+def test_window_bounds_requests_and_bytes_and_every_reply_comes():
+    async def main():
+        counts, read, gate = _Counts(), [], asyncio.Event()
+
+        async def handle(msg):
+            await gate.wait()
+            return msg["id"]
+
+        window = StreamWindow(max_requests=8, max_bytes=100)
+        msgs = [{"id": i, "n": 30} for i in range(20)]  # 3 fit the byte budget at a time
+        gen = windowed_replies(_source(msgs, read), window, lambda m: m["n"], handle,
+                               counts.admitted, counts.answered)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        # 3 admitted (90 bytes); the 4th was read and waits for room; nothing more is read
+        assert counts.requests == 3 and len(read) == 4
+        gate.set()
+        got = [await first] + [r async for r in gen]
+        assert sorted(got) == list(range(20))
+        assert counts.peak_bytes <= 100 and counts.peak_requests <= 3
+        assert counts.requests == 0 and counts.nbytes == 0
+        assert window.requests == 0 and window.nbytes == 0
+
+    asyncio.run(main())
+
+
+def test_a_message_larger_than_the_byte_budget_runs_alone():
+    async def main():
+        counts = _Counts()
+
+        async def handle(msg):
+            return msg["id"]
+
+        window = StreamWindow(max_requests=8, max_bytes=10)
+        msgs = [{"id": i, "n": 50} for i in range(5)]
+        got = [r async for r in windowed_replies(_source(msgs, []), window, lambda m: m["n"],
+                                                  handle, counts.admitted, counts.answered)]
+        assert sorted(got) == list(range(5)) and counts.peak_requests == 1
+
+    asyncio.run(main())
+
+
+def test_closing_early_cancels_what_runs_and_leaves_the_unanswered_in_the_window():
+    async def main():
+        counts, started, cancelled = _Counts(), [], []
+
+        async def handle(msg):
+            started.append(msg["id"])
+            if msg["id"] == 0:
+                return 0
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(msg["id"])
+                raise
+
+        window = StreamWindow(max_requests=4, max_bytes=1 << 20)
+        gen = windowed_replies(_source([{"id": i, "n": 1} for i in range(10)], []), window,
+                               lambda m: m["n"], handle, counts.admitted, counts.answered)
+        assert await gen.__anext__() == 0
+        await asyncio.sleep(0.02)
+        await gen.aclose()  # the caller went away
+        await asyncio.sleep(0)
+        assert sorted(cancelled) == sorted(i for i in started if i != 0) and cancelled
+        # admitted and never answered: the caller takes these off its own counts
+        assert window.requests == counts.requests == len(cancelled)
+
+    asyncio.run(main())
