@@ -34,8 +34,9 @@ def served(prepared_home, reference):
 
     async def main(rt):
         async with rt:
+            # an empty text is a 400 (TEI): the non-empty ones, each alone
             return {task: [(await rt.infer(rt.text_request(task, t))).outputs[minilm.OUTPUT]
-                           for t in texts] for task in (TASK_NAME, INT8_TASK_NAME)}
+                           for t in texts if t] for task in (TASK_NAME, INT8_TASK_NAME)}
 
     with S.lumen_home_env(prepared_home):
         tables = default_task_tables()
@@ -45,8 +46,9 @@ def served(prepared_home, reference):
 
 def test_int8_task_matches_sentence_transformers(served, reference):
     texts, ref = reference
+    ref = [r for t, r in zip(texts, ref, strict=True) if t]
     cos = [float(np.dot(v, r)) / float(np.linalg.norm(r))
-           for t, v, r in zip(texts, served[INT8_TASK_NAME], ref, strict=True) if t]
+           for v, r in zip(served[INT8_TASK_NAME], ref, strict=True)]
     print(f"int8 vs sentence-transformers: min cosine {min(cos):.5f}, mean {np.mean(cos):.5f} "
           f"over {len(cos)} non-empty texts")
     assert min(cos) >= MIN_COSINE, [round(c, 4) for c in cos]
