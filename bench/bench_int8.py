@@ -8,7 +8,8 @@ back to back (the order alternates between rounds), in process (64 concurrent
 ``Runtime.infer`` callers) and over HTTP (64 keep-alive connections to ``/v1/embeddings``, one
 text per request); the table prints every round's ratio int8 / fp32 and their spread, with
 the load average before and after (the box is shared: neighbours' load moves absolute
-figures, the in-round ratio much less).
+figures, the in-round ratio much less; texts per CPU-second of the process, server and
+client together, moves least).
 
 Run: ``python bench/bench_int8.py [--rounds 3] [--count 384]`` (``--home`` or ``$LUMEN_HOME``
 picks the models dir).
@@ -22,6 +23,7 @@ import pathlib
 import statistics
 import sys
 import threading
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from corpus import make_corpus  # noqa: E402
@@ -72,15 +74,19 @@ def main() -> None:
     texts = make_corpus()
     print(f"load average before: {os.getloadavg()}")
     srv = Served()
-    rows = {"in-process texts/s": [], "HTTP c=64 req/s": []}
+    rows = {"in-process texts/s": [], "in-process texts/CPU-s": [], "HTTP c=64 req/s": []}
     try:
         for r in range(args.rounds):
             order = (TASK_NAME, INT8_TASK_NAME) if r % 2 == 0 else (INT8_TASK_NAME, TASK_NAME)
             got: dict = {}
             for task in order:
+                cpu0 = time.process_time()
                 res = srv.call(loadgen.bench_runtime(srv.runtime, texts, CONCURRENCY, args.count,
                                                      task=task, warmup=CONCURRENCY))
                 got[("in-process texts/s", task)] = res.rps
+                # warm-up included on both sides: texts per CPU-second of the whole process
+                got[("in-process texts/CPU-s", task)] = \
+                    (args.count + CONCURRENCY) / (time.process_time() - cpu0)
             for task in order:
                 res = asyncio.run(loadgen.bench_http(srv.url, texts, CONCURRENCY, args.count,
                                                      model=task, warmup=CONCURRENCY))
