@@ -69,7 +69,7 @@ async def run(args) -> None:
                   f"{got['embed_cache']:8.1f} texts/s  ratio {ratio:.2f}  {counts}", flush=True)
     print(f"load average after: {os.getloadavg()}")
     rs = [x[2] for x in ratios]
-    print(f"{len(texts)} requests ({args.distinct} distinct, 50% repeats), c={CONCURRENCY}: "
+    print(f"{len(texts)} requests ({args.distinct} distinct, 50% repeats), {CONCURRENCY} callers: "
           f"off median {statistics.median(x[0] for x in ratios):.1f} texts/s, on median "
           f"{statistics.median(x[1] for x in ratios):.1f}, ratio median {statistics.median(rs):.2f} "
           f"(min {min(rs):.2f}, max {max(rs):.2f})")
