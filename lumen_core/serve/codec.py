@@ -76,13 +76,26 @@ def tensor_json(arr: np.ndarray) -> dict:
 
 
 def outputs_json(outputs: Mapping[str, np.ndarray]) -> dict:
-    return {name: tensor_json(arr) for name, arr in outputs.items()}
+    return {name: tensor_json(arr) for name, arr in outputs.items()
+            if isinstance(arr, np.ndarray)}
+
+
+#: the gRPC ``Tensor.dtype`` of a structured output (its ``data`` is UTF-8 JSON)
+STRUCTURED_DTYPE = "json"
+
+
+def structured_outputs(outputs: Mapping[str, Any]) -> dict:
+    """The outputs that are not tensors but JSON values (e.g. the ``ocr`` task's ``lines``:
+    a list of ``{"text", "score", "box"}``)."""
+    return {name: v for name, v in outputs.items() if not isinstance(v, np.ndarray)}
 
 
 def response_json(resp: Any) -> dict:
     """An :class:`~lumen_core.request.InferResponse` as the JSON object of SPEC section 6:
-    ``{"correlation_id", "task", "outputs": {name: tensor_json}, "meta"}``."""
+    ``{"correlation_id", "task", "outputs": {name: tensor_json}, "meta"}``; a structured
+    output sits at the top level under its own name (``{"lines": [...], ...}``)."""
     return {"correlation_id": resp.correlation_id, "task": resp.task,
+            **structured_outputs(resp.outputs),
             "outputs": outputs_json(resp.outputs), "meta": resp.meta}
 
 

@@ -28,6 +28,7 @@ import logging
 from typing import Any, AsyncIterator, Optional
 
 import grpc
+import numpy as np
 
 from ..contract import KEY_VAD_EVENTS
 from ..errors import InternalError, LumenError, Overloaded, PayloadTooLarge, Unavailable
@@ -102,6 +103,10 @@ def to_proto(resp: Any) -> Any:
     out = lumen_pb2.InferResponse(correlation_id=resp.correlation_id, task=resp.task)
     for name, arr in resp.outputs.items():
         t = out.outputs[name]
+        if not isinstance(arr, np.ndarray):  # a structured output (ocr lines): JSON bytes
+            t.dtype = codec.STRUCTURED_DTYPE
+            t.data = codec.dumps(arr)
+            continue
         t.dtype = codec.dtype_name(arr)
         t.shape.extend(arr.shape)
         t.data = codec.tensor_bytes(arr)

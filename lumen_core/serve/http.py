@@ -311,6 +311,9 @@ class HttpApp:
                                   f"({', '.join(outs)}); pick one with the Lumen-Output header "
                                   f"or accept application/json", "Accept")
         arr = outs[name]
+        if not isinstance(arr, np.ndarray):
+            raise InvalidArgument(f"output {name!r} of task {resp.task!r} is JSON, not a "
+                                  f"tensor; accept application/json", "Accept")
         headers = {"Lumen-Tensor-Dtype": codec.dtype_name(arr),
                    "Lumen-Tensor-Shape": codec.shape_text(arr.shape),
                    "Lumen-Output": name, "X-Correlation-Id": resp.correlation_id}

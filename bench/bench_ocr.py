@@ -1,0 +1,125 @@
+"""ocr: images/s of the ``ocr`` task with 8 concurrent callers vs rapidocr's own sequential loop.
+
+Both sides read the same fixture images (``shared/fixtures/ocr``), on the same model files
+(rapidocr 3.10.0's, prepared by ``lumen models prepare``), in one process run, alternating
+``--runs`` times; the ratio of each run is printed, then the median and the spread.
+
+- **rapidocr**: ``RapidOCR()`` with its defaults except ONNX Runtime's threads, set explicitly
+  to the box's cores (``EngineConfig.onnxruntime.intra_op_num_threads``), called image after
+  image on the encoded bytes (its own decode included, as ours).
+- **lumen**: ``Runtime.infer`` from ``--callers`` concurrent asyncio callers, each taking the
+  next image; the task's steps run on their own engine instances (``--threads`` per instance).
+
+Also printed: CPU seconds of the process per image on each side (less sensitive to the
+neighbours' load than wall time on a shared box), per-step batches, mean batch size and compute time (where the time goes).
+
+    python bench/bench_ocr.py [--runs 3] [--callers 8] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = pathlib.Path(os.environ.get("LUMEN_SHARED", ROOT / ".." / "shared")).resolve()
+OCR_DIR = SHARED / "fixtures" / "ocr"
+MIME = {"png": "image/png", "jpg": "image/jpeg"}
+
+
+def load_images() -> list:
+    ref = json.loads((OCR_DIR / "rapidocr_reference.json").read_text())
+    return [(im["file"], (OCR_DIR / im["file"]).read_bytes()) for im in ref["images"]]
+
+
+def rapidocr_loop(engine, images: list, rounds: int) -> tuple:
+    """(images/s, CPU seconds of this process per image)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(rounds):
+        for _name, data in images:
+            engine(data)
+    n = rounds * len(images)
+    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
+
+
+async def lumen_run(rt, images: list, rounds: int, callers: int) -> tuple:
+    import lumen_core as lc
+
+    work = [(name, data) for _ in range(rounds) for name, data in images]
+    it = iter(work)
+
+    async def caller() -> None:
+        for name, data in it:
+            req = lc.new_infer_request("ocr").for_raw_input(data, MIME[name.rsplit(".", 1)[1]])
+            await rt.infer(req.build())
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*[caller() for _ in range(callers)])
+    return len(work) / (time.perf_counter() - t0), (time.process_time() - c0) / len(work)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the images per run")
+    ap.add_argument("--callers", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per instance")
+    ap.add_argument("--det-instances", type=int, default=2)
+    ap.add_argument("--rec-instances", type=int, default=2)
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from rapidocr import RapidOCR
+
+    import lumen_core as lc
+    from lumen_core import models
+
+    cores = os.cpu_count() or 1
+    images = load_images()
+    model_dir = models.model_dir(models.OCR)
+    models.prepare([models.OCR])
+    engine = RapidOCR(params={"EngineConfig.onnxruntime.intra_op_num_threads": cores,
+                              "EngineConfig.onnxruntime.inter_op_num_threads": 1,
+                              "Global.log_level": "error"})
+    engine(images[0][1])  # load + warm its models
+    cfg = {"tasks": [{"name": "ocr", "backend": "ocr", "model": str(model_dir),
+                      "intra_op_threads": args.threads,
+                      "batching": {"max_queue_delay_us": 2000},
+                      "options": {"det_instances": args.det_instances, "cls_instances": 1,
+                                  "rec_instances": args.rec_instances}}]}
+    print(f"{len(images)} images x {args.rounds} rounds, {args.callers} callers; lumen: "
+          f"det x{args.det_instances}, cls x1, rec x{args.rec_instances}, {args.threads} "
+          f"intra-op thread(s) each; rapidocr: {cores} intra-op threads; load "
+          f"{os.getloadavg()[0]:.2f}")
+
+    async def go() -> None:
+        rt = lc.Runtime.from_dict(cfg)
+        async with rt:
+            ratios, cpu_ratios = [], []
+            for run in range(args.runs):
+                ref, ref_cpu = rapidocr_loop(engine, images, args.rounds)
+                ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers)
+                ratios.append(ours / ref)
+                cpu_ratios.append(ref_cpu / our_cpu)
+                print(f"run {run + 1}: rapidocr {ref:.2f} img/s ({ref_cpu:.2f} CPU-s/img), "
+                      f"lumen {ours:.2f} img/s ({our_cpu:.2f} CPU-s/img), ratio {ours / ref:.2f}x "
+                      f"wall, {ref_cpu / our_cpu:.2f}x per CPU-second "
+                      f"(load {os.getloadavg()[0]:.2f})")
+            for what, rs in (("wall", ratios), ("per CPU-second", cpu_ratios)):
+                print(f"ratio ({what}) median {statistics.median(rs):.2f}x, min {min(rs):.2f}x, "
+                      f"max {max(rs):.2f}x over {args.runs} runs")
+            for step, s in rt.load()["ocr"]["steps"].items():
+                print(f"  step {step}: {s['items']} items in {s['batches']} batches "
+                      f"(mean {s['mean_batch_size']:.1f}, max {s['max_batch_size']}), "
+                      f"compute {s['compute_us'] / 1e6:.1f} s, queue {s['queue_us'] / 1e6:.1f} s")
+
+    asyncio.run(go())
+
+
+if __name__ == "__main__":
+    main()

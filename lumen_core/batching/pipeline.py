@@ -1,0 +1,362 @@
+"""Ensembles: a task that is a pipeline of steps, each step a model behind its own batcher.
+
+SPEC section 3: "a task may be a pipeline of steps (e.g. OCR: detect -> crop -> classify ->
+recognise), each step its own batched model with its own execution signature, steps running as
+soon as their inputs are ready; one request may fan out into many items (crops) that batch with
+other requests' items; errors, deadlines, cancellation and priorities follow each request
+through every step."
+
+The shape is declarative: a backend lists its steps (:class:`StepSpec`: a name, a
+``ModelSpec``, a postprocess, batching settings), and the runtime builds one ordinary
+:class:`~lumen_core.batching.dynamic.DynamicBatcher` per step over that step's own engine
+instances.  There is no second scheduler: every model run is formed, batched, timed out and
+cancelled by a dynamic batcher exactly as for a single-model task.  What this module adds is
+the per-request *flow*: the backend's coroutine ``flow(ctx, item)`` that says which step runs
+on which items (``await ctx.run("rec", crops)``) and assembles the answer.  A flow waits on its
+own items only, so a step starts for a request as soon as that request's input is ready, and
+items of many requests meet in the step's queues (one request's 30 crops batch with another's
+12, grouped by each step's execution signature).
+
+:class:`Pipeline` is the task's batcher as the runtime and the scheduler see it (``submit``,
+``submit_many``, ``cancel``, ``cancel_group``, ``start``, ``drain``, ``close``, ``pending``,
+``in_flight``), so ``Runtime.infer`` / ``infer_many`` treat an ensemble like any task:
+
+* **errors** stay with their request: a step item that fails (bad crop, model error isolated
+  by ``run_split``) fails ``ctx.run`` of the request that owns it, and only that request;
+* **deadlines**: the request's deadline is armed once (a loop timer that answers it and cancels
+  its flow) and every step is submitted with the time that is left, so an expired request's
+  items are dropped from the step queues and never reach a model;
+* **cancellation**: cancelling the request cancels its flow, which cancels its queued items in
+  whichever step they wait;
+* **priorities**: every item is submitted with its request's priority;
+* **metrics** per step (:meth:`Pipeline.step_stats`: batches, items, queue and compute time),
+  and each step's batches reach the runtime's observer under ``<task>.<step>``.
+
+Response stats: ``queue_us`` / ``compute_us`` of a request are summed over its steps (the
+slowest item of each step), ``batch_size`` is the largest batch any of its items ran in.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+from ..config import BatchingConfig
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    Overloaded,
+    Unavailable,
+)
+from .dynamic import DynamicBatcher
+from .policy import UNSET, _sched
+
+log = logging.getLogger("lumen.batching")
+
+#: the meta key a deadline error names
+DEADLINE_FIELD = "lumen.timeout_ms"
+#: retry hint of a full pipeline (seconds)
+OVERLOAD_RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One step of an ensemble, as a backend declares it.
+
+    ``postprocess(outputs, items) -> list`` is the step's (per item: a result or a
+    LumenError); it runs in the step's engine worker thread, so CPU work between models (DB
+    post-process, crops) runs there, off the event loop.  ``batching`` defaults to the task's;
+    ``instances`` / ``intra_op_threads`` (0: the task's) are the step's engine pool;
+    ``batcher_options`` are extra ``DynamicBatcher`` arguments (e.g. ``max_batch_tokens``).
+    """
+
+    name: str
+    model: Any
+    postprocess: Callable[[dict, Sequence[Any]], list]
+    batching: Optional[BatchingConfig] = None
+    instances: int = 1
+    intra_op_threads: int = 0
+    batcher_options: dict = field(default_factory=dict)
+
+
+class StepStats:
+    """Counters of one step (loop thread only)."""
+
+    __slots__ = ("batches", "items", "queue_us", "compute_us", "max_batch")
+
+    def __init__(self) -> None:
+        self.batches = self.items = self.queue_us = self.compute_us = self.max_batch = 0
+
+    def as_dict(self) -> dict:
+        return {"batches": self.batches, "items": self.items, "queue_us": self.queue_us,
+                "compute_us": self.compute_us, "max_batch_size": self.max_batch,
+                "mean_batch_size": self.items / self.batches if self.batches else 0.0}
+
+
+class Step:
+    """A built step: its spec, its batcher, its counters."""
+
+    def __init__(self, spec: StepSpec, batcher: DynamicBatcher):
+        self.spec = spec
+        self.name = spec.name
+        self.batcher = batcher
+        self.stats = StepStats()
+
+    def on_batch(self, n: int, compute_us: int) -> None:
+        s = self.stats
+        s.batches += 1
+        s.items += n
+        s.compute_us += compute_us
+        if n > s.max_batch:
+            s.max_batch = n
+
+
+class StepContext:
+    """What a flow gets for one request: ``await ctx.run(step, items)``."""
+
+    __slots__ = ("pipeline", "entry", "priority", "deadline_ns", "timeout_ms", "queue_us",
+                 "compute_us", "batch_size")
+
+    def __init__(self, pipeline: "Pipeline", entry: Any, priority: int, timeout_ms: int):
+        self.pipeline = pipeline
+        self.entry = entry
+        self.priority = priority
+        self.timeout_ms = timeout_ms
+        self.deadline_ns = entry.deadline_ns
+        self.queue_us = self.compute_us = self.batch_size = 0
+
+    def left_ms(self) -> int:
+        """Milliseconds left before the request's deadline (0: none); raises when expired."""
+        if not self.deadline_ns:
+            return 0
+        left = (self.deadline_ns - time.monotonic_ns()) // 1_000_000
+        if left <= 0:
+            raise DeadlineExceeded(f"deadline of {self.timeout_ms} ms expired between steps",
+                                   DEADLINE_FIELD)
+        return int(left)
+
+    async def run(self, step: str, items: Sequence[Any]) -> list:
+        """Run ``items`` through ``step`` (batched with every other request's items there);
+        return their results in order, or raise the first item's error."""
+        if not items:
+            return []
+        st = self.pipeline.steps[step]
+        timeout_ms = self.left_ms()
+        group, entries = st.batcher.submit_many([(it, None, self.priority, timeout_ms)
+                                                 for it in items])
+        try:
+            await group.future
+        except asyncio.CancelledError:
+            st.batcher.cancel_group(entries)
+            raise
+        out = []
+        q = c = 0
+        for e in entries:
+            res = e.outcome
+            if isinstance(res, LumenError):
+                raise res
+            out.append(res)
+            q = max(q, e.queue_us)
+            c = max(c, e.compute_us)
+            if e.batch_size > self.batch_size:
+                self.batch_size = e.batch_size
+        self.queue_us += q
+        self.compute_us += c
+        st.stats.queue_us += q
+        return out
+
+
+Flow = Callable[[StepContext, Any], Awaitable[Any]]
+
+
+class Pipeline:
+    """The batcher of an ensemble task (see the module docstring)."""
+
+    _sched = _sched
+
+    def __init__(self, name: str, config: BatchingConfig, steps: Sequence[Step], flow: Flow):
+        self.name = name
+        self.config = config
+        self.steps = {s.name: s for s in steps}
+        if len(self.steps) != len(steps):
+            raise ValueError(f"pipeline {name!r}: step names must be unique")
+        self.flow = flow
+        self.max_queue_size = config.max_queue_size
+        self._levels = config.priority_levels
+        self._flows: dict = {}  # entry -> its flow task
+        self._closed = False
+        self._idle: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._started = False
+        self._trace: Any = None  # the runtime's tracing (per-step batchers trace their own)
+
+    @property
+    def runners(self) -> list:
+        return [r for s in self.steps.values() for r in s.batcher.runners]
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        if self._started:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        for s in self.steps.values():
+            s.batcher.start(self._loop)
+        self._started = True
+
+    async def drain(self) -> None:
+        """Stop admitting, wait for every request's flow, then drain the steps."""
+        self._closed = True
+        while self._flows:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+        for s in self.steps.values():
+            await s.batcher.drain()
+
+    async def close(self) -> None:
+        """Refuse what is left (a close without drain), then close every step."""
+        self._closed = True
+        for e, task in list(self._flows.items()):
+            task.cancel()
+            self._sched.answer(e, Unavailable(f"task {self.name!r} shut down before this "
+                                              f"request finished"))
+        for s in self.steps.values():
+            await s.batcher.close()
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not yet answered."""
+        return len(self._flows)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches running now, over every step."""
+        return sum(s.batcher.in_flight for s in self.steps.values())
+
+    def step_stats(self) -> dict:
+        return {name: s.stats.as_dict() for name, s in self.steps.items()}
+
+    # -- admission (loop thread) ------------------------------------------------------------
+    def _admit(self, n: int) -> None:
+        if self._closed:
+            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
+        if n > self.max_queue_size:
+            raise InvalidArgument(f"{n} inputs in one call exceed task {self.name!r}'s queue "
+                                  f"(batching.max_queue_size = {self.max_queue_size})", "input")
+        if len(self._flows) + n > self.max_queue_size:
+            raise Overloaded(f"task {self.name!r} has {len(self._flows)} requests in flight "
+                             f"(max_queue_size); retry later", None, OVERLOAD_RETRY_AFTER_S)
+
+    def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Any:
+        """Admit one request; its ``waiter`` resolves with the flow's result or error."""
+        if not self._started:
+            self.start()
+        self._admit(1)
+        e = self._entry(item, self._loop.create_future(), priority, timeout_ms)
+        self._launch(e, timeout_ms)
+        return e
+
+    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+        """``[(item, desc, priority, timeout_ms), ...]`` admitted as a unit: (group, entries)."""
+        if not self._started:
+            self.start()
+        group = self._sched.Group(self._loop.create_future(), len(specs))
+        if not specs:
+            group.future.set_result(None)
+            return group, []
+        if any(not 1 <= p <= self._levels for _i, _d, p, _t in specs):
+            raise ValueError(f"priorities must be 1..{self._levels}")
+        self._admit(len(specs))
+        entries = [self._entry(item, group, priority, t) for item, _d, priority, t in specs]
+        for e, (_i, _d, _p, t) in zip(entries, specs, strict=True):
+            self._launch(e, t)
+        return group, entries
+
+    def _entry(self, item: Any, waiter: Any, priority: int, timeout_ms: int) -> Any:
+        now = time.monotonic_ns()
+        return self._sched.Entry(item, waiter, priority, now, None,
+                                 now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+
+    def _launch(self, e: Any, timeout_ms: int) -> None:
+        ctx = StepContext(self, e, e.priority, timeout_ms)
+        task = self._loop.create_task(self._run(ctx))
+        self._flows[e] = task
+        if timeout_ms > 0:
+            e.timer = self._loop.call_later(timeout_ms / 1000.0, self._expire, e, timeout_ms)
+
+    async def _run(self, ctx: StepContext) -> None:
+        e = ctx.entry
+        try:
+            outcome = await self.flow(ctx, e.item)
+        except LumenError as exc:
+            outcome = exc
+        except asyncio.CancelledError:
+            outcome = Cancelled("the request was cancelled by its caller")
+        except Exception as exc:  # a flow bug answers its own request, never the others
+            log.exception("pipeline %s: flow failed", self.name)
+            outcome = InternalError(f"task {self.name!r} failed on this input: {exc}")
+        finally:
+            self._flows.pop(e, None)
+            if self._idle is not None and not self._flows:
+                self._idle.set()
+        e.batch_size = ctx.batch_size
+        e.compute_us = ctx.compute_us
+        e.dispatch_ns = e.arrival_ns + ctx.queue_us * 1000 if ctx.queue_us else e.arrival_ns + 1
+        self._sched.answer(e, outcome)
+
+    # -- deadlines and cancellation (loop thread) ------------------------------------------
+    def _expire(self, e: Any, timeout_ms: int) -> None:
+        e.timer = None
+        if e.outcome is not UNSET:
+            return
+        self._sched.answer(e, DeadlineExceeded(f"deadline of {timeout_ms} ms expired before "
+                                               f"every step finished", DEADLINE_FIELD))
+        task = self._flows.get(e)
+        if task is not None:
+            task.cancel()
+
+    def cancel(self, entry: Any) -> None:
+        """The caller went away: stop its flow (its queued step items are dropped)."""
+        if entry.outcome is not UNSET:
+            return
+        self._sched.answer(entry, Cancelled("the request was cancelled by its caller"))
+        w = entry.waiter
+        if isinstance(w, asyncio.Future) and w.done() and not w.cancelled():
+            w.exception()
+        task = self._flows.get(entry)
+        if task is not None:
+            task.cancel()
+
+    def cancel_group(self, entries: Sequence[Any]) -> None:
+        for e in entries:
+            self.cancel(e)
+
+
+def build_pipeline(name: str, config: BatchingConfig, specs: Sequence[StepSpec], flow: Flow,
+                   make_runners: Callable[[StepSpec], list],
+                   on_batch: Optional[Callable[[str, int, int], None]] = None) -> Pipeline:
+    """One ``DynamicBatcher`` per step over ``make_runners(spec)``; ``on_batch(step, n,
+    compute_us)`` sees every step's batches (metrics)."""
+    steps = []
+    for spec in specs:
+        holder: list = []
+
+        def step_batch(n: int, us: int, _h: list = holder, _name: str = spec.name) -> None:
+            _h[0].on_batch(n, us)
+            if on_batch is not None:
+                on_batch(_name, n, us)
+
+        batcher = DynamicBatcher(f"{name}.{spec.name}", spec.batching or config,
+                                 make_runners(spec), on_batch=step_batch, **spec.batcher_options)
+        step = Step(spec, batcher)
+        holder.append(step)
+        steps.append(step)
+    return Pipeline(name, config, steps, flow)
+
+
+__all__ = ["Pipeline", "Step", "StepContext", "StepSpec", "StepStats", "build_pipeline"]

@@ -1,0 +1,327 @@
+"""``ocr`` backend (task ``ocr``): detect -> classify -> recognise, an ensemble of three models.
+
+The models are rapidocr 3.10.0's (``lumen models prepare`` copies them from the ``rapidocr``
+package: :mod:`lumen_core.models.rapidocr`) and every step reproduces rapidocr's defaults
+(:mod:`.ocr_post`), so the answers equal ``RapidOCR()``'s on the same files.  The backend
+declares three steps (:class:`~lumen_core.batching.pipeline.StepSpec`), each its own batched
+model, and one flow per request:
+
+1. **prepare** (the preprocessing pool): decode (raw ``image/jpeg|png|webp`` with the bomb
+   guards of :mod:`.imaging`, or the uint8 ``[1,H,W,3]`` RGB tensor ``rgb_uint8_v1``), RGB ->
+   BGR, rapidocr's global resize and vertical padding, the detector's resize (shorter side 736,
+   multiples of 32);
+2. **det** step: normalised ``(x/255-0.5)/0.5`` straight into the batch buffer (the fused
+   compiled pass), batched with other images of the same detector size; its postprocess (in
+   the engine worker thread) runs the DB post-process and the perspective crops;
+3. **cls** step: every crop at 3x48x192 (one signature, so crops of all requests batch
+   together); postprocess rotates a crop by 180 degrees when labelled ``180`` with score >
+   0.9;
+4. **rec** step: crops at height 48 in **width buckets** (:func:`.ocr_post.rec_batch_width`:
+   at least 320, at most 1.25x the crop's own width): the bucket is part of the execution
+   signature, so a crop is read at the same width whichever requests it batches with, and the
+   answer of an image equals its answer alone; greedy CTC in the postprocess;
+5. the flow keeps lines with non-blank text and score >= ``text_score`` (0.5) and maps boxes
+   back to input pixels.
+
+Output: ``lines``, a list of ``{"text", "score", "box"}`` (box: 4 ``[x, y]`` points, clockwise
+from top-left, input-image pixels) in reading order; an image with no text gives ``[]``.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from PIL import Image
+
+from .. import native
+from ..batching.pipeline import StepSpec
+from ..batching.signature import signature
+from ..config import BatchingConfig, Option, TaskConfig
+from ..contract import TensorContract, TensorSpec
+from ..descriptor import Descriptor
+from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.session import read_io
+from ..errors import ConfigError, InternalError, ModelMissingError
+from ..models import OCR, require_model
+from ..models import rapidocr as R
+from ..request import InferRequest, new_infer_request
+from . import ocr_post as P
+from .base import TaskBackend
+from .imaging import MIME_FORMATS, decode_image
+
+#: the tensor route's preprocess id: a decoded RGB image, uint8 ``[1, H, W, 3]``
+RGB_UINT8_ID = "rgb_uint8_v1"
+OUTPUT_NAME = "lines"
+#: default decompression-bomb limit (decoded pixels), as image_embed's
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+#: largest side of a tensor-route image
+MAX_TENSOR_SIDE = 16384
+#: per-step batching (the task's ``max_queue_delay_us`` / priorities apply to all steps):
+#: detector inputs are big (0.5-3 MB each), crops are small and many
+DET_MAX_BATCH, CLS_MAX_BATCH, REC_MAX_BATCH = 4, 64, 32
+#: items a step may hold queued, per request the task admits (one request fans out to
+#: up to ``DET_MAX_CANDIDATES`` crops)
+STEP_QUEUE_FANOUT = 64
+#: internal preprocess ids of the step inputs (they name the recipe inside the signature)
+DET_ID, CLS_ID, REC_ID = "rapidocr_det_v1", "rapidocr_cls_v1", "rapidocr_rec_v1"
+#: a square warm-up image: the detector raises the shorter side to 736, so square is cheapest
+WARMUP_SIDE = 64
+STEPS = ("det", "cls", "rec")
+CHANNELS = 3
+
+
+class DetItem(PreparedModelRequest):
+    """One image ready for the detector, with what the flow needs to finish it."""
+
+    __slots__ = ("img", "top", "ratio_h", "ratio_w", "ori_h", "ori_w")
+
+    def __init__(self, sig: Any, det: Optional[np.ndarray], img: Optional[np.ndarray], top: int,
+                 ratio_h: float, ratio_w: float, ori_h: int, ori_w: int):
+        shape = (CHANNELS,) + det.shape[:2] if det is not None else ()
+        super().__init__(sig, (det,), shape)
+        self.img, self.top, self.ratio_h, self.ratio_w = img, top, ratio_h, ratio_w
+        self.ori_h, self.ori_w = ori_h, ori_w
+
+
+class HwcInput(InputPlan):
+    """uint8 BGR ``[H, W, 3]`` items -> fp32 ``[N, 3, H, W]`` normalised by the fused pass."""
+
+    def __init__(self, name: str, mean: tuple, std: tuple):
+        self.name, self.mean, self.std = name, mean, std
+
+    def assemble(self, items, arena, stats) -> dict:
+        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
+        normalize = native.image.normalize_hwc_to_chw
+        for i, it in enumerate(items):
+            normalize(it.tensors[0], dest[i], self.mean, self.std)
+        return {self.name: dest}
+
+
+class CropInput(InputPlan):
+    """Crops resized to the batch's height (aspect kept) and padded to its width with zeros;
+    the width is the signature's (every item of a batch has the same ``item_shape``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def assemble(self, items, arena, stats) -> dict:
+        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
+        for i, it in enumerate(items):
+            P.normalise_crop(it.tensors[0], dest[i])
+        return {self.name: dest}
+
+
+class OcrBackend(TaskBackend):
+    raw_mimes = tuple(MIME_FORMATS)
+    prepare_off_loop = True  # decode + resize: milliseconds of CPU per image
+    options_schema = (
+        Option("text_score", float, P.TEXT_SCORE, "the lowest recognition score a line keeps",
+               lo=0.0, hi=1.0),
+        Option("max_image_pixels", int, DEFAULT_MAX_IMAGE_PIXELS,
+               "decompression-bomb limit on decoded pixels", lo=1),
+        Option("det_instances", int, 1, "detector engine instances", lo=1, hi=64),
+        Option("cls_instances", int, 1, "classifier engine instances", lo=1, hi=64),
+        Option("rec_instances", int, 1, "recogniser engine instances", lo=1, hi=64),
+        Option("det_threads", int, 0, "intra-op threads per detector instance (0: the task's)",
+               lo=0, hi=1024),
+        Option("cls_threads", int, 0, "intra-op threads per classifier instance (0: the task's)",
+               lo=0, hi=1024),
+        Option("rec_threads", int, 0, "intra-op threads per recogniser instance (0: the task's)",
+               lo=0, hi=1024),
+    )
+
+    def __init__(self, config: TaskConfig):
+        super().__init__(config)
+        P.require_libs()
+        self.text_score: float = self.options["text_score"]
+        self.max_pixels: int = self.options["max_image_pixels"]
+        self.model_id = config.model_id or R.MODEL_ID
+        self.characters: list = []
+
+    # -- load ---------------------------------------------------------------------------------
+    def _model_dir(self) -> str:
+        cfg = self.config
+        if cfg.model:
+            if not os.path.isdir(cfg.model):
+                raise ConfigError(cfg.source, f"{cfg.key}.model", f"must be a directory holding "
+                                  f"{', '.join(R.SOURCES)} (a prepared {OCR}); no such "
+                                  f"directory: {cfg.model}")
+            return cfg.model
+        return str(require_model(OCR))
+
+    def load(self) -> ModelSpec:
+        """Read the three models' I/O, the alphabet, build the contract; the steps' specs."""
+        cfg = self.config
+        d = self._model_dir()
+        paths = {f: os.path.join(d, f) for f in R.SOURCES}
+        for f, p in paths.items():
+            if not os.path.isfile(p):
+                raise ModelMissingError(f"the ocr model directory {d} lacks {f}; run "
+                                        f"`lumen models prepare`", command="lumen models prepare")
+        names = {}
+        for f, p in paths.items():
+            inputs, outputs = read_io(p)
+            if len(inputs) != 1 or inputs[0][1] != "fp32" or len(inputs[0][2]) != 4:
+                raise ConfigError(cfg.source, f"{cfg.key}.model", f"{p}: expected one fp32 "
+                                  f"[N,3,H,W] input, got {inputs}")
+            names[f] = (inputs[0][0], outputs[0][0])
+        self.characters = P.characters_from_metadata(_metadata(paths[R.REC_FILE]))
+        base = (self.model_id, cfg.model_version, "fp32")
+        self._sig = lambda step, shape, pid: signature(f"{self.name}.{step}", *base, shape,
+                                                       "NCHW", pid)
+        self._cls_sig = self._sig("cls", P.CLS_SHAPE, CLS_ID)
+        self._models = {
+            "det": ModelSpec(paths[R.DET_FILE], [HwcInput(names[R.DET_FILE][0], P.DET_MEAN,
+                                                          P.DET_STD)],
+                             [OutputSpec(names[R.DET_FILE][1], np.float32)]),
+            "cls": ModelSpec(paths[R.CLS_FILE], [CropInput(names[R.CLS_FILE][0])],
+                             [OutputSpec(names[R.CLS_FILE][1], np.float32,
+                                         (len(P.CLS_LABELS),))]),
+            "rec": ModelSpec(paths[R.REC_FILE], [CropInput(names[R.REC_FILE][0])],
+                             [OutputSpec(names[R.REC_FILE][1], np.float32)]),
+        }
+        self._outs = {s: m.outputs[0].name for s, m in self._models.items()}
+        any_side = (1, MAX_TENSOR_SIDE)
+        self.contract = TensorContract(
+            specs=(TensorSpec("uint8", "NHWC", {RGB_UINT8_ID},
+                              ((1, 1), any_side, any_side, (CHANNELS, CHANNELS))),),
+            model_id=self.model_id, model_version=cfg.model_version,
+            raw_preprocess_ids={RGB_UINT8_ID})
+        self.model = self._models["det"]
+        return self.model
+
+    def steps(self) -> list:
+        """The ensemble: det -> cls -> rec, each with its own batching and engine pool."""
+        b = self.config.batching
+        q = b.max_queue_size * STEP_QUEUE_FANOUT
+        sizes = {"det": DET_MAX_BATCH, "cls": CLS_MAX_BATCH, "rec": REC_MAX_BATCH}
+        post = {"det": self._det_post, "cls": self._cls_post, "rec": self._rec_post}
+        return [StepSpec(s, self._models[s], post[s],
+                         BatchingConfig(max_batch_size=min(b.max_batch_size, sizes[s]),
+                                        max_queue_delay_us=b.max_queue_delay_us,
+                                        max_queue_size=q, priority_levels=b.priority_levels),
+                         self.options[f"{s}_instances"], self.options[f"{s}_threads"])
+                for s in STEPS]
+
+    # -- prepare (the preprocessing pool) -------------------------------------------------------
+    def prepare_raw(self, req: InferRequest, desc: Descriptor, payload: memoryview, mime: str,
+                    params: dict) -> PreparedModelRequest:
+        src = req.payload if isinstance(req.payload, bytes) else payload
+        rgb = np.asarray(decode_image(src, mime, self.max_pixels))
+        return self._prepare_rgb(rgb)
+
+    def prepare_tensor(self, req: InferRequest, desc: Descriptor,
+                       payload: memoryview) -> PreparedModelRequest:
+        _n, h, w, _c = desc.shape
+        if h * w > self.max_pixels:
+            from ..errors import InvalidArgument
+
+            raise InvalidArgument(f"image is {w}x{h} = {w * h} pixels; the limit is "
+                                  f"{self.max_pixels} (options.max_image_pixels)",
+                                  "lumen.tensor.shape")
+        rgb = np.frombuffer(payload, dtype=np.uint8).reshape(h, w, CHANNELS)
+        return self._prepare_rgb(rgb)
+
+    def _prepare_rgb(self, rgb: np.ndarray) -> DetItem:
+        """rapidocr's LoadImage (RGB -> BGR), global resize, vertical padding, det resize."""
+        ori = np.ascontiguousarray(rgb[:, :, ::-1])
+        ori_h, ori_w = ori.shape[:2]
+        img, rh, rw = P.resize_within_bounds(ori)
+        det = top = None
+        if img is not None:
+            img, top = P.vertical_padding(img)
+            det = P.det_resize(img)
+        if det is None:  # the image vanishes at the detector's stride: no text
+            return DetItem(self._sig("det", (), DET_ID), None, None, 0, 1.0, 1.0, ori_h, ori_w)
+        return DetItem(self._sig("det", (CHANNELS,) + det.shape[:2], DET_ID), det, img, top,
+                       rh, rw, ori_h, ori_w)
+
+    # -- step postprocesses (engine worker threads) -------------------------------------------
+    def _det_post(self, outputs: dict, items: Sequence[DetItem]) -> list:
+        prob = outputs[self._outs["det"]]
+        out: list = []
+        for i, it in enumerate(items):
+            p = prob[i, 0]
+            if not np.isfinite(p).all():
+                out.append(InternalError("the detector produced a non-finite value"))
+                continue
+            boxes, _scores = P.db_boxes(p, it.img.shape[0], it.img.shape[1])
+            out.append((boxes, [P.crop(it.img, b) for b in boxes]))
+        return out
+
+    def _cls_post(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:
+        probs = outputs[self._outs["cls"]]
+        out: list = []
+        for i, it in enumerate(items):
+            k = int(probs[i].argmax())
+            crop = it.tensors[0]
+            if "180" in P.CLS_LABELS[k] and probs[i, k] > P.CLS_THRESH:
+                crop = P.rotate_180(crop)
+            out.append(crop)
+        return out
+
+    def _rec_post(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:
+        probs = outputs[self._outs["rec"]]
+        return [P.ctc_decode(probs[i], self.characters) for i in range(len(items))]
+
+    # -- the flow (event loop) -----------------------------------------------------------------
+    async def flow(self, ctx: Any, item: DetItem) -> dict:
+        if item.img is None:
+            return {OUTPUT_NAME: []}
+        (boxes, crops), = await ctx.run("det", [item])
+        if not crops:
+            return {OUTPUT_NAME: []}
+        cls_sig = self._cls_sig
+        upright = await ctx.run("cls", [PreparedModelRequest(cls_sig, (c,), P.CLS_SHAPE)
+                                        for c in crops])
+        rec_items = []
+        for c in upright:
+            width = P.rec_batch_width(c.shape[0], c.shape[1])
+            shape = (CHANNELS, P.REC_SHAPE[1], width)
+            rec_items.append(PreparedModelRequest(self._sig("rec", shape, REC_ID), (c,), shape))
+        texts = await ctx.run("rec", rec_items)
+        keep = [i for i, (t, s) in enumerate(texts) if t.strip() and s >= self.text_score]
+        if not keep:
+            return {OUTPUT_NAME: []}
+        mapped = P.map_boxes(boxes[keep], item.top, item.ratio_h, item.ratio_w, item.ori_h,
+                             item.ori_w)
+        return {OUTPUT_NAME: [{"text": texts[i][0], "score": texts[i][1],
+                               "box": mapped[j].tolist()} for j, i in enumerate(keep)]}
+
+    def postprocess(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:
+        raise InternalError("the ocr task runs as a pipeline of steps; it has no single model")
+
+    def warmup_requests(self) -> list:
+        """One small PNG with a dark bar on white: every step runs once."""
+        img = Image.new("RGB", (WARMUP_SIDE, WARMUP_SIDE), (255, 255, 255))
+        img.paste((0, 0, 0), (8, 28, 56, 36))
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        return [new_infer_request(self.name).for_raw_input(buf.getvalue(), "image/png").build()]
+
+    def describe(self) -> dict:
+        return {**super().describe(), "output": OUTPUT_NAME, "steps": list(STEPS),
+                "outputs": {OUTPUT_NAME: ["json", [None]]}, "text_score": self.text_score,
+                "max_image_pixels": self.max_pixels, "default_mime": "image/png"}
+
+
+def _metadata(path: str) -> dict:
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def default_task_table() -> Optional[dict]:
+    """The built-in ``ocr`` task, or None when its models are not prepared (or the [ocr]
+    extra is missing)."""
+    if P._IMPORT_ERROR is not None:
+        return None
+    try:
+        require_model(OCR)
+    except ModelMissingError:
+        return None
+    return {"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
+            "options": {"det_instances": 1, "rec_instances": 1}}
