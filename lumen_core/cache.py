@@ -189,7 +189,7 @@ class ResponseCache:
             self.hits += 1
             if where is not None:
                 where[0] = HIT
-            return self._respond(req, e.outputs, e.meta, e.tokens, HIT)
+            return self._respond(req, e.outputs, e.meta, e.tokens, HIT, version=key[1])
         flight = self._flights.get(key)
         if flight is None:
             self.misses += 1
@@ -220,7 +220,7 @@ class ResponseCache:
             flight.waiters -= 1
         tokens = resp.stats.tokens if resp.stats is not None else 0
         return self._respond(req, outputs, getattr(resp.outputs, "meta", None), tokens, state,
-                             resp.stats if state == MISS else None)
+                             resp.stats if state == MISS else None, key[1])
 
     async def _compute(self, key: tuple, compute: Callable[[], Awaitable[InferResponse]]) -> tuple:
         """(the computed response, the outputs to answer with: the stored read-only copies,
@@ -236,10 +236,10 @@ class ResponseCache:
 
     @staticmethod
     def _respond(req: Any, outputs: dict, meta: Optional[dict], tokens: int, state: str,
-                 stats: Optional[ResponseStats] = None) -> InferResponse:
+                 stats: Optional[ResponseStats] = None, version: str = "") -> InferResponse:
         """A response of ``outputs``; ``stats`` are the computation's own for the request that
         ran it, else zeros (no batch, no queue) with the stored token count."""
         m = dict(meta) if meta else {}
         m[RESP_CACHE] = state
         return InferResponse(req.correlation_id, req.task, dict(outputs), m,
-                             stats if stats is not None else ResponseStats(0, 0, 0, tokens))
+                             stats if stats is not None else ResponseStats(0, 0, 0, tokens, version))

@@ -163,7 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = LumenServer(rt, host=args.host, http_port=args.http_port, grpc_port=grpc_port,
                              log_level=args.log_level, api_keys=args.api_key,
                              tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             access_log=args.access_log)
+                             access_log=args.access_log,
+                             watch_s=args.watch_interval if args.watch else None)
         _run(server.run())
     finally:
         undo()
@@ -424,6 +425,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true",
                    help="log one line per HTTP request: client, method, path, status, task, "
                         "response and request bytes, ms, correlation id")
+    p.add_argument("--watch", action="store_true",
+                   help="reload when the config file or a model file changes (content hash; a "
+                        "file is loaded once it stopped changing); SIGHUP reloads on demand")
+    p.add_argument("--watch-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between two looks at the files with --watch (default 1)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -158,6 +158,14 @@ class SequenceConfig:
     constant: tuple = ()
 
 
+@dataclass(frozen=True)
+class VersionConfig:
+    """One ``[[tasks.versions]]`` entry: a version label and its model file."""
+
+    version: str
+    model: str = ""
+
+
 @dataclass
 class TaskConfig:
     name: str
@@ -179,6 +187,21 @@ class TaskConfig:
     cache: Optional[CacheConfig] = None
     source: str = "<dict>"  # where this task was declared, for error messages
     key: str = "tasks[0]"
+    #: ``[[tasks.versions]]`` as written (empty: one version, ``model`` / ``model_version``);
+    #: ``task_versions`` turns them into one TaskConfig per version (lumen_core/versions.py)
+    versions: tuple = ()
+    #: ``[tasks.traffic]``: version -> weight (empty: the highest version takes all traffic)
+    traffic: dict = field(default_factory=dict)
+
+
+def task_versions(tc: TaskConfig) -> list:
+    """One TaskConfig per version of ``tc`` (``model`` and ``model_version`` set, no versions
+    of its own); a task without ``[[tasks.versions]]`` is its own single version."""
+    if not tc.versions:
+        return [tc]
+    return [dataclasses.replace(tc, model=v.model, model_version=v.version, versions=(),
+                                traffic={}, key=f"{tc.key}.versions[{i}]")
+            for i, v in enumerate(tc.versions)]
 
 
 @dataclass(frozen=True)
@@ -542,12 +565,46 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
                                   f"{instead}")
     else:
         r.used.add("sequence")
+    _parse_versions(r, cfg, base_dir)
     if "cache" in r.table:
         cfg.cache = _parse_cache(r.sub("cache"))
     else:
         r.used.add("cache")
     r.finish()
     return cfg
+
+
+def _parse_versions(r: _Reader, cfg: TaskConfig, base_dir: Optional[str]) -> None:
+    """``[[tasks.versions]]`` and ``[tasks.traffic]`` into ``cfg`` (SPEC section 6)."""
+    tables = r.get("versions", list, [])
+    if tables and ("model" in r.table or "model_version" in r.table):
+        raise r.err("versions", "a task with [[tasks.versions]] names its models there; "
+                                "remove its model / model_version keys")
+    versions: list = []
+    for i, t in enumerate(tables):
+        sub = _Reader(r.source, f"{r.key('versions')}[{i}]", t)
+        label = sub.get("version", str, "")
+        if not label:
+            raise sub.err("version", "is required (a non-empty version label, e.g. \"2\")")
+        if any(v.version == label for v in versions):
+            raise sub.err("version", f"version {label!r} is listed twice")
+        versions.append(VersionConfig(label, _resolve_model(sub.get("model", str, ""), base_dir)))
+        sub.finish()
+    cfg.versions = tuple(versions)
+    traffic = r.get("traffic", dict, {})
+    labels = [v.version for v in versions] or [cfg.model_version]
+    for label, weight in traffic.items():
+        if label not in labels:
+            raise ConfigError(r.source, f"{r.key('traffic')}.{label}",
+                              f"names no version of task {cfg.name!r} (versions: "
+                              f"{', '.join(labels)})")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not math.isfinite(weight) or weight < 0:
+            raise ConfigError(r.source, f"{r.key('traffic')}.{label}",
+                              f"must be a number >= 0, got {weight!r}")
+    if traffic and not any(traffic.values()):
+        raise r.err("traffic", "gives every version weight 0; give one a positive weight")
+    cfg.traffic = {str(k): float(v) for k, v in traffic.items()}
 
 
 #: bounds of [tasks.cache] (1 TiB, 30 days)

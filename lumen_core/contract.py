@@ -29,6 +29,9 @@ KEY_SEQUENCE_START = "lumen.sequence.start"
 KEY_SEQUENCE_END = "lumen.sequence.end"
 KEY_PRIORITY = "lumen.priority"
 KEY_TIMEOUT_MS = "lumen.timeout_ms"
+#: sticky key of a task's traffic split: the same key lands on the same version while the
+#: split is unchanged (lumen_core/versions.py)
+KEY_ROUTE_KEY = "lumen.route.key"
 #: embedding tasks: keep the first D components, then L2-normalise again
 KEY_EMBEDDING_DIMENSIONS = "lumen.embedding.dimensions"
 #: embedding tasks: the element type of the returned vector (see ``EMBEDDING_TYPES``)
@@ -54,7 +57,7 @@ RESERVED_KEYS = frozenset(
         KEY_INPUT_KIND, KEY_DTYPE, KEY_SHAPE, KEY_LAYOUT, KEY_FORMAT, KEY_BYTE_ORDER,
         KEY_PREPROCESS_ID, KEY_PREPROCESS_SKIP, KEY_MODEL_ID, KEY_MODEL_VERSION,
         KEY_SEQUENCE_ID, KEY_SEQUENCE_START, KEY_SEQUENCE_END, KEY_PRIORITY, KEY_TIMEOUT_MS,
-        KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE,
+        KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE, KEY_ROUTE_KEY,
     }
 ) | VAD_KEYS
 #: keys that only make sense on the tensor route
@@ -69,6 +72,8 @@ RESP_COMPUTE_US = "lumen.compute_us"
 RESP_TOKENS = "lumen.tokens"
 #: ``"true"`` when the input was cut to the task's token limit (absent otherwise)
 RESP_TRUNCATED = "lumen.truncated"
+#: the version of the task that served the request (every response carries it)
+RESP_MODEL_VERSION = "lumen.model.version"
 #: on a task with ``[tasks.cache]``: ``hit`` (served from the cache), ``miss`` (computed and
 #: stored) or ``coalesced`` (waited for an identical computation); see cache.py
 RESP_CACHE = "lumen.cache"

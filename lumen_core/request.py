@@ -79,31 +79,36 @@ class TensorDescriptor:
 
 
 class ResponseStats:
-    """Typed per-response figures: batch size, queue and compute time, token count.
+    """Typed per-response figures: batch size, queue and compute time, token count, and the
+    version of the task that served it.
 
     Transports read these as ints; the ``lumen.*`` response meta strings are derived from them
     only when someone asks for ``InferResponse.meta`` (most callers never do).
     """
 
-    __slots__ = ("batch_size", "queue_us", "compute_us", "tokens")
+    __slots__ = ("batch_size", "queue_us", "compute_us", "tokens", "version")
 
     def __init__(self, batch_size: int = 0, queue_us: int = 0, compute_us: int = 0,
-                 tokens: int = 0):
+                 tokens: int = 0, version: str = ""):
         self.batch_size = batch_size
         self.queue_us = queue_us
         self.compute_us = compute_us
         self.tokens = tokens
+        self.version = version
 
     def to_meta(self) -> Dict[str, str]:
         meta = {C.RESP_BATCH_SIZE: str(self.batch_size), C.RESP_QUEUE_US: str(self.queue_us),
                 C.RESP_COMPUTE_US: str(self.compute_us)}
         if self.tokens:
             meta[C.RESP_TOKENS] = str(self.tokens)
+        if self.version:
+            meta[C.RESP_MODEL_VERSION] = self.version
         return meta
 
     def __repr__(self) -> str:
         return (f"ResponseStats(batch_size={self.batch_size}, queue_us={self.queue_us}, "
-                f"compute_us={self.compute_us}, tokens={self.tokens})")
+                f"compute_us={self.compute_us}, tokens={self.tokens}, "
+                f"version={self.version!r})")
 
 
 class InferResponse:

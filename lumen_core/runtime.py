@@ -23,7 +23,7 @@ from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
 from .cache import MISS, ResponseCache
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import KEY_TIMEOUT_MS, TensorContract
+from .contract import KEY_MODEL_VERSION, KEY_TIMEOUT_MS, TensorContract
 from .engine.ort import make_instances
 from .errors import (
     DeadlineExceeded,
@@ -39,6 +39,7 @@ from .request import InferRequest, InferResponse, ResponseStats, new_infer_reque
 from .scheduler import route_of
 from .tasks import backend_class, default_task_tables
 from .tasks.base import TaskBackend
+from .versions import Lifecycle
 
 log = logging.getLogger("lumen")
 
@@ -55,15 +56,18 @@ class Observer:
     with this base class installed the runtime skips the calls and their timing entirely)."""
 
     def request(self, task: str, route: str, code: str, e2e_us: int,
-                queue_us: int = 0, compute_us: int = 0) -> None:
-        """One finished request (``code`` is ``ok`` or an error code)."""
+                queue_us: int = 0, compute_us: int = 0, version: str = "") -> None:
+        """One finished request (``code`` is ``ok`` or an error code; ``version`` the task
+        version that served it, empty when none was chosen yet)."""
 
     def batch(self, task: str, size: int, compute_us: int) -> None:
         """One finished batch."""
 
 
 class Task:
-    """A loaded task: its backend, engine instances, their runners and the batcher."""
+    """A loaded version of a task: its backend, engine instances, their runners and the
+    batcher.  ``router`` is None unless the task serves several versions (versions.py);
+    ``holds`` counts requests routed here that are still being prepared off the loop."""
 
     def __init__(self, config: TaskConfig, backend: TaskBackend, instances: list, runners: list,
                  batcher: Any):
@@ -80,6 +84,9 @@ class Task:
         self.priority_levels = b.priority_levels
         self.default_priority = b.default_priority_level or b.priority_levels
         self.default_timeout_ms = b.default_timeout_ms
+        self.version = config.model_version
+        self.router: Any = None
+        self.holds = 0
 
     @property
     def padding_ratio(self) -> float:
@@ -101,6 +108,22 @@ class Task:
         return priority, timeout_ms
 
 
+class _Pinned:
+    """The runtime as one version's warm-up sees it: its task name reaches that version (and
+    no other), and nothing is observed or traced."""
+
+    _observe = None
+    _trace = None
+    _closing = False
+
+    def __init__(self, rt: "Runtime", task: Task):
+        self._rt = rt
+        self.tasks = {task.name: task}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+
 class Runtime:
     def __init__(self, config: LumenConfig):
         self.config = config
@@ -116,6 +139,8 @@ class Runtime:
         self._thread: Optional[threading.Thread] = None
         self._max_payload = config.server.max_payload_bytes
         self._pool = PreparePool()  # heavy preprocessing: bounded, smallest first, deadlines
+        #: versions, traffic splits, reloads (versions.py); ``self.tasks`` holds each task's head
+        self._lifecycle = Lifecycle(self)
         #: task name -> ResponseCache of the loaded tasks with [tasks.cache]
         self._caches: dict = {}
         if any(tc.cache is not None for tc in config.tasks):
@@ -157,11 +182,8 @@ class Runtime:
         self._closing = False  # a stopped runtime may be started again
         self._loop = asyncio.get_running_loop()
         try:
-            for tc in self.config.tasks:
-                task = self.tasks[tc.name] = await asyncio.to_thread(self._load_task, tc)
-                task.batcher.start(self._loop)
-            for task in self.tasks.values():
-                await self._warmup(task)
+            # each version loads, starts and warms up; then its task routes to it
+            await self._lifecycle.start(self.config.tasks)
         except BaseException:
             await self._close_tasks()
             raise
@@ -205,8 +227,12 @@ class Runtime:
                                   f"task {tc.name!r} is stateful (sequences): its responses "
                                   f"depend on the sequence's state and cannot be cached; "
                                   f"remove [tasks.cache]")
-            task.cache = self._caches[tc.name] = ResponseCache(tc.name, tc.cache.max_bytes,
-                                                               tc.cache.ttl_s)
+            # one cache per task name, shared by its versions (the version is in every key)
+            cache = self._caches.get(tc.name)
+            if cache is None:
+                cache = self._caches[tc.name] = ResponseCache(tc.name, tc.cache.max_bytes,
+                                                              tc.cache.ttl_s)
+            task.cache = cache
         return task
 
     def _load_pipeline(self, tc: TaskConfig, backend: TaskBackend) -> Task:
@@ -241,9 +267,12 @@ class Runtime:
         return on_batch
 
     async def _warmup(self, task: Task) -> None:
+        """Run the backend's warm-up requests through the public path, on ``task`` itself (a
+        new version warms up before any traffic can reach it)."""
+        pinned = _Pinned(self, task)
         for req in task.backend.warmup_requests():
             try:
-                await Runtime.infer(self, req)  # the uncached path: warm-up fills no cache
+                await native.scheduler.infer(pinned, req)
             except LumenError as exc:
                 raise InternalError(f"warm-up of task {task.config.name!r} failed: {exc}") from exc
 
@@ -252,20 +281,32 @@ class Runtime:
         self._closing = True
         # the pool first: what it still holds is refused, and nothing reaches a batcher
         # after that batcher started draining
+        await self._lifecycle.stop()
         await asyncio.to_thread(self._pool.stop)
         self._pool = PreparePool()  # a stopped runtime may be started again
-        for task in self.tasks.values():
+        for task in self._loaded_tasks():
             await task.batcher.drain()
         await self._close_tasks()
         self.ready = False
 
+    def _loaded_tasks(self) -> list:
+        """Every loaded version of every task (heads, other versions, draining ones), once."""
+        out = {id(t): t for t in self._lifecycle.tasks()}
+        for t in self.tasks.values():
+            out.setdefault(id(t), t)
+        return list(out.values())
+
     async def _close_tasks(self) -> None:
-        for task in self.tasks.values():
-            await task.batcher.close()
-            for runner in task.runners:
-                await asyncio.to_thread(runner.close)
+        for task in self._loaded_tasks():
+            await self._close_task(task)
         self.tasks = {}
+        self._lifecycle.sets = {}
         self._caches = {}
+
+    async def _close_task(self, task: Task) -> None:
+        await task.batcher.close()
+        for runner in task.runners:
+            await asyncio.to_thread(runner.close)
 
     async def __aenter__(self) -> "Runtime":
         await self.start()
@@ -298,7 +339,11 @@ class Runtime:
         cache = self._caches.get(getattr(req, "task", None))
         if cache is None:
             return await Runtime.infer(self, req)
-        task = self._route(req.task)
+        head = self._route(req.task)
+        router = getattr(head, "router", None)
+        # the version that serves this request (a pin, a split), picked once: it is in the
+        # key, and the computation runs on exactly that version
+        task = router(req.meta) if router is not None else head
         observe = self._observe
         t0 = time.perf_counter_ns() if observe is not None else 0
         route = route_of(req.meta)
@@ -308,15 +353,23 @@ class Runtime:
             desc = native.descriptor.parse_meta(req.meta, nbytes, task.backend.contract)
             route = desc.kind
             timeout_ms = task.policy(desc)[1]
-            key = cache.key(task.config.model_version, req.payload_mime, req.meta, payload)
-            resp = await cache.fetch(key, req, functools.partial(Runtime.infer, self, req),
-                                     timeout_ms, where)
+            key = cache.key(task.version, req.payload_mime, req.meta, payload)
+            run = req
+            if router is not None and (req.meta or {}).get(KEY_MODEL_VERSION) != task.version:
+                # computed on the version the key names: pinned like a caller's pin
+                run = InferRequest(req.task, req.payload, req.payload_mime,
+                                   {**(req.meta or {}), KEY_MODEL_VERSION: task.version},
+                                   req.correlation_id)
+            compute = functools.partial(Runtime.infer, self, run)
+            resp = await cache.fetch(key, req, compute, timeout_ms, where)
         except LumenError as exc:
             if observe is not None and where[0] != MISS:  # a miss: Runtime.infer observed it
-                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
+                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000, 0, 0,
+                        task.version)
             raise
         if observe is not None and where[0] != MISS:
-            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000)
+            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000, 0, 0,
+                    task.version)
         return resp
 
     async def _infer_many_cached(self, requests: Sequence[InferRequest]) -> list:
@@ -381,8 +434,14 @@ class Runtime:
         pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
         thread, the preprocessing and then the batch queue."""
         t0 = time.monotonic_ns()
-        prepared = await self._pool.run(functools.partial(self._prepare, task, req, desc), nbytes,
-                                        timeout_ms)
+        # the version stays loaded until the request is queued on it (versions.py drains it
+        # only once nothing holds it; the caller submits right after this returns)
+        task.holds += 1
+        try:
+            prepared = await self._pool.run(functools.partial(self._prepare, task, req, desc),
+                                            nbytes, timeout_ms)
+        finally:
+            task.holds -= 1
         if timeout_ms:
             left = timeout_ms - (time.monotonic_ns() - t0) // 1_000_000
             if left <= 0:
@@ -420,41 +479,13 @@ class Runtime:
         observe = self._observe
         t0 = time.perf_counter_ns() if observe is not None else 0
         per_task: dict = {}
-        for i, req in enumerate(requests):
-            route = route_of(req.meta) if observe is not None and isinstance(req, InferRequest) \
-                else "raw"
-            task = None
-            try:
-                task = self._route(req.task) if isinstance(req, InferRequest) else None
-                if task is None:
-                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
-                                          f"InferRequest", "requests")
-                desc, prepared = self._validate(task, req)
-                route = desc.kind
-                priority, timeout_ms = task.policy(desc)
-                if prepared is None:
-                    prepared, timeout_ms = await self._prepare_off_loop(
-                        task, req, desc, self._payload(req.payload, task.backend)[1], timeout_ms)
-            except LumenError as exc:
-                out[i] = exc
-                if observe is not None and task is not None:
-                    observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
-                continue
-            per_task.setdefault(task.name, (task, []))[1].append(
-                (i, route, prepared, (prepared, desc, priority, timeout_ms)))
-        submitted: list = []
-        for task, items in per_task.values():
-            try:
-                group, entries = task.batcher.submit_many([it[3] for it in items])
-            except LumenError as exc:
-                for i, route, _p, _s in items:
-                    out[i] = exc
-                    if observe is not None:
-                        observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000)
-                continue
-            submitted.append((task, items, group, entries))
-            if self._trace is not None:
-                self._trace.admitted_group(task, [it[1] for it in items], entries, group)
+        held: list = []  # versions holding items until they are queued (versions.py)
+        try:
+            await self._infer_many_prepare(requests, out, per_task, held, t0)
+            submitted = self._infer_many_submit(per_task, out, t0)
+        finally:
+            for task in held:
+                task.holds -= 1
         try:
             for _t, _items, group, _e in submitted:
                 await group.future
@@ -473,12 +504,111 @@ class Runtime:
                     out[i] = InferResponse(req.correlation_id, req.task, res,
                                            getattr(res, "meta", None),
                                            ResponseStats(e.batch_size, e.queue_us, e.compute_us,
-                                                         prepared.length))
+                                                         prepared.length, task.version))
                     code = "ok"
                 if observe is not None:
                     observe(task.name, route, code, (time.perf_counter_ns() - t0) // 1000,
-                            e.queue_us, e.compute_us)
+                            e.queue_us, e.compute_us, task.version)
         return out
+
+    async def _infer_many_prepare(self, requests: Sequence[InferRequest], out: list,
+                                  per_task: dict, held: list, t0: int) -> None:
+        """Validate, route and prepare each item of ``infer_many`` into ``per_task`` (per
+        task version); each version an item is routed to is held until the group is queued."""
+        observe = self._observe
+        for i, req in enumerate(requests):
+            route = route_of(req.meta) if observe is not None and isinstance(req, InferRequest) \
+                else "raw"
+            task = None
+            try:
+                task = self._route(req.task) if isinstance(req, InferRequest) else None
+                if task is None:
+                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
+                                          f"InferRequest", "requests")
+                if task.router is not None:
+                    task = task.router(req.meta)
+                if id(task) not in per_task:
+                    task.holds += 1
+                    held.append(task)
+                    per_task[id(task)] = (task, [])
+                desc, prepared = self._validate(task, req)
+                route = desc.kind
+                priority, timeout_ms = task.policy(desc)
+                if prepared is None:
+                    prepared, timeout_ms = await self._prepare_off_loop(
+                        task, req, desc, self._payload(req.payload, task.backend)[1], timeout_ms)
+            except LumenError as exc:
+                out[i] = exc
+                if observe is not None and task is not None:
+                    observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000,
+                            0, 0, task.version)
+                continue
+            per_task[id(task)][1].append(
+                (i, route, prepared, (prepared, desc, priority, timeout_ms)))
+
+    def _infer_many_submit(self, per_task: dict, out: list, t0: int) -> list:
+        """Queue each version's items of ``infer_many`` as one group."""
+        observe = self._observe
+        submitted: list = []
+        for task, items in per_task.values():
+            if not items:
+                continue
+            try:
+                group, entries = task.batcher.submit_many([it[3] for it in items])
+            except LumenError as exc:
+                for i, route, _p, _s in items:
+                    out[i] = exc
+                    if observe is not None:
+                        observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000,
+                                0, 0, task.version)
+                continue
+            submitted.append((task, items, group, entries))
+            if self._trace is not None:
+                self._trace.admitted_group(task, [it[1] for it in items], entries, group)
+        return submitted
+
+    # -- model lifecycle: versions, traffic, reload (lumen_core/versions.py) ---------------
+    async def reload(self, task: Optional[str] = None) -> dict:
+        """Re-read the config file (when the runtime came from one) and every model file, and
+        bring the tasks (or ``task``) to what they say, without failing a request: a changed
+        or added version loads and warms up beside the serving one, then takes its traffic in
+        one step; the replaced one finishes what it holds and is unloaded.  A version that
+        fails to load leaves what serves untouched and is reported.  Returns
+        :meth:`lifecycle` (of ``task``, or of all tasks)."""
+        return await self._lifecycle.reload(task)
+
+    async def apply_config(self, config: Any) -> dict:
+        """Bring the runtime to a new config -- a :class:`LumenConfig`, a config dict or a
+        TOML path -- the way :meth:`reload` does (tasks it adds load, tasks it drops drain and
+        unload).  A bad config raises ``ConfigError`` and changes nothing; ``[server]``
+        settings take effect on restart.  Returns :meth:`lifecycle`."""
+        return await self._lifecycle.apply_config(config)
+
+    def set_traffic(self, task: str, weights: Mapping) -> dict:
+        """Split ``task``'s traffic over its loaded versions (``{version: weight}``; a request
+        with a ``lumen.route.key`` keeps its version while the split is unchanged).  Call it on
+        the runtime's loop.  Returns the task's :meth:`lifecycle`."""
+        return self._lifecycle.set_traffic(task, weights)
+
+    async def load_version(self, task: str, version: str, model: Optional[str] = None) -> dict:
+        """(Re)load one version of ``task`` beside what serves: from its config, or from the
+        file ``model`` (a new version).  Returns the task's :meth:`lifecycle`."""
+        return await self._lifecycle.load_version(task, version, model)
+
+    async def unload_version(self, task: str, version: str) -> dict:
+        """Take ``version`` out of ``task``'s traffic, let it finish what it holds, unload it
+        (never the last one).  Returns the task's :meth:`lifecycle`."""
+        return await self._lifecycle.unload_version(task, version)
+
+    def lifecycle(self, task: Optional[str] = None) -> dict:
+        """Each task's versions (state ``loading|ready|draining|failed``, model, revision =
+        sha256 of the model file, error), its traffic split and load failures."""
+        return self._lifecycle.describe(task)
+
+    def watch(self, interval_s: float = 1.0) -> "asyncio.Task":
+        """Reload whenever the config file or a model file changes (polled every
+        ``interval_s``; a file is loaded once it stopped changing).  Stops with the runtime."""
+        return self._lifecycle.watch(interval_s)
 
     # -- synchronous use ------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -568,6 +698,11 @@ class Runtime:
                                f"{', '.join(sorted(self.tasks)) or 'no tasks'}", "task")
         return task
 
+    def versions(self, task: str) -> list:
+        """The versions ``task`` serves now, in version order (``lumen.model.version`` may pin
+        any of them)."""
+        return self._lifecycle.serving(task) or [self._task(task).version]
+
     def contract(self, task: str) -> TensorContract:
         """The tensor contract of ``task`` (dtypes, layouts, shapes, preprocess ids)."""
         return self._task(task).backend.contract
@@ -580,19 +715,23 @@ class Runtime:
 
     def load(self) -> dict:
         """``{task: {pending, in_flight, padding_ratio[, steps][, active_sequences, backlog]}}``
-        now: queued requests, running batches, padded share of token slots; for ensembles the
-        per-step counters; for stateful tasks the sequences holding a slot and those waiting."""
-        out = {}
-        for name, t in list(self.tasks.items()):
+        now, summed over a task's versions: queued requests, running batches, padded share of
+        token slots; for ensembles the per-step counters; for stateful tasks the sequences
+        holding a slot and those waiting."""
+        out: dict = {}
+        for t in self._loaded_tasks():  # summed over a task's versions
             b = t.batcher
-            load = {"pending": b.pending, "in_flight": b.in_flight,
-                    "padding_ratio": t.padding_ratio}
-            if hasattr(b, "step_stats"):  # an ensemble: per-step batches, items, times
-                load["steps"] = b.step_stats()
+            load = out.get(t.name)
+            if load is None:
+                load = out[t.name] = {"pending": 0, "in_flight": 0, "padding_ratio": 0.0}
+            load["pending"] += b.pending
+            load["in_flight"] += b.in_flight
+            load["padding_ratio"] = max(load["padding_ratio"], t.padding_ratio)
+            if hasattr(b, "step_stats") and t is self.tasks.get(t.name):
+                load["steps"] = b.step_stats()  # an ensemble: per-step batches, items, times
             if t.backend.stateful:
-                load["active_sequences"] = b.active_sequences
-                load["backlog"] = b.backlog
-            out[name] = load
+                load["active_sequences"] = load.get("active_sequences", 0) + b.active_sequences
+                load["backlog"] = load.get("backlog", 0) + b.backlog
         return out
 
     def cache_stats(self) -> dict:

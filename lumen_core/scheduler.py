@@ -174,8 +174,10 @@ async def infer(rt: Any, req: Any) -> InferResponse:
     route = "raw"
     if observe is not None:  # a request refused before its descriptor parses keeps its route
         route = route_of(req.meta)
-    backend = task.backend
     try:
+        if task.router is not None:  # several versions: a pin or the split picks (versions.py)
+            task = task.router(req.meta)
+        backend = task.backend
         try:
             payload = memoryview(req.payload)
             nbytes = payload.nbytes
@@ -211,16 +213,18 @@ async def infer(rt: Any, req: Any) -> InferResponse:
             raise
     except LumenError as exc:
         if observe is not None:
-            observe(task.name, route, exc.code, (_perf_ns() - t0) // 1000)
+            observe(task.name, route, exc.code, (_perf_ns() - t0) // 1000, 0, 0, task.version)
         raise
     except asyncio.CancelledError:
         if observe is not None:
-            observe(task.name, route, "cancelled", (_perf_ns() - t0) // 1000)
+            observe(task.name, route, "cancelled", (_perf_ns() - t0) // 1000, 0, 0,
+                    task.version)
         raise
     queue_us = (entry.dispatch_ns - entry.arrival_ns) // 1000
     if observe is not None:
-        observe(task.name, route, "ok", (_perf_ns() - t0) // 1000, queue_us, entry.compute_us)
+        observe(task.name, route, "ok", (_perf_ns() - t0) // 1000, queue_us, entry.compute_us,
+                task.version)
     # a backend may attach response meta to its outputs (e.g. ``lumen.truncated``)
     return InferResponse(req.correlation_id, req.task, value, getattr(value, "meta", None),
                          ResponseStats(entry.batch_size, queue_us, entry.compute_us,
-                                       prepared.length))
+                                       prepared.length, task.version))

@@ -153,3 +153,14 @@ def image_encoder(path, width: int = 16, d_out: int = 64, patch: int = 16, seed:
         nodes, "image_encoder",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])], outs, inits)
     return _save(graph, path)
+
+
+def offset(path, k: float, d: int = 4) -> str:
+    """``y = x + k`` over ``x`` [N, d]: versions built with different ``k`` answer
+    distinguishably (the tests of model versions and hot reload tell who served from it)."""
+    kk = numpy_helper.from_array(np.array(k, np.float32), "k")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "k"], ["y"])], f"offset_{k:g}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d])], [kk])
+    return _save(graph, path)

@@ -104,7 +104,10 @@ def scrape(url: str) -> dict:
 
 
 def metric(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The sum of ``name``'s samples that carry ``labels`` (other labels, e.g. ``version``,
+    summed over)."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:

@@ -125,10 +125,10 @@ def test_errors_are_not_cached_and_versions_never_shared(tmp_path):
             x = _x(3)
             v1 = await rt.infer(_req("mlp", x))
             assert v1.meta[RESP_CACHE] == MISS
-            rt.tasks["mlp"].config.model_version = "2"  # what a version swap serves next
+            rt.tasks["mlp"].version = "2"  # what a version swap serves next
             v2 = await rt.infer(_req("mlp", x))
             assert v2.meta[RESP_CACHE] == MISS
-            rt.tasks["mlp"].config.model_version = "1"
+            rt.tasks["mlp"].version = "1"
             assert (await rt.infer(_req("mlp", x))).meta[RESP_CACHE] == HIT
     asyncio.run(main())
 
@@ -144,4 +144,29 @@ def test_invalid_requests_are_refused_before_the_cache(tmp_path):
                 await rt.infer(_req("mlp", x, **{"lumen.priority": 9}))
             assert ei.value.field == "lumen.priority"
             assert rt.cache_stats()["mlp"]["hits"] == 0
+    asyncio.run(main())
+
+
+def test_versions_and_splits_key_on_the_serving_version(tmp_path):
+    """Two loaded versions with different weights: a pin and a split each cache per version,
+    and a response is never served for the other version."""
+    v1 = M.mlp(tmp_path / "v1.onnx", d_in=D_IN, d_out=D_OUT, seed=1)
+    v2 = M.mlp(tmp_path / "v2.onnx", d_in=D_IN, d_out=D_OUT, seed=2)
+    rt = Runtime.from_dict({"tasks": [{
+        "name": "mlp", "backend": "onnx", "intra_op_threads": 1,
+        "versions": [{"version": "1", "model": v1}, {"version": "2", "model": v2}],
+        "traffic": {"1": 1, "2": 1}, "cache": {"max_bytes": 1 << 20}}]})
+
+    async def main():
+        async with rt:
+            x = _x(5)
+            a = await rt.infer(_req("mlp", x, **{"lumen.model.version": "1"}))
+            b = await rt.infer(_req("mlp", x, **{"lumen.model.version": "2"}))
+            assert a.meta[RESP_CACHE] == MISS and b.meta[RESP_CACHE] == MISS
+            assert not np.allclose(a.outputs["y"], b.outputs["y"])
+            for _ in range(20):  # the split: each answer is its version's, from the cache
+                r = await rt.infer(_req("mlp", x))
+                want = a if r.stats.version == "1" else b
+                np.testing.assert_array_equal(r.outputs["y"], want.outputs["y"])
+            assert rt.cache_stats()["mlp"]["misses"] == 2
     asyncio.run(main())

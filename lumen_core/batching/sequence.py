@@ -198,6 +198,11 @@ class SequenceBatcher(QueuePolicy):
         """Sequences waiting for a free slot."""
         return len(self._backlog)
 
+    def holds_sequence(self, sid: str) -> bool:
+        """True while sequence ``sid`` is open here (a draining version keeps its sequences
+        until they end or idle out: lumen_core/versions.py)."""
+        return sid in self._seqs
+
     async def infer(self, item: Any, desc: Any, priority: int = 1,
                     timeout_ms: int = 0) -> BatchResult:
         """Queue ``item`` on its sequence (``desc.sequence_id/start/end``) and await it."""

@@ -55,6 +55,7 @@ from ..errors import (
 )
 from ..request import InferRequest
 from . import audio, codec, ws
+from .admin import AdminRoutes
 from .auth import ApiKeys, Unauthenticated, unscope_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
@@ -83,7 +84,7 @@ OPT_TRUNCATE = "truncate"
 MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
 ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, POST /v1/tokenize, "
-               "GET /v1/tasks, "
+               "GET /v1/tasks, /v1/admin/tasks, "
                "/v1/models, /healthz, /readyz, /metrics")
 #: the one endpoint that never needs an API key (a liveness probe carries no secret)
 ALWAYS_OPEN = frozenset({"/healthz", "/v2/health/live"})
@@ -151,6 +152,7 @@ class HttpApp:
             Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
             Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
             *OipRoutes(self).routes(),  # the Open Inference Protocol under /v2 (oip.py)
+            *AdminRoutes(self).routes(),  # versions, reloads, traffic (admin.py)
             # live speech segments over a WebSocket (ws.py)
             WebSocketRoute("/v1/stream/{task}",
                            ws.StreamEndpoint(runtime, self.keys, lambda: self.draining)),

@@ -38,6 +38,10 @@ from ..config import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_
 
 log = logging.getLogger("lumen.http")
 
+#: seconds an error reply's connection keeps reading (and dropping) a client's bytes before it
+#: closes, so that the reply is not lost to a reset (see _close_lingering)
+LINGER_S = 1.0
+
 #: descriptors kept free for everything but HTTP connections (model files, gRPC, logs)
 RESERVED_FDS = 64
 #: seconds a 503 for the connection cap tells the client to wait
@@ -151,7 +155,22 @@ def protocol_class(limits: HttpLimits) -> type:
                     408, "Request Timeout", "deadline_exceeded",
                     f"the request line and headers did not arrive within {timeout_s:g} s "
                     f"(server.read_timeout_ms)", "headers"))
-            self.transport.close()
+            self._close_lingering()
+
+        def _close_lingering(self) -> None:
+            """Close after an error reply to a client that may still be sending: end our side
+            (the reply, then EOF), read and drop its bytes for :data:`LINGER_S`, then close.
+            Closing at once with its bytes unread makes the kernel answer them with a reset,
+            which can destroy the reply before the client reads it (nginx's lingering_close)."""
+            self._phase = "closed"  # data_received drops what still comes
+            transport = self.transport
+            if transport.is_closing():
+                return
+            if transport.can_write_eof():
+                transport.write_eof()
+                self.loop.call_later(LINGER_S, transport.close)
+            else:
+                transport.close()
 
         def _body_stalled(self) -> None:
             self._read_timer = None
@@ -187,7 +206,7 @@ def protocol_class(limits: HttpLimits) -> type:
                     431, "Request Header Fields Too Large", "payload_too_large",
                     f"the request line and headers exceed {max_header} bytes "
                     f"(server.max_header_bytes)", "headers"))
-            self.transport.close()
+            self._close_lingering()
 
         def on_headers_complete(self) -> None:
             self._phase = "body"

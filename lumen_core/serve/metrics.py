@@ -38,8 +38,9 @@ class PrometheusObserver(Observer):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "requests", "Finished inference requests by task, input route (raw/tensor) and "
-            "outcome code (ok or an error code).", ["task", "route", "code"],
+            "requests", "Finished inference requests by task, input route (raw/tensor), "
+            "outcome code (ok or an error code) and the task version that served it (empty "
+            "when the request failed before one was chosen).", ["task", "route", "code", "version"],
             namespace=NAMESPACE, registry=r)
         self.queue_seconds = Histogram(
             "queue_seconds", "Time a successful request waited in its batch queue.", ["task"],
@@ -72,9 +73,9 @@ class PrometheusObserver(Observer):
 
     # -- runtime.Observer ----------------------------------------------------------------
     def request(self, task: str, route: str, code: str, e2e_us: int,
-                queue_us: int = 0, compute_us: int = 0) -> None:
+                queue_us: int = 0, compute_us: int = 0, version: str = "") -> None:
         queue, compute, e2e, _ = self._children(task)
-        self.requests.labels(task, route, code).inc()
+        self.requests.labels(task, route, code, version).inc()
         e2e.observe(e2e_us * _US)
         if code == "ok":
             queue.observe(queue_us * _US)
@@ -144,6 +145,35 @@ class RuntimeCollector:
         if caches:
             yield from _cache_families(caches)
 
+        yield from self._lifecycle()
+
+    def _lifecycle(self) -> Iterator[Any]:
+        """Version states and failed loads (``Runtime.lifecycle``, versions.py)."""
+        describe = getattr(self.runtime, "lifecycle", None)
+        if describe is None:
+            return
+        states = GaugeMetricFamily(f"{NAMESPACE}_model_versions",
+                                   "Instances of a task version by state (loading, ready, "
+                                   "draining, failed).", labels=["task", "version", "state"])
+        failures = CounterMetricFamily(f"{NAMESPACE}_model_load_failures",
+                                       "Failed loads of a task version (missing file, corrupt "
+                                       "model, wrong contract); what served kept serving.",
+                                       labels=["task", "version"])
+        weight = GaugeMetricFamily(f"{NAMESPACE}_traffic_weight",
+                                   "Share of a task's traffic a version receives (0..1).",
+                                   labels=["task", "version"])
+        for name, d in describe().items():
+            counts: dict = {}
+            for v in d["versions"]:
+                counts[(v["version"], v["state"])] = counts.get((v["version"], v["state"]), 0) + 1
+            for (version, state), n in sorted(counts.items()):
+                states.add_metric([name, version, state], float(n))
+            for version, n in sorted(d["load_failures"].items()):
+                failures.add_metric([name, version], float(n))
+            total = sum(d["traffic"].values()) or 1.0
+            for version, w in sorted(d["traffic"].items()):
+                weight.add_metric([name, version], w / total)
+        yield from (states, failures, weight)
 
 #: (metric name, stats key, help) of the response cache counters (lumen_core/cache.py)
 _CACHE_COUNTERS = (

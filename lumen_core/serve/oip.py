@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..contract import DTYPES
+from ..contract import DTYPES, KEY_MODEL_VERSION
 from ..errors import (
     InvalidArgument,
     LumenError,
@@ -207,8 +207,12 @@ class OipRoutes:
         key_scope = request.state.key_scope
         req = build_request(self.rt, task, name, datatype, shape, data, params, ip, rid,
                             lambda m: app.keys.scoped_meta(m, key_scope))
+        version = request.path_params.get("version", "")
+        if version:  # /versions/{v} pins the version (check_model knows it is loaded)
+            req.meta[KEY_MODEL_VERSION] = version
         resp = await app._until_done_or_gone(request, self.rt.infer(req))
-        return self._reply(resp, obj, params, contract.model_version, rid)
+        served = resp.stats.version if resp.stats is not None else ""
+        return self._reply(resp, obj, params, served or contract.model_version, rid)
 
     def _reply(self, resp: Any, obj: dict, params: dict, version: str, rid: str) -> Response:
         wanted = obj.get("outputs")

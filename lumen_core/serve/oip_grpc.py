@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 import numpy as np
 
-from ..contract import DTYPES
+from ..contract import DTYPES, KEY_MODEL_VERSION
 from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge, Unavailable
 from . import codec, shm
 from . import oip_mapping as oip
@@ -243,6 +243,8 @@ class OipServicer:
         req = oip.build_request(self.rt, task, name, inp.datatype, shape, data,
                                 _params(msg.parameters), inp_params, msg.id,
                                 lambda m: keys.scoped_meta(m, scope))
+        if msg.model_version:  # pins the version (check_model knows it is loaded)
+            req.meta[KEY_MODEL_VERSION] = msg.model_version
         return req, contract.model_version
 
     @staticmethod
@@ -280,7 +282,9 @@ class OipServicer:
         wanted = [o.name for o in msg.outputs] or None
         shm_for = {o.name: p for o in msg.outputs
                    if oip.P_SHM_REGION in (p := _params(o.parameters))}
-        out = pb.ModelInferResponse(model_name=resp.task, model_version=version, id=msg.id)
+        served = resp.stats.version if resp.stats is not None else ""
+        out = pb.ModelInferResponse(model_name=resp.task, model_version=served or version,
+                                    id=msg.id)
         for name, arr in oip.output_arrays(resp, wanted):
             dt = codec.oip_datatype(arr)
             t = out.outputs.add(name=name, datatype=dt, shape=list(arr.shape))

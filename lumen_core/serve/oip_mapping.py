@@ -82,14 +82,17 @@ def server_metadata(version: str, shared_memory: bool = False) -> dict:
 
 
 def check_model(rt: Any, task: str, version: str = "") -> Any:
-    """The task's contract; TaskNotFound for an unknown task or a version it does not serve."""
+    """The task's contract; TaskNotFound for an unknown task or a version it does not serve
+    (``/versions/{v}`` may name any loaded version of the task: ``lumen.model.version``)."""
     if not rt.has_task(task):
         raise TaskNotFound(f"unknown model {task[:MAX_ECHO]!r}; this server serves "
                            f"{', '.join(rt.task_names()) or 'no models'}")
     contract = rt.contract(task)
-    if version and version != contract.model_version:
-        raise TaskNotFound(f"model {task!r} has no version {version[:MAX_ECHO]!r}; it serves "
-                           f"version {contract.model_version!r}")
+    if version:
+        served = rt.versions(task)
+        if version not in served:
+            raise TaskNotFound(f"model {task!r} has no version {version[:MAX_ECHO]!r}; it serves "
+                               f"{', '.join(repr(v) for v in served)}")
     return contract
 
 
@@ -125,7 +128,7 @@ def model_metadata(rt: Any, task: str, version: str = "") -> dict:
                             "datatype": codec.OIP_DATATYPES.get(dtype, codec.OIP_BYTES),
                             "shape": [-1 if not isinstance(d, int) or d == UNBOUNDED else d
                                       for d in shape]})
-    return {"name": task, "versions": [contract.model_version],
+    return {"name": task, "versions": rt.versions(task),
             "platform": f"lumen_{desc.get('backend', '')}", "inputs": inputs,
             "outputs": outputs}
 

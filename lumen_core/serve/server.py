@@ -128,7 +128,7 @@ class LumenServer:
                  grpc_port: Optional[int] = -1, grace_s: float = SHUTDOWN_GRACE_S,
                  log_level: str = "warning", api_keys: Iterable[str] = (),
                  tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-                 access_log: bool = False):
+                 access_log: bool = False, watch_s: Optional[float] = None):
         server_cfg = runtime.config.server
         self.keys = ApiKeys.from_config(server_cfg, api_keys)
         self.tls = read_tls(server_cfg, tls_cert, tls_key)
@@ -152,12 +152,16 @@ class LumenServer:
         self._log_level = log_level
         self._stopping: Optional[asyncio.Task] = None
         self.stopped = asyncio.Event()
+        #: ``--watch``: seconds between looks at the config and model files (None: off)
+        self.watch_s = watch_s
 
     async def start(self) -> None:
         rt = self.runtime
         await rt.start()
         try:
             await self._start_front()
+            if self.watch_s is not None:
+                rt.watch(self.watch_s)
         except BaseException:
             # a port that cannot be bound must not leave the runtime or gRPC running
             if self.grpc is not None:
@@ -233,8 +237,21 @@ class LumenServer:
         await self.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.shutdown)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await self.stopped.wait()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+
+    def reload(self) -> "asyncio.Task":
+        """SIGHUP: re-read the config and model files without dropping a request
+        (``Runtime.reload``); the outcome is logged and shown by ``/v1/admin/tasks``."""
+        log.info("lumen: reloading the config and model files (SIGHUP)")
+
+        async def run() -> None:
+            try:
+                await self.runtime.reload()
+            except Exception:  # noqa: BLE001 - a failed reload must not stop the server
+                log.exception("lumen: reload failed")
+        return asyncio.ensure_future(run())

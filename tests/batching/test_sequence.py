@@ -8,6 +8,7 @@ requests of a sequence, ``y`` must be the running sum of its inputs since its st
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import types
 
@@ -567,12 +568,28 @@ def test_cancelled_restart_after_an_end_leaves_the_sequence_ended(acc_path):
     async def main():
         async with lc.Runtime.from_dict(cfg) as rt:
             await rt.infer(req(1, x, start=True))
+            # hold the engine while the end runs, so the restart is surely still queued when
+            # it is cancelled (a worker forms its next batch the moment one finishes: without
+            # the gate the restart could already be running, and then it rightly restarts)
+            gate = threading.Event()
+            engine = rt.tasks["acc"].instances[0]
+            run_engine = engine.run
+
+            def held(feeds, n):
+                gate.wait(30)
+                return run_engine(feeds, n)
+
+            engine.run = held
             end = asyncio.ensure_future(rt.infer(req(1, x, end=True)))
             restart = asyncio.ensure_future(rt.infer(req(1, x, start=True)))
-            while batcher(rt).pending + batcher(rt).in_flight < 2 and not end.done():
-                await asyncio.sleep(0)
+            while batcher(rt).pending + batcher(rt).in_flight < 2:
+                await asyncio.sleep(0.001)
+            assert batcher(rt).in_flight == 1  # the end runs; the restart waits behind it
             restart.cancel()
+            await asyncio.sleep(0)
+            gate.set()
             await end
+            engine.run = run_engine
             with pytest.raises(asyncio.CancelledError):
                 await restart
             with pytest.raises(lc.InvalidArgument, match="ended"):

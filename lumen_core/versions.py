@@ -1,0 +1,658 @@
+"""Model versions of a task: the traffic split, the per-request choice of a version, and the
+lifecycle of each version (load beside the old one, warm up, take traffic atomically, drain the
+old one, unload it) behind ``rt.reload``, ``rt.set_traffic``, the admin API and ``--watch``.
+
+How it sits in the runtime: every loaded version is a :class:`~lumen_core.runtime.Task` of its
+own (own sessions, batcher, warm-up; the version is in its execution signature), and
+``Runtime.tasks[name]`` holds the task's *head*: the version with the largest share of traffic.
+A task that serves one version has ``head.router = None``, so the request path pays one
+attribute test for versions.  With several, ``head.router`` is a :class:`Router` built once per
+change of the set or the split: a pin (``lumen.model.version``), a sticky key
+(``lumen.route.key``) or a weighted draw picks the version.  Swaps replace ``Runtime.tasks[name]``
+and the router in one step on the loop thread, so a request sees either the old set or the new.
+
+Why Triton's failure modes cannot happen here: a new revision loads *beside* the serving one
+and only a fully warmed one is installed; a failed load leaves the serving instance untouched
+(its failure is recorded per version and shown by the admin API); the watcher compares file
+states on every tick whatever happened before, so later changes are still picked up.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import os
+import random
+import time
+from bisect import bisect_right
+from collections import deque
+from typing import Any, Iterable, Mapping, Optional
+
+from .config import LumenConfig, TaskConfig, VersionConfig, load_config, parse_config, task_versions
+from .contract import KEY_MODEL_VERSION, KEY_ROUTE_KEY, KEY_SEQUENCE_ID
+from .errors import ConfigError, InvalidArgument, TaskNotFound
+
+log = logging.getLogger("lumen.lifecycle")
+
+#: states of a version instance (the admin API shows them)
+LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
+#: bytes read at a time while hashing a model file
+HASH_CHUNK_BYTES = 1 << 20
+#: a changed file is loaded once its size and mtime stayed the same this long (no half-written
+#: file is ever loaded)
+STABLE_QUIET_S = 0.2
+#: a file still changing after this long is loaded as it is then (and failing, reported)
+STABLE_MAX_WAIT_S = 30.0
+#: ``lumen serve --watch``: seconds between two looks at the config and model files
+WATCH_INTERVAL_S = 1.0
+#: seconds between two checks while a retired version drains
+DRAIN_POLL_S = 0.005
+#: lifecycle events kept per task for the admin API
+MAX_EVENTS = 64
+_POINTS = float(1 << 64)
+#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts empty)
+MAX_STICKY_KEYS = 65536
+_random = random.random
+
+
+def version_key(v: str) -> tuple:
+    """Sort key of version labels: numeric labels by value, before any others by text."""
+    return (0, int(v), v) if v.isdigit() else (1, 0, v)
+
+
+def route_point(key: str) -> float:
+    """A sticky key's point in ``[0, 1)``: stable across processes and restarts (so replicas
+    agree), unlike ``hash()``."""
+    d = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(d, "little") / _POINTS
+
+
+def file_state(path: str) -> Optional[tuple]:
+    """(size, mtime_ns, inode) of ``path``, or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def file_hash(path: str) -> str:
+    """sha256 of the file's content (the revision a version is loaded from)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def wait_stable(path: str, quiet_s: float = STABLE_QUIET_S,
+                max_wait_s: float = STABLE_MAX_WAIT_S) -> Optional[tuple]:
+    """Block until ``path`` keeps its state for ``quiet_s`` (a writer has finished); its state
+    then (None: it does not exist).  Runs on a worker thread."""
+    t_end = time.monotonic() + max_wait_s
+    st = file_state(path)
+    while True:
+        time.sleep(quiet_s)
+        now = file_state(path)
+        if now == st or time.monotonic() >= t_end:
+            return now
+        st = now
+
+
+def stable_revision(path: str, quiet_s: float = STABLE_QUIET_S) -> tuple:
+    """(state, sha256) of ``path`` once its writer has finished; (None, "") when it does not
+    exist or cannot be read.  One worker-thread hop for the whole check."""
+    st = wait_stable(path, quiet_s)
+    if st is None:
+        return None, ""
+    try:
+        return st, file_hash(path)
+    except OSError:
+        return st, ""
+
+
+def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
+    """``{version: weight}`` over the serving versions: the requested weights of those that
+    serve; when none of them has a positive weight (no split configured, or its versions are
+    not loaded), the highest version takes everything."""
+    serving = sorted(serving, key=version_key)
+    split = {v: float(requested.get(v, 0.0)) for v in serving}
+    if not any(split.values()):
+        split = {v: 0.0 for v in serving}
+        if serving:
+            split[serving[-1]] = 100.0
+    return split
+
+
+def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
+    """``weights`` as ``{version: float}``, or InvalidArgument (field ``traffic``) naming what
+    is wrong: a version that does not serve, a weight that is not a number >= 0, no weight."""
+    serving = sorted(serving, key=version_key)
+    if not isinstance(weights, Mapping) or not weights:
+        raise InvalidArgument(f"traffic of task {task!r} must be a non-empty object "
+                              f"{{version: weight}} (versions: {', '.join(serving)})", "traffic")
+    out = {}
+    for v, w in weights.items():
+        if v not in serving:
+            raise InvalidArgument(f"task {task!r} has no loaded version {v!r} (loaded: "
+                                  f"{', '.join(serving)}); load it first", "traffic")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 \
+                or w == float("inf"):
+            raise InvalidArgument(f"traffic weight of version {v!r} must be a number >= 0, "
+                                  f"got {w!r}", "traffic")
+        out[str(v)] = float(w)
+    if not any(out.values()):
+        raise InvalidArgument(f"traffic of task {task!r} gives every version weight 0; give "
+                              f"one a positive weight", "traffic")
+    return out
+
+
+class Router:
+    """Picks the version of one request of a task with several (installed as ``head.router``).
+
+    Built once per change, read-only afterwards (but for the memo of sticky keys): the request
+    path makes no list.  Order of the checks: an open sequence stays on the version that holds
+    it (stateful tasks: ``sequences`` lists their versions, draining ones first), then a pin
+    (``lumen.model.version``), then the split -- a sticky key's point (a stateful task's
+    sequence id is its key), or a random one.
+    """
+
+    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky")
+
+    def __init__(self, name: str, serving: Mapping, split: Mapping,
+                 sequences: Iterable[Any] = ()):
+        self.name = name
+        self.by_version = dict(serving)
+        weighted = [(v, w) for v, w in sorted(split.items(), key=lambda kv: version_key(kv[0]))
+                    if w > 0]
+        self.tasks = tuple(serving[v] for v, _ in weighted)
+        cum, total = [], 0.0
+        for _v, w in weighted:
+            total += w
+            cum.append(total)
+        self.cum = tuple(cum)
+        self.total = total
+        self.sequences = tuple(sequences)
+        self._sticky: dict = {}  # route key -> its version's task, under this split
+
+    def __call__(self, meta: Any) -> Any:
+        try:
+            get = meta.get
+        except AttributeError:  # not a mapping: parse_meta refuses it with the right error
+            return self.tasks[0]
+        sid = None
+        if self.sequences:
+            sid = get(KEY_SEQUENCE_ID)
+            if sid is not None:
+                for t in self.sequences:
+                    if t.batcher.holds_sequence(sid):
+                        return t
+        v = get(KEY_MODEL_VERSION)
+        if v is not None:
+            t = self.by_version.get(v)
+            if t is None:
+                raise self._unknown(v)
+            return t
+        tasks = self.tasks
+        if len(tasks) == 1:
+            return tasks[0]
+        key = get(KEY_ROUTE_KEY) or sid
+        if type(key) is str and key:
+            t = self._sticky.get(key)
+            if t is None:
+                t = self._pick(route_point(key))
+                if len(self._sticky) < MAX_STICKY_KEYS:
+                    self._sticky[key] = t
+            return t
+        return self._pick(_random())
+
+    def _pick(self, point: float) -> Any:
+        """The version whose share of ``[0, total)`` holds ``point * total``."""
+        i = bisect_right(self.cum, point * self.total)
+        tasks = self.tasks
+        return tasks[i if i < len(tasks) else -1]
+
+    def _unknown(self, v: Any) -> InvalidArgument:
+        return InvalidArgument(f"{KEY_MODEL_VERSION} {str(v)[:64]!r} is not a loaded version of "
+                               f"task {self.name!r} (loaded: "
+                               f"{', '.join(sorted(self.by_version, key=version_key))})",
+                               KEY_MODEL_VERSION)
+
+
+class Instance:
+    """One load of one version: what it was loaded from, its state, its Task once ready."""
+
+    __slots__ = ("version", "config", "model", "revision", "stat", "state", "task", "error",
+                 "since")
+
+    def __init__(self, config: TaskConfig, revision: str, stat: Optional[tuple]):
+        self.version = config.model_version
+        self.config = config
+        self.model = config.model
+        self.revision = revision
+        self.stat = stat
+        self.state = LOADING
+        self.task: Any = None
+        self.error = ""
+        self.since = time.time()
+
+    def describe(self) -> dict:
+        return {"version": self.version, "state": self.state, "model": self.model,
+                "revision": self.revision, "error": self.error or None,
+                "since": round(self.since, 3)}
+
+
+class TaskVersions:
+    """The versions of one task: serving, loading, draining and failed instances, the
+    requested split, the failure counts and a short event log."""
+
+    def __init__(self, name: str, config: TaskConfig):
+        self.name = name
+        self.config = config
+        self.serving: dict = {}  # version -> Instance (ready)
+        self.loading: list = []
+        self.draining: list = []
+        self.failed: dict = {}  # version -> its last failed Instance (until one loads)
+        self.failures: dict = {}  # version -> failed loads so far
+        self.traffic: dict = dict(config.traffic)  # requested weights
+        self.config_traffic: dict = dict(config.traffic)
+        self.lock = asyncio.Lock()
+        self.events: deque = deque(maxlen=MAX_EVENTS)
+
+    def event(self, what: str, inst: Instance) -> None:
+        self.events.append({"t_ns": time.monotonic_ns(), "time": round(time.time(), 3),
+                            "event": what, "version": inst.version, "revision": inst.revision,
+                            "task": inst.task})
+
+    def split(self) -> dict:
+        return effective_split(self.traffic, self.serving)
+
+    def describe(self) -> dict:
+        split = self.split()
+        insts = (list(self.serving.values()) + self.loading + self.draining
+                 + [i for v, i in self.failed.items()])
+        insts.sort(key=lambda i: (version_key(i.version), i.since))
+        return {"name": self.name,
+                "versions": [i.describe() for i in insts],
+                "traffic": split,
+                "default_version": _head_version(split),
+                "load_failures": dict(self.failures),
+                "last_error": next((e["error"] for e in reversed(self._errors())), None),
+                "events": [{k: v for k, v in e.items() if k not in ("task", "t_ns")}
+                           for e in self.events]}
+
+    def _errors(self) -> list:
+        return [{"error": i.error} for i in sorted(self.failed.values(), key=lambda i: i.since)]
+
+
+def _head_version(split: Mapping) -> Optional[str]:
+    if not split:
+        return None
+    return max(split, key=lambda v: (split[v], version_key(v)))
+
+
+def _same_config(a: TaskConfig, b: TaskConfig) -> bool:
+    """Equal but for where they were declared (numpy constants compare by content)."""
+    a = dataclasses.replace(a, source="", key="")
+    b = dataclasses.replace(b, source="", key="")
+    try:
+        return bool(a == b)
+    except ValueError:  # numpy arrays in sequence constants
+        return repr(a) == repr(b)
+
+
+class Lifecycle:
+    """The runtime's version manager (one per Runtime; its public face is the Runtime's
+    ``reload``, ``apply_config``, ``set_traffic``, ``load_version``, ``unload_version``,
+    ``lifecycle`` and ``watch``)."""
+
+    def __init__(self, rt: Any):
+        self.rt = rt
+        self.sets: dict = {}  # task name -> TaskVersions
+        self.config_error: Optional[str] = None
+        self.config_failures = 0
+        self._watch: Optional[asyncio.Task] = None
+        self._seen: dict = {}  # watched path -> its state at the last look
+        #: seconds a changed file must stay unchanged before it is read (STABLE_QUIET_S)
+        self.quiet_s = STABLE_QUIET_S
+        self._config_state: Optional[tuple] = None
+
+    # -- loaded tasks ------------------------------------------------------------------------
+    def tasks(self) -> list:
+        """Every loaded Task (serving and draining), each once."""
+        out = []
+        for tv in self.sets.values():
+            out += [i.task for i in tv.serving.values()] + [i.task for i in tv.draining]
+        return out
+
+    def serving(self, name: str) -> list:
+        tv = self.sets.get(name)
+        return sorted(tv.serving, key=version_key) if tv is not None else []
+
+    def describe(self, name: Optional[str] = None) -> dict:
+        if name is not None:
+            return self._set(name).describe()
+        return {n: tv.describe() for n, tv in sorted(self.sets.items())}
+
+    def _set(self, name: str) -> TaskVersions:
+        tv = self.sets.get(name)
+        if tv is None:
+            raise TaskNotFound(f"unknown task {name!r}; this runtime serves "
+                               f"{', '.join(sorted(self.sets)) or 'no tasks'}", "task")
+        return tv
+
+    # -- start -------------------------------------------------------------------------------
+    async def start(self, configs: Iterable[TaskConfig]) -> None:
+        """Load every version of every task; the first failure raises (nothing serves yet)."""
+        for tc in configs:
+            tv = self.sets[tc.name] = TaskVersions(tc.name, tc)
+            for vtc in task_versions(tc):
+                stat, rev = None, ""
+                if vtc.model and file_state(vtc.model) is not None:
+                    stat, rev = await asyncio.to_thread(stable_revision, vtc.model, 0.0)
+                await self._bring_up(tv, vtc, rev, stat, strict=True)
+            self._install(tv)
+
+    # -- reload ------------------------------------------------------------------------------
+    async def reload(self, name: Optional[str] = None) -> dict:
+        """Re-read the config file (when the runtime came from one) and the model files;
+        bring every task (or ``name``) to what they say.  Returns the admin view."""
+        if name is not None:
+            self._set(name)
+        cfg = await self._read_config()
+        if cfg is not None:
+            self._adopt_server(cfg)
+            wanted = {tc.name: tc for tc in cfg.tasks}
+        else:
+            wanted = {n: tv.config for n, tv in self.sets.items()}
+        names = [name] if name is not None else sorted(set(wanted) | set(self.sets))
+        for n in names:
+            await self.reconcile(n, wanted.get(n))
+        return self.describe(name) if name is not None else self.describe()
+
+    async def apply_config(self, cfg: Any) -> dict:
+        """Apply a new config (a LumenConfig, a dict or a TOML path): tasks it adds load, tasks
+        it drops drain and unload, changed ones reload.  A bad config raises ConfigError and
+        changes nothing.  ``[server]`` settings need a restart and are kept."""
+        if isinstance(cfg, str):
+            cfg = load_config(cfg)
+        elif isinstance(cfg, Mapping):
+            cfg = parse_config(cfg)
+        elif not isinstance(cfg, LumenConfig):
+            raise TypeError(f"apply_config takes a LumenConfig, a dict or a path, not "
+                            f"{type(cfg).__name__}")
+        self._adopt_server(cfg)
+        wanted = {tc.name: tc for tc in cfg.tasks}
+        for n in sorted(set(wanted) | set(self.sets)):
+            await self.reconcile(n, wanted.get(n))
+        return self.describe()
+
+    def _adopt_server(self, cfg: LumenConfig) -> None:
+        rt = self.rt
+        if cfg.server != rt.config.server:
+            log.warning("lumen reload: [server] settings changed in %s; they take effect on "
+                        "restart", cfg.source)
+        rt.config.tasks = list(cfg.tasks)
+
+    async def _read_config(self) -> Optional[LumenConfig]:
+        src = self.rt.config.source
+        if not src or src.startswith("<") or not os.path.isfile(src):
+            return None
+        def read() -> tuple:
+            st = file_state(src)
+            if st != self._config_state:  # changed since the last read: let the writer finish
+                st = wait_stable(src, self.quiet_s)
+            return st, load_config(src)
+
+        try:
+            st, cfg = await asyncio.to_thread(read)
+        except ConfigError as exc:
+            self.config_error = str(exc)
+            self.config_failures += 1
+            log.error("lumen reload: %s; keeping the running config", exc)
+            return None
+        self.config_error = None
+        self._config_state = st
+        return cfg
+
+    async def reconcile(self, name: str, tc: Optional[TaskConfig]) -> None:
+        """Bring task ``name`` to ``tc`` (None: remove it)."""
+        tv = self.sets.get(name)
+        if tv is None:
+            if tc is None:
+                return
+            tv = self.sets[name] = TaskVersions(name, tc)
+        async with tv.lock:
+            if tc is None:
+                retired = list(tv.serving.values())
+                tv.serving.clear()
+                await self._swap(tv, retired)
+                if not tv.serving and not tv.loading:
+                    del self.sets[name]
+                return
+            wanted = task_versions(tc)
+            labels = {v.model_version for v in wanted}
+            tv.config = tc
+            if tc.traffic != tv.config_traffic:  # the file's split changed: it wins
+                tv.config_traffic = dict(tc.traffic)
+                tv.traffic = dict(tc.traffic)
+            replaced = []
+            for vtc in wanted:
+                old = await self._update(tv, vtc)
+                if old is not None:
+                    replaced.append(old)
+            for v in [v for v in tv.serving if v not in labels]:
+                replaced.append(tv.serving.pop(v))
+            for v in [v for v in tv.failed if v not in labels]:
+                del tv.failed[v]
+            await self._swap(tv, replaced)
+            if not tv.serving and name in self.sets and not tv.failed:
+                del self.sets[name]
+
+    async def _update(self, tv: TaskVersions, vtc: TaskConfig, force: bool = False) -> Any:
+        """Load ``vtc`` beside what serves its version when it differs (config or file
+        content); the replaced instance (to retire) or None."""
+        cur = tv.serving.get(vtc.model_version)
+        failed = tv.failed.get(vtc.model_version)
+        stat = file_state(vtc.model) if vtc.model else None
+        if not force:
+            for known in (cur, failed):
+                if known is not None and known.stat == stat and _same_config(known.config, vtc):
+                    return None  # nothing changed since it loaded (or since it failed)
+        rev = ""
+        if stat is not None:
+            stat, rev = await asyncio.to_thread(stable_revision, vtc.model, self.quiet_s)
+        if not force:
+            for known in (cur, failed):
+                if known is not None and known.revision == rev \
+                        and _same_config(known.config, vtc):
+                    known.stat = stat  # touched, same content
+                    return None
+        inst = await self._bring_up(tv, vtc, rev, stat)
+        return cur if inst is not None else None
+
+    async def _bring_up(self, tv: TaskVersions, vtc: TaskConfig, rev: str,
+                        stat: Optional[tuple], strict: bool = False) -> Optional[Instance]:
+        """Load, start and warm one instance beside whatever serves; None when it failed."""
+        rt = self.rt
+        inst = Instance(vtc, rev, stat)
+        tv.loading.append(inst)
+        tv.event("loading", inst)
+        try:
+            task = await asyncio.to_thread(rt._load_task, vtc)
+            try:
+                task.batcher.start(rt._loop)
+                await rt._warmup(task)
+                if rt._closing:  # the runtime stopped meanwhile: nothing may serve now
+                    raise RuntimeError("the runtime is shutting down")
+            except BaseException:
+                await rt._close_task(task)
+                raise
+        except Exception as exc:
+            inst.state = FAILED
+            inst.error = str(exc) or type(exc).__name__
+            tv.failed[inst.version] = inst
+            tv.failures[inst.version] = tv.failures.get(inst.version, 0) + 1
+            tv.event("failed", inst)
+            if strict:
+                raise
+            log.error("lumen: task %s version %s failed to load (%s); what was serving keeps "
+                      "serving", tv.name, inst.version, inst.error)
+            return None
+        finally:
+            tv.loading.remove(inst)
+        inst.task = task
+        inst.state = READY
+        inst.since = time.time()
+        tv.failed.pop(inst.version, None)
+        tv.serving[inst.version] = inst
+        tv.event("ready", inst)
+        log.info("lumen: task %s version %s ready (revision %s)", tv.name, inst.version,
+                 rev[:12] or "-")
+        return inst
+
+    # -- routing -----------------------------------------------------------------------------
+    def _install(self, tv: TaskVersions) -> None:
+        """Point the runtime at ``tv``'s serving versions and split, in one step."""
+        rt = self.rt
+        serving = {v: i.task for v, i in tv.serving.items()}
+        old = rt.tasks.get(tv.name)
+        if not serving:
+            rt.tasks.pop(tv.name, None)
+            if old is not None:
+                old.router = None
+            return
+        split = tv.split()
+        head = serving[_head_version(split)]
+        sequences = [i.task for i in tv.draining if i.task.backend.stateful]
+        if len(serving) > 1 and head.backend.stateful:
+            sequences += list(serving.values())
+        router = (Router(tv.name, serving, split, sequences)
+                  if len(serving) > 1 or sequences else None)
+        head.router = router
+        rt.tasks[tv.name] = head
+        if old is not None and old is not head:
+            old.router = None
+        if rt._trace is not None:
+            rt._trace.versions[tv.name] = head.version
+
+    def set_traffic(self, name: str, weights: Mapping) -> dict:
+        tv = self._set(name)
+        tv.traffic = check_traffic(name, weights, tv.serving)
+        self._install(tv)
+        log.info("lumen: task %s traffic %s", name, tv.split())
+        return tv.describe()
+
+    async def load_version(self, name: str, version: str, model: Optional[str] = None) -> dict:
+        """(Re)load ``version`` of task ``name`` from the config's model, or from ``model``."""
+        tv = self._set(name)
+        async with tv.lock:
+            vtc = next((v for v in task_versions(tv.config) if v.model_version == version), None)
+            if model is not None:
+                base = vtc or task_versions(tv.config)[0]
+                vtc = dataclasses.replace(base, model=model, model_version=version)
+                tv.config = _with_version(tv.config, version, model)
+            if vtc is None:
+                raise InvalidArgument(f"task {name!r} has no version {version!r} in its config "
+                                      f"(versions: {', '.join(_labels(tv.config))}); give its "
+                                      f"model", "version")
+            old = await self._update(tv, vtc, force=True)
+            await self._swap(tv, [old] if old is not None else [])
+            return tv.describe()
+
+    async def unload_version(self, name: str, version: str) -> dict:
+        tv = self._set(name)
+        async with tv.lock:
+            if version not in tv.serving:
+                raise InvalidArgument(f"task {name!r} has no loaded version {version!r} "
+                                      f"(loaded: {', '.join(sorted(tv.serving, key=version_key))})",
+                                      "version")
+            if len(tv.serving) == 1:
+                raise InvalidArgument(f"version {version!r} is the only loaded version of task "
+                                      f"{name!r}; load another first (or remove the task from "
+                                      f"the config)", "version")
+            inst = tv.serving.pop(version)
+            await self._swap(tv, [inst])
+            return tv.describe()
+
+    # -- retiring ----------------------------------------------------------------------------
+    async def _swap(self, tv: TaskVersions, retired: list) -> None:
+        """Install ``tv``'s serving versions, then drain and unload ``retired`` (out of the
+        split already; a stateful one keeps its open sequences, so it is marked draining in
+        the same step)."""
+        for inst in retired:
+            inst.state = DRAINING
+            tv.draining.append(inst)
+            tv.event("draining", inst)
+        self._install(tv)
+        if retired:
+            await asyncio.gather(*(self._retire(tv, i) for i in retired))
+
+    async def _retire(self, tv: TaskVersions, inst: Instance) -> None:
+        """Let ``inst`` finish what it holds (requests routed to it still being prepared, its
+        queued and running requests, a stateful task's open sequences), then unload it."""
+        task = inst.task
+        try:
+            while task.holds:  # requests routed here, still preparing off the loop
+                await asyncio.sleep(DRAIN_POLL_S)
+            if task.backend.stateful:
+                b = task.batcher
+                while b.active_sequences or b.backlog:  # they end or idle out
+                    await asyncio.sleep(DRAIN_POLL_S)
+            await task.batcher.drain()
+            await self.rt._close_task(task)
+        finally:
+            tv.draining.remove(inst)
+            if task.backend.stateful:
+                self._install(tv)
+        tv.event("unloaded", inst)
+        log.info("lumen: task %s version %s (revision %s) unloaded", tv.name, inst.version,
+                 inst.revision[:12] or "-")
+
+    # -- watching ----------------------------------------------------------------------------
+    def watched_paths(self) -> list:
+        src = self.rt.config.source
+        paths = [src] if src and not src.startswith("<") and os.path.isfile(src) else []
+        for tv in self.sets.values():
+            paths += [v.model for v in task_versions(tv.config) if v.model]
+        return list(dict.fromkeys(paths))
+
+    def watch(self, interval_s: float = WATCH_INTERVAL_S) -> asyncio.Task:
+        """Start watching the config file and every version's model file (idempotent)."""
+        if self._watch is None or self._watch.done():
+            self._seen = {p: file_state(p) for p in self.watched_paths()}
+            self._watch = asyncio.ensure_future(self._watch_loop(interval_s))
+        return self._watch
+
+    async def _watch_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            now = {p: file_state(p) for p in self.watched_paths()}
+            if now != self._seen:
+                self._seen = now
+                try:
+                    await self.reload()
+                except Exception:  # noqa: BLE001 - the watcher must outlive any one reload
+                    log.exception("lumen: reload after a file change failed")
+                self._seen = {p: file_state(p) for p in self.watched_paths()}
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            try:
+                await self._watch
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._watch = None
+
+
+def _labels(tc: TaskConfig) -> list:
+    return [v.model_version for v in task_versions(tc)]
+
+
+def _with_version(tc: TaskConfig, version: str, model: str) -> TaskConfig:
+    """``tc`` listing ``version`` with ``model`` (added or replaced)."""
+    versions = list(tc.versions) or [VersionConfig(tc.model_version, tc.model)]
+    versions = [v for v in versions if v.version != version] + [VersionConfig(version, model)]
+    return dataclasses.replace(tc, versions=tuple(versions), model="")
