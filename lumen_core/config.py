@@ -183,6 +183,8 @@ class TaskConfig:
     #: [tasks.sequence] as written (None when absent); a stateful backend's effective one is
     #: effective_sequence(this, what it declares), see TaskBackend.sequence
     sequence: Optional[SequenceConfig] = None
+    #: [tasks.cache] (None: no response cache)
+    cache: Optional[CacheConfig] = None
     source: str = "<dict>"  # where this task was declared, for error messages
     key: str = "tasks[0]"
     #: ``[[tasks.versions]]`` as written (empty: one version, ``model`` / ``model_version``);
@@ -200,6 +202,14 @@ def task_versions(tc: TaskConfig) -> list:
     return [dataclasses.replace(tc, model=v.model, model_version=v.version, versions=(),
                                 traffic={}, key=f"{tc.key}.versions[{i}]")
             for i, v in enumerate(tc.versions)]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[tasks.cache]``: the task's response cache (``lumen_core/cache.py``)."""
+
+    max_bytes: int
+    ttl_s: float = 0.0  # 0: entries never expire (they are still evicted by bytes)
 
 
 @dataclass
@@ -556,6 +566,10 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     else:
         r.used.add("sequence")
     _parse_versions(r, cfg, base_dir)
+    if "cache" in r.table:
+        cfg.cache = _parse_cache(r.sub("cache"))
+    else:
+        r.used.add("cache")
     r.finish()
     return cfg
 
@@ -591,6 +605,25 @@ def _parse_versions(r: _Reader, cfg: TaskConfig, base_dir: Optional[str]) -> Non
     if traffic and not any(traffic.values()):
         raise r.err("traffic", "gives every version weight 0; give one a positive weight")
     cfg.traffic = {str(k): float(v) for k, v in traffic.items()}
+
+
+#: bounds of [tasks.cache] (1 TiB, 30 days)
+MAX_CACHE_BYTES = 1 << 40
+MAX_CACHE_TTL_S = 30 * 24 * 3600
+
+
+def _parse_cache(r: _Reader) -> CacheConfig:
+    if "max_bytes" not in r.table:
+        raise r.err("max_bytes", "is required: the cache's size bound in bytes, e.g. 67108864")
+    max_bytes = r.get("max_bytes", int, 0, lo=1, hi=MAX_CACHE_BYTES)
+    r.used.add("ttl_s")
+    ttl = r.table.get("ttl_s", 0)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
+            or not 0 <= ttl <= MAX_CACHE_TTL_S:
+        raise r.err("ttl_s", f"must be a number of seconds in 0..{MAX_CACHE_TTL_S} "
+                             f"(0: no expiry), got {ttl!r}")
+    r.finish()
+    return CacheConfig(max_bytes, float(ttl))
 
 
 def _string_list(r: _Reader, name: str, choices: Optional[tuple] = None) -> list:

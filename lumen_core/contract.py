@@ -74,6 +74,9 @@ RESP_TOKENS = "lumen.tokens"
 RESP_TRUNCATED = "lumen.truncated"
 #: the version of the task that served the request (every response carries it)
 RESP_MODEL_VERSION = "lumen.model.version"
+#: on a task with ``[tasks.cache]``: ``hit`` (served from the cache), ``miss`` (computed and
+#: stored) or ``coalesced`` (waited for an identical computation); see cache.py
+RESP_CACHE = "lumen.cache"
 
 # --------------------------------------------------------------------------- limits
 MAX_META_VALUE_CHARS = 1024  # any lumen.* value; bounds the work on hostile input

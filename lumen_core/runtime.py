@@ -21,8 +21,9 @@ from .batching.dynamic import DynamicBatcher
 from .batching.pipeline import build_pipeline
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
+from .cache import MISS, ResponseCache
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import KEY_TIMEOUT_MS, TensorContract
+from .contract import KEY_MODEL_VERSION, KEY_TIMEOUT_MS, TensorContract
 from .engine.ort import make_instances
 from .errors import (
     DeadlineExceeded,
@@ -75,6 +76,8 @@ class Task:
         self.instances = instances
         self.runners = runners
         self.batcher = batcher
+        #: the response cache ([tasks.cache]) or None
+        self.cache: Optional[ResponseCache] = None
         b = config.batching
         # resolved once: the per-request policy check reads plain attributes
         self.name = config.name
@@ -138,6 +141,13 @@ class Runtime:
         self._pool = PreparePool()  # heavy preprocessing: bounded, smallest first, deadlines
         #: versions, traffic splits, reloads (versions.py); ``self.tasks`` holds each task's head
         self._lifecycle = Lifecycle(self)
+        #: task name -> ResponseCache of the loaded tasks with [tasks.cache]
+        self._caches: dict = {}
+        if any(tc.cache is not None for tc in config.tasks):
+            # instance attributes: a runtime without caches runs the class's uncached path
+            # untouched (not one extra check per request)
+            self.infer = self._infer_cached
+            self.infer_many = self._infer_many_cached
 
     @property
     def observer(self) -> Observer:
@@ -208,7 +218,22 @@ class Runtime:
         if self._trace is not None:
             self._trace.versions[tc.name] = tc.model_version
             batcher._trace = self._trace
-        return Task(tc, backend, instances, runners, batcher)
+        task = Task(tc, backend, instances, runners, batcher)
+        if tc.cache is not None:
+            if backend.stateful:
+                from .errors import ConfigError
+
+                raise ConfigError(tc.source, f"{tc.key}.cache",
+                                  f"task {tc.name!r} is stateful (sequences): its responses "
+                                  f"depend on the sequence's state and cannot be cached; "
+                                  f"remove [tasks.cache]")
+            # one cache per task name, shared by its versions (the version is in every key)
+            cache = self._caches.get(tc.name)
+            if cache is None:
+                cache = self._caches[tc.name] = ResponseCache(tc.name, tc.cache.max_bytes,
+                                                              tc.cache.ttl_s)
+            task.cache = cache
+        return task
 
     def _load_pipeline(self, tc: TaskConfig, backend: TaskBackend) -> Task:
         """An ensemble task: each step its own engine instances and dynamic batcher; step
@@ -276,6 +301,7 @@ class Runtime:
             await self._close_task(task)
         self.tasks = {}
         self._lifecycle.sets = {}
+        self._caches = {}
 
     async def _close_task(self, task: Task) -> None:
         await task.batcher.close()
@@ -305,6 +331,70 @@ class Runtime:
     #: its batch, respond).  The per-request hot path lives in ``lumen_core/scheduler.py`` and
     #: its compiled twin ``csrc/_scheduler.pyx``; this is whichever ``native`` chose.
     infer = native.scheduler.infer
+
+    async def _infer_cached(self, req: InferRequest) -> InferResponse:
+        """``infer`` of a runtime where some task has ``[tasks.cache]`` (cache.py): a cached
+        task's request is validated (meta, payload limits, deadline policy) and then answered
+        from its cache, by an identical computation already running, or by ``infer``."""
+        cache = self._caches.get(getattr(req, "task", None))
+        if cache is None:
+            return await Runtime.infer(self, req)
+        head = self._route(req.task)
+        router = getattr(head, "router", None)
+        # the version that serves this request (a pin, a split), picked once: it is in the
+        # key, and the computation runs on exactly that version
+        task = router(req.meta) if router is not None else head
+        observe = self._observe
+        t0 = time.perf_counter_ns() if observe is not None else 0
+        route = route_of(req.meta)
+        where: list = [None]
+        try:
+            payload, nbytes = self._payload(req.payload, task.backend)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, task.backend.contract)
+            route = desc.kind
+            timeout_ms = task.policy(desc)[1]
+            key = cache.key(task.version, req.payload_mime, req.meta, payload)
+            run = req
+            if router is not None and (req.meta or {}).get(KEY_MODEL_VERSION) != task.version:
+                # computed on the version the key names: pinned like a caller's pin
+                run = InferRequest(req.task, req.payload, req.payload_mime,
+                                   {**(req.meta or {}), KEY_MODEL_VERSION: task.version},
+                                   req.correlation_id)
+            compute = functools.partial(Runtime.infer, self, run)
+            resp = await cache.fetch(key, req, compute, timeout_ms, where)
+        except LumenError as exc:
+            if observe is not None and where[0] != MISS:  # a miss: Runtime.infer observed it
+                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000, 0, 0,
+                        task.version)
+            raise
+        if observe is not None and where[0] != MISS:
+            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000, 0, 0,
+                    task.version)
+        return resp
+
+    async def _infer_many_cached(self, requests: Sequence[InferRequest]) -> list:
+        """``infer_many`` where some task has a cache: items of cached tasks go one by one
+        through ``_infer_cached`` (each is its own request there too), the rest as one group."""
+        caches = self._caches
+        cached = [i for i, r in enumerate(requests) if getattr(r, "task", None) in caches]
+        if not cached:
+            return await Runtime.infer_many(self, requests)
+        out: list = [None] * len(requests)
+        plain = [i for i, r in enumerate(requests) if getattr(r, "task", None) not in caches]
+
+        async def one(i: int) -> None:
+            try:
+                out[i] = await self._infer_cached(requests[i])
+            except LumenError as exc:
+                out[i] = exc
+
+        async def group() -> None:
+            for i, res in zip(plain, await Runtime.infer_many(self, [requests[i] for i in plain]),
+                              strict=True):
+                out[i] = res
+
+        await asyncio.gather(*(one(i) for i in cached), *([group()] if plain else []))
+        return out
 
     def _validate(self, task: Task, req: InferRequest) -> tuple:
         """(descriptor, prepared request or None when it must be prepared off the loop)."""
@@ -643,6 +733,11 @@ class Runtime:
                 load["active_sequences"] = load.get("active_sequences", 0) + b.active_sequences
                 load["backlog"] = load.get("backlog", 0) + b.backlog
         return out
+
+    def cache_stats(self) -> dict:
+        """``{task: {hits, misses, coalesced, evictions, expired, bytes, entries, max_bytes}}``
+        of the tasks with a response cache (cache.py); empty when none has one."""
+        return {name: c.stats() for name, c in list(self._caches.items())}
 
     @staticmethod
     def extensions() -> dict:

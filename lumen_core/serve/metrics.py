@@ -141,6 +141,10 @@ class RuntimeCollector:
             if "active_sequences" in load:  # a stateful task
                 active.add_metric([name], float(load["active_sequences"]))
         yield from (ready, pending, in_flight, padding, active)
+        caches = self.runtime.cache_stats() if hasattr(self.runtime, "cache_stats") else {}
+        if caches:
+            yield from _cache_families(caches)
+
         yield from self._lifecycle()
 
     def _lifecycle(self) -> Iterator[Any]:
@@ -170,3 +174,30 @@ class RuntimeCollector:
             for version, w in sorted(d["traffic"].items()):
                 weight.add_metric([name, version], w / total)
         yield from (states, failures, weight)
+
+#: (metric name, stats key, help) of the response cache counters (lumen_core/cache.py)
+_CACHE_COUNTERS = (
+    ("cache_hits", "hits", "Requests answered from the task's response cache."),
+    ("cache_misses", "misses", "Requests that computed (and then stored) their response."),
+    ("cache_coalesced", "coalesced", "Requests that waited for an identical running "
+     "computation instead of starting their own."),
+    ("cache_evictions", "evictions", "Entries evicted to keep the cache within max_bytes."),
+    ("cache_expired", "expired", "Entries dropped because they were older than ttl_s."),
+)
+
+
+def _cache_families(caches: dict) -> Iterator[Any]:
+    for name, key, doc in _CACHE_COUNTERS:
+        fam = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=["task"])
+        for task, st in caches.items():
+            fam.add_metric([task], float(st[key]))
+        yield fam
+    size = GaugeMetricFamily(f"{NAMESPACE}_cache_bytes", "Bytes held by the task's response "
+                             "cache (arrays plus a per-entry estimate).", labels=["task"])
+    entries = GaugeMetricFamily(f"{NAMESPACE}_cache_entries", "Responses held by the task's "
+                                "response cache.", labels=["task"])
+    for task, st in caches.items():
+        size.add_metric([task], float(st["bytes"]))
+        entries.add_metric([task], float(st["entries"]))
+    yield size
+    yield entries

@@ -38,6 +38,7 @@ def default_task_tables() -> list:
 #: "module:function" returning a default ``[[tasks]]`` table or None
 DEFAULT_TASK_PROVIDERS: list = [
     "lumen_core.tasks.text_embedding:default_task_table",
+    "lumen_core.tasks.text_embedding:default_int8_task_table",
     "lumen_core.tasks.vad:default_task_table",
     "lumen_core.tasks.ocr:default_task_table",
 ]

@@ -75,7 +75,7 @@ from ..errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
-from ..models import MINILM, MODEL_FILE, require_model
+from ..models import MINILM, MINILM_INT8, MODEL_FILE, require_model
 from ..models.minilm import (
     ATTENTION_MASK,
     EMBEDDING_DIM,
@@ -93,6 +93,10 @@ from ..request import new_infer_request
 from .base import TaskBackend, split_outputs
 
 TASK_NAME = "text_embed"
+#: the same embeddings from the int8 model (default runtime, when prepared)
+INT8_TASK_NAME = "text_embed_int8"
+#: prepared models a text_embedding task may name by ``model_id`` (graph I/O of minilm.py)
+PREPARED_MODELS = (MINILM, MINILM_INT8)
 BACKEND_NAME = "text_embedding"
 PREPROCESS_ID = "bert_wordpiece_uncased_v1"
 TEXT_MIME = "text/plain"
@@ -470,7 +474,9 @@ class TextEmbeddingBackend(TaskBackend):
                                   f"no such file: {cfg.model} (leave it out to use the prepared "
                                   f"all-MiniLM-L6-v2 from `lumen models prepare`)")
             return cfg.model, os.path.join(os.path.dirname(cfg.model), TOKENIZER_FILE)
-        directory = require_model(MINILM)  # names `lumen models prepare` if absent
+        # the prepared model the task names (the int8 one), else the fp32 MiniLM; either way
+        # require_model names `lumen models prepare` if it is absent
+        directory = require_model(cfg.model_id if cfg.model_id in PREPARED_MODELS else MINILM)
         return str(directory / MODEL_FILE), str(directory / TOKENIZER_FILE)
 
     def _load_tokenizer(self, path: str) -> None:
@@ -693,4 +699,15 @@ def default_task_table() -> Optional[dict]:
     # best (sorted batches of 32, 2 threads) against 0.99x for one 2-thread session
     # (bench/README.md, "text_embed (in process)").
     return {"name": TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM,
+            "model_version": "1", "instances": DEFAULT_INSTANCES}
+
+
+def default_int8_task_table() -> Optional[dict]:
+    """The built-in ``text_embed_int8`` task on the prepared int8 all-MiniLM-L6-v2 (dynamic
+    quantisation, ``models/minilm_int8.py``), or None when it is not prepared."""
+    try:
+        require_model(MINILM_INT8)
+    except ModelMissingError:
+        return None
+    return {"name": INT8_TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM_INT8,
             "model_version": "1", "instances": DEFAULT_INSTANCES}

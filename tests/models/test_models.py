@@ -172,7 +172,8 @@ def test_cli_prepare_is_idempotent(prepared, home, capsys):
     assert "up to date" in captured.err
     assert captured.out.split() == [models.MINILM, str(prepared[models.MINILM]),
                                     models.SILERO_VAD, str(prepared[models.SILERO_VAD]),
-                                    models.OCR, str(prepared[models.OCR])]
+                                    models.OCR, str(prepared[models.OCR]),
+                                    models.MINILM_INT8, str(prepared[models.MINILM_INT8])]
     assert cli.main(["models", "prepare", "nope", "--home", str(home)]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
 
