@@ -75,12 +75,14 @@ def test_native_route_marks_hits_and_truncate_separates(srv):
 
 
 def test_stateful_task_refuses_a_cache(prepared_home):
+    async def main(rt):
+        async with rt:
+            pass
+
+    # the task resolves its model when the table is built and again when it loads: both
+    # inside LUMEN_HOME's block (CI runs with an empty LUMEN_HOME)
     with S.lumen_home_env(prepared_home):
         vad = [t for t in default_task_tables() if t["name"] == "vad"][0]
         rt = Runtime.from_dict({"tasks": [{**vad, "cache": {"max_bytes": 1024}}]})
-
-    async def main():
-        async with rt:
-            pass
-    with pytest.raises(ConfigError, match=r"cache.*stateful"):
-        asyncio.run(main())
+        with pytest.raises(ConfigError, match=r"cache.*stateful"):
+            asyncio.run(main(rt))
