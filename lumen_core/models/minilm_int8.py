@@ -2,28 +2,38 @@
 
 Built by ``lumen models prepare`` from the same fp32 graph :mod:`.minilm` writes (rebuilt in
 memory from the package's safetensors, so this preparer does not depend on the fp32 output
-being present), with ONNX Runtime's dynamic quantisation: every weight MatMul becomes
-``DynamicQuantizeLinear`` + ``MatMulInteger`` with int8 weights quantised per output channel,
-except the MatMuls in ``FP32_MATMULS``, which stay fp32.  The graph's I/O is the fp32 model's
-(``input_ids`` / ``attention_mask`` -> ``embedding``), so the ``text_embedding`` backend serves
-it unchanged.
+being present).  Every weight MatMul ``x @ W`` becomes ``MatMulInteger`` with weights
+quantised symmetrically per output channel (``WEIGHT_BITS``) and the activation ``x``
+[N, L, K] quantised **per token row** over K (``_RowQuantiser``, plain ONNX ops, no
+``onnxruntime.quantization``): ReduceMin/ReduceMax with keepdims, uint8 asymmetric like
+DynamicQuantizeLinear (scale = (max(0, max) - min(0, min)) / 255, zero point
+round(-min / scale)); ORT's CPU MatMulInteger accepts only a scalar a_zero_point, so the
+product runs without it and ``zp_row * colsum(W_q)`` is subtracted after, then the result is
+scaled by row scale x column scale.  Q/K/V share one quantisation of their input.  A row's
+scale is its own, so a text's embedding does not depend on what it is batched with (alone vs
+batched 32: max difference 3e-8).  The graph's I/O is the fp32 model's, so the
+``text_embedding`` backend serves it unchanged.
 
-How the mix was chosen (2-core box, ORT 1.32, 2 intra-op threads; ``bench/bench_int8.py``):
-per-tensor weights reach only cosine 0.61 on the reference texts and per-channel 0.983; the
-single MatMuls whose quantisation costs most were found one node at a time (quantise only
-that node) and then by leaving one more out of the mix at a time.  Keeping layer 0's FFN
-output and attention output projections and layer 4's FFN input projection in fp32 gives
-cosine >= 0.992 against sentence-transformers on every non-empty reference text embedded on
-its own.  Weight-only ``MatMulNBits`` (8 bits, block 32, int8 compute) was more accurate
-(0.999) but slower than fp32 on this CPU, and 4 bits lost accuracy (0.89).
+Measured here (2-core AMD EPYC, AVX2 without VNNI, ORT 1.32; 1 thread, CPU time, sorted
+batches of 32 of the seeded corpus; min / mean cosine vs sentence-transformers on the 15
+non-empty reference texts, alone and batched 32):
 
-Dynamic quantisation picks one activation scale per tensor, i.e. per *batch*: a text batched
-with others may come out slightly differently than alone (min cosine 0.982 on the reference
-texts batched 16 or 32 together, README "int8").
+- revision 1 (``quantize_dynamic``, one activation scale per batch, 3 MatMuls fp32):
+  0.99215 / 0.99456 alone, **0.98477** batched; 1.38x fp32.
+- this recipe (asym uint8 rows, 7-bit weights, all 36 MatMuls int8): 0.99036 / 0.99653
+  alone and batched; 1.27x (1.22-1.33) fp32, 1.19-1.24x per CPU-second served
+  (``bench/bench_int8.py``), i.e. about 10% slower than revision 1.
+- symmetric int8 rows with 8-bit weights (``sym_s8``): 0.99162 with every MatMul int8, but
+  0.31x fp32: MLAS has no fast S8S8 kernel on AVX2.
+- uint8 rows with 8-bit int8 weights: 10-19% error on a random test matrix, because AVX2's
+  ``vpmaddubsw`` saturates u8 x s8 pair sums at int16; 7-bit weights (or 7-bit
+  activations, which lose more: 0.98115 symmetric) cannot saturate.  Symmetric uint8 rows
+  (zero point 128, ``sym_u8``) with 7-bit weights: 1.38-1.42x but 0.98903; uint8 x uint8
+  (``sym_u8u8``): 0.99162 but 1.08x.
 
-The quantiser's output is deterministic for a given ONNX Runtime; the manifest records the
-ORT version with the source hashes (a different ORT rebuilds) and the output's sha256 like
-every prepared model.
+The output is a deterministic function of the package's weights (numpy rounding); the
+manifest still records the ORT version (the self-check runs its integer kernels) with the
+source hashes and the output's sha256 like every prepared model.
 """
 from __future__ import annotations
 
