@@ -54,12 +54,10 @@ from ..errors import (
     Unavailable,
 )
 from .dynamic import DynamicBatcher
-from .policy import UNSET, _sched
+from .policy import DEADLINE_FIELD, UNSET, _sched
 
 log = logging.getLogger("lumen.batching")
 
-#: the meta key a deadline error names
-DEADLINE_FIELD = "lumen.timeout_ms"
 #: retry hint of a full pipeline (seconds)
 OVERLOAD_RETRY_AFTER_S = 1
 
