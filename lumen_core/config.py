@@ -689,12 +689,17 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
     return LumenConfig(server=server, tasks=tasks, source=source)
 
 
-def load_config(path: str) -> LumenConfig:
+def read_toml(path: str) -> dict:
+    """The TOML table of a config file; a missing file or bad syntax is a ConfigError."""
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(path, "<file>", "no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "<syntax>", str(exc)) from None
-    return parse_config(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def load_config(path: str) -> LumenConfig:
+    return parse_config(read_toml(path), source=path,
+                        base_dir=os.path.dirname(os.path.abspath(path)))

@@ -52,13 +52,12 @@ import math
 import os
 import signal
 import threading
-import tomllib
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from ray import serve
 
-from ..config import LumenConfig, TaskConfig, parse_config
+from ..config import LumenConfig, TaskConfig, parse_config, read_toml
 from ..errors import ConfigError, InvalidArgument, LumenError, Overloaded, Unavailable
 from ..request import InferRequest, InferResponse
 from ..runtime import Runtime
@@ -109,14 +108,7 @@ def config_spec(config: Any = None) -> Optional[dict]:
         spec = {"table": dict(config), "source": "<dict>", "base_dir": None}
     elif isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        try:
-            with open(path, "rb") as fh:
-                table = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(path, "<file>", "no such file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(path, "<syntax>", str(exc)) from None
-        spec = {"table": table, "source": path, "base_dir": os.path.dirname(os.path.abspath(path))}
+        spec = {"table": read_toml(path), "source": path, "base_dir": os.path.dirname(os.path.abspath(path))}
     else:
         raise TypeError(f"config must be a TOML path, a dict or None, got {type(config).__name__}")
     parse_spec(spec)

@@ -36,6 +36,7 @@ from ..contract import (
 )
 from ..errors import InvalidArgument, LumenError, PayloadTooLarge, UnsupportedMediaType
 from ..request import InferRequest
+from ..tasks.base import mime_type
 from ..tasks.vad_segments import (
     DEFAULTS,
     Segmenter,
@@ -66,18 +67,8 @@ OUTPUT = "speech_prob"
 PROBS_PARAM = "probabilities"
 
 
-def split_mime(mime: str) -> tuple:
-    base, _, rest = (mime or "").partition(";")
-    params = {}
-    for part in rest.split(";"):
-        k, sep, v = part.partition("=")
-        if sep:
-            params[k.strip().lower()] = v.strip().strip('"')
-    return base.strip().lower(), params
-
-
 def is_audio_mime(mime: str) -> bool:
-    base = split_mime(mime)[0]
+    base = mime_type(mime)[0]
     return base in WAV_MIMES or base in (MIME_L16, MIME_PCM)
 
 
@@ -107,7 +98,7 @@ def flag(value: Any) -> bool:
 
 def stream_format(mime: str, field: str = "Content-Type") -> int:
     """Sample width in bytes (2: PCM16, 4: float32) of a raw stream mime; 415 otherwise."""
-    base, params = split_mime(mime)
+    base, params = mime_type(mime)
     if params.get("rate") != str(SAMPLE_RATE) or params.get("channels", "1") != "1":
         raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: {ACCEPTED}", field)
     if base == MIME_L16:
@@ -118,7 +109,7 @@ def stream_format(mime: str, field: str = "Content-Type") -> int:
 
 
 def max_file_bytes(mime: str) -> int:
-    base = split_mime(mime)[0]
+    base = mime_type(mime)[0]
     width = 4 if base == MIME_PCM else 2
     return MAX_FILE_SAMPLES * width + (WAV_HEADER_SLACK if base in WAV_MIMES else 0)
 
@@ -130,7 +121,7 @@ def too_long(samples: int) -> PayloadTooLarge:
 
 def decode_file(body: bytes, mime: str) -> tuple:
     """``(samples as bytes-like, sample width)`` of a whole file; 415 / 400 / 413."""
-    base = split_mime(mime)[0]
+    base = mime_type(mime)[0]
     if base in WAV_MIMES:
         try:
             with wave.open(io.BytesIO(body), "rb") as w:
