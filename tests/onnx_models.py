@@ -164,3 +164,23 @@ def offset(path, k: float, d: int = 4) -> str:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d])], [kk])
     return _save(graph, path)
+
+
+def embedding_only(path, dim: int = 384) -> str:
+    """A text encoder with the MiniLM graph's inputs (int64 ``input_ids`` / ``attention_mask``
+    ``[N, L]``) and only its ``embedding`` output (fp32 ``[N, dim]``, the mean of ``ids * ones``
+    over the masked tokens): no ``pooled`` output, so ``normalize=false`` cannot be served."""
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["ids_f"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["ids_f", "mask_f"], ["masked"]),
+        helper.make_node("ReduceMean", ["masked"], ["mean"], axes=[1], keepdims=1),
+        helper.make_node("MatMul", ["mean", "ones"], ["embedding"]),
+    ]
+    ones = numpy_helper.from_array(np.ones((1, dim), np.float32), "ones")
+    graph = helper.make_graph(
+        nodes, "embedding_only",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", "L"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", "L"])],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", dim])], [ones])
+    return _save(graph, path)

@@ -2,7 +2,9 @@
 
 The graph takes ``input_ids`` / ``attention_mask`` (int64 ``[N, L]``, right-padded) and returns
 ``embedding`` (fp32 ``[N, 384]``): BERT encoder, mean pooling over the mask and L2
-normalisation all run inside ONNX Runtime, so a batch costs one ``session.run``.
+normalisation all run inside ONNX Runtime, so a batch costs one ``session.run``.  A second
+output, ``pooled`` (fp32 ``[N, 384]``), is the mean-pooled vector before L2 normalisation
+(what TEI's ``normalize=false`` returns); ORT computes it anyway on the way to ``embedding``.
 
 The encoder is written node for node in the shape ``torch.onnx.export`` gives a Hugging Face
 ``BertModel`` (Q/K/V MatMul+Add, Reshape, Transpose, scaled QK, additive mask from
@@ -46,7 +48,8 @@ SOURCE_FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE)
 MODEL_ID = "all-minilm-l6-v2"
 MODEL_VERSION = "1"
 # Bump when the graph this module writes changes, so `prepare` rebuilds old outputs.
-REVISION = 2
+# 3: the second output POOLED (the mean-pooled vector before L2 normalisation).
+REVISION = 3
 OPSET = 17
 # The graph's I/O facts (the ``text_embedding`` task imports them from here).
 #: sentence-transformers' max_seq_length for all-MiniLM-L6-v2 (tokens incl. [CLS]/[SEP])
@@ -58,9 +61,14 @@ EMBEDDING_DIM = 384
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 OUTPUT = "embedding"
+#: the mean-pooled vector before L2 normalisation (same dtype and size as OUTPUT)
+POOLED = "pooled"
 #: dtypes (contract names) of both inputs and of the output
 TOKEN_DTYPE = "int64"
 OUTPUT_DTYPE = "fp32"
+
+#: the graph's outputs as the manifest records them (the int8 graph has the same)
+OUTPUTS_SPEC = {OUTPUT: ["float32", ["N", EMBEDDING_DIM]], POOLED: ["float32", ["N", EMBEDDING_DIM]]}
 
 # Additive attention mask for padded keys; exp(-10000 + s) is exactly 0 in fp32 for any
 # realistic score, and -10000 is the optimizer's default mask_filter_value.
@@ -229,8 +237,9 @@ def _layer(g: _GraphBuilder, x: str, mask: str, w: dict[str, np.ndarray], i: int
                         f"{p}.output.LayerNorm")
 
 
-def _pool_normalize(g: _GraphBuilder, hidden: str) -> str:
-    """Mean over real tokens as one batched MatMul ([N,1,L] x [N,L,H]), then L2 normalise."""
+def _pool_normalize(g: _GraphBuilder, hidden: str) -> tuple:
+    """Mean over real tokens as one batched MatMul ([N,1,L] x [N,L,H]), then L2 normalise:
+    (the mean, the normalised mean)."""
     m = g.op("Cast", [ATTENTION_MASK], "pool_mask_f", to=1)
     count = g.op("ReduceSum", [m, g.const([1], "axes1_pool", np.int64)], "pool_count", keepdims=1)
     count = g.op("Max", [count, g.const(POOL_MIN_COUNT, "pool_min_count")], "pool_count_clamped")
@@ -240,7 +249,7 @@ def _pool_normalize(g: _GraphBuilder, hidden: str) -> str:
     mean = g.op("Div", [summed, count], "pool_mean")
     norm = g.op("ReduceL2", [mean], "l2", axes=[1], keepdims=1)
     norm = g.op("Max", [norm, g.const(NORMALIZE_EPS, "l2_eps")], "l2_clamped")
-    return g.op("Div", [mean, norm], "normalized")
+    return mean, g.op("Div", [mean, norm], "normalized")
 
 
 def build_graph(weights: dict[str, np.ndarray], config: dict[str, Any]) -> Any:
@@ -254,8 +263,9 @@ def build_graph(weights: dict[str, np.ndarray], config: dict[str, Any]) -> Any:
     mask = _additive_mask(g)
     for i in range(int(config["num_hidden_layers"])):
         x = _layer(g, x, mask, weights, i, config)
-    out = _pool_normalize(g, x)
+    mean, out = _pool_normalize(g, x)
     g.nodes.append(helper.make_node("Identity", [out], [OUTPUT], name="embedding_out"))
+    g.nodes.append(helper.make_node("Identity", [mean], [POOLED], name="pooled_out"))
 
     batch, seq = "batch", "sequence"
     graph = helper.make_graph(
@@ -265,7 +275,8 @@ def build_graph(weights: dict[str, np.ndarray], config: dict[str, Any]) -> Any:
             helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [batch, seq]),
             helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, [batch, seq]),
         ],
-        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [batch, int(config["hidden_size"])])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, int(config["hidden_size"])])
+         for name in (OUTPUT, POOLED)],
         initializer=g.initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
@@ -399,7 +410,7 @@ def build(out_dir: pathlib.Path, progress: Optional[ProgressFn] = None, fuse: bo
         "graph": "fused" if use_fused else "plain",
         "fused_ops": stats,
         "inputs": {INPUT_IDS: ["int64", ["N", "L"]], ATTENTION_MASK: ["int64", ["N", "L"]]},
-        "outputs_spec": {OUTPUT: ["float32", ["N", EMBEDDING_DIM]]},
+        "outputs_spec": OUTPUTS_SPEC,
         "max_seq_length": MAX_SEQ_LENGTH,
         "output_files": [MODEL_FILE, TOKENIZER_FILE],
     }

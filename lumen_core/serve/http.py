@@ -11,7 +11,7 @@ Routes::
     POST /v1/infer/{task}   body = payload, Content-Type = payload mime, query = meta
     POST /v1/embeddings     OpenAI-compatible; one runtime request per input item; ``model``
                             picks the embedding task; ``dimensions``, and the extensions
-                            ``embedding_type`` and ``truncate``
+                            ``embedding_type``, ``truncate`` and ``normalize``
     POST /v1/tokenize       TEI's /tokenize: tokens, ids and character offsets per text
     GET  /v1/tasks          each task's contract;  GET /v1/models  (OpenAI model list)
     GET  /healthz           live, plus which compiled extensions are in use
@@ -80,6 +80,7 @@ ENCODING_FORMATS = ("float", "base64")
 EMBEDDING_TYPES = tuple(EMBEDDING_TYPE_DTYPES)
 #: the boolean plain options of /v1/embeddings and /v1/tokenize, sent to the task as meta
 OPT_TRUNCATE = "truncate"
+OPT_NORMALIZE = "normalize"
 #: the most characters of a request path quoted back in a routing error
 MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
@@ -450,12 +451,12 @@ class HttpApp:
                                       f"float32 only, and the openai client asks for base64 "
                                       f"unless told otherwise)", "encoding_format")
             meta[KEY_EMBEDDING_TYPE] = etype
-        truncate = obj.get("truncate")
-        if truncate is not None:
-            if not isinstance(truncate, bool):
-                raise InvalidArgument(f"'truncate' must be true or false, got {truncate!r}",
-                                      "truncate")
-            meta[OPT_TRUNCATE] = "true" if truncate else "false"
+        for key in (OPT_TRUNCATE, OPT_NORMALIZE):  # TEI's /embed flags, extensions here
+            flag = obj.get(key)
+            if flag is not None:
+                if not isinstance(flag, bool):
+                    raise InvalidArgument(f"'{key}' must be true or false, got {flag!r}", key)
+                meta[key] = "true" if flag else "false"
         inp = obj.get("input")
         if isinstance(inp, str):
             items: list = [inp]

@@ -10,7 +10,10 @@ produce the same :class:`PreparedModelRequest` (one int64 buffer, its length, on
 so raw and tensor requests for the same model batch together; the engine's ``RaggedInput``
 pads them and fills the attention mask in one compiled pass, and the model itself mean-pools
 over the mask and L2-normalises, so the output ``embedding`` fp32 ``[384]`` needs no
-postprocessing beyond the finite check.
+postprocessing beyond the finite check.  The prepared graphs also output ``pooled``, the mean
+before L2 normalisation: it is always fetched (384 floats a row that ORT computes anyway;
+binding it cost nothing measurable, see ``normalize`` below) and read only for the rows that
+ask ``normalize=false``.
 
 Where tokenization runs: on the event loop.  A typical text (5-200 words) tokenizes in about
 10-500 us, less than a worker-thread hand-off plus the GIL ping-pong it causes, and the CPU it
@@ -40,10 +43,15 @@ every other; they are applied to the item's own row in :meth:`postprocess`):
   than ``max_seq_length`` tokens with 413 naming both counts instead of cutting it.  A cut text
   is marked ``lumen.truncated=true`` (see :class:`EmbeddingOutputs`).
   Options travel with the item as :class:`EmbedRequest`.
-- ``normalize`` (TEI's): ``true`` is the default and the only value this model can honour: the
-  prepared graph mean-pools and L2-normalises inside ONNX Runtime (``models/minilm.py``), so
-  the vector before normalisation never leaves the session and ``normalize=false`` is refused
-  with 400 rather than answered with something else.
+- ``normalize`` (TEI's): ``true`` by default; ``false`` returns the mean-pooled vector before
+  L2 normalisation (the graph's ``pooled`` output, ``models/minilm.py``).  With ``dimensions``
+  D it is cut to its first D components and *not* normalised again (TEI: truncation, then
+  re-normalisation only when normalize is true).  ``embedding_type`` ``binary`` / ``ubinary``
+  take its sign bits (the same bits as the normalised vector's); ``int8`` / ``uint8`` are
+  refused with it (400): their fixed range [-1, 1] is meant for unit vectors and would clip
+  a mean-pooled one (components reach beyond 1).  A configured ``model`` without a
+  ``pooled`` output refuses ``normalize=false`` with 400.  The option is part of the response
+  cache key like every option (``cache.py``).
 """
 from __future__ import annotations
 
@@ -68,6 +76,7 @@ from ..contract import (
 )
 from ..descriptor import embedding_options, parse_bool
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
+from ..engine.session import read_io
 from ..errors import (
     ConfigError,
     InvalidArgument,
@@ -86,6 +95,7 @@ from ..models.minilm import (
     OUTPUT,
     OUTPUT_DTYPE,
     PAD_TOKEN_ID,
+    POOLED,
     TOKEN_DTYPE,
     TOKENIZER_FILE,
 )
@@ -156,21 +166,25 @@ class EmbedRequest(PreparedModelRequest):
 class _Options:
     """What one request asks beyond the defaults (``PreparedModelRequest.context``)."""
 
-    __slots__ = ("dims", "etype", "truncated")
+    __slots__ = ("dims", "etype", "truncated", "pooled")
 
-    def __init__(self, dims: int, etype: str, truncated: bool):
+    def __init__(self, dims: int, etype: str, truncated: bool, pooled: bool = False):
         self.dims = dims
         self.etype = etype
         self.truncated = truncated
+        self.pooled = pooled  # normalize=false: the mean-pooled vector, not normalised
 
 
-def shape_embedding(vec: np.ndarray, dims: int = 0, etype: str = "float") -> np.ndarray:
-    """``vec`` (an L2-normalised fp32 vector) cut to its first ``dims`` components and
-    normalised again (``dims`` 0 or the full size: untouched), then encoded as ``etype`` (see
-    the module docstring and ``contract.EMBEDDING_TYPES``)."""
+def shape_embedding(vec: np.ndarray, dims: int = 0, etype: str = "float",
+                    normalize: bool = True) -> np.ndarray:
+    """``vec`` (an L2-normalised fp32 vector, or with ``normalize`` False the mean-pooled one)
+    cut to its first ``dims`` components and, when ``normalize``, normalised again (``dims`` 0
+    or the full size: untouched), then encoded as ``etype`` (see the module docstring and
+    ``contract.EMBEDDING_TYPES``)."""
     v = vec
     if 0 < dims < v.shape[-1]:
         v = v[..., :dims]
+    if normalize and v is not vec:
         norm = np.linalg.norm(v, axis=-1, keepdims=True)
         v = (v / np.maximum(norm, NORMALIZE_EPS)).astype(np.float32, copy=False)
     if etype == "float":
@@ -439,6 +453,7 @@ class TextEmbeddingBackend(TaskBackend):
         self._n_prefix = 1  # special tokens the post-processor puts before / after the text
         self._n_suffix = 1
         self._reducer: Optional[_Reducer] = None  # built at load (or the first long text)
+        self.has_pooled = False  # the model outputs POOLED (normalize=false is served)
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
@@ -451,6 +466,7 @@ class TextEmbeddingBackend(TaskBackend):
                               f"must name the model's tokenizer.json; no such file: {tok_path!r}")
         self._load_tokenizer(tok_path)
         self.model_id = cfg.model_id or MINILM
+        self.has_pooled = self._model_has_pooled(model_path)
         self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
                                     None, LAYOUT, PREPROCESS_ID)
         self.contract = TensorContract(
@@ -462,8 +478,19 @@ class TextEmbeddingBackend(TaskBackend):
             model_path,
             [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=PAD_TOKEN_ID, mask_name=ATTENTION_MASK,
                          mask_dtype=TOKEN_NP)],
-            [OutputSpec(OUTPUT, DTYPES[OUTPUT_DTYPE], (EMBEDDING_DIM,))])
+            [OutputSpec(name, DTYPES[OUTPUT_DTYPE], (EMBEDDING_DIM,))
+             for name in ((OUTPUT, POOLED) if self.has_pooled else (OUTPUT,))])
         return self.model
+
+    def _model_has_pooled(self, model_path: str) -> bool:
+        """Whether the model has the mean-pooled output (``normalize=false``): every prepared
+        model at its current revision does (``require_model`` checks it); a configured file
+        is read."""
+        if not self.config.model:
+            return True
+        _, outputs = read_io(model_path)
+        return any(name == POOLED and dtype == OUTPUT_DTYPE and dims[-1:] == (EMBEDDING_DIM,)
+                   for name, dtype, dims in outputs)
 
     def _model_files(self) -> tuple:
         """(model.onnx, default tokenizer path): the configured file, else the prepared model."""
@@ -514,6 +541,7 @@ class TextEmbeddingBackend(TaskBackend):
         return {**super().describe(), "max_seq_length": self.max_seq_length,
                 "max_batch_tokens": self.max_batch_tokens, "outputs": {OUTPUT: [OUTPUT_DTYPE, [EMBEDDING_DIM]]},
                 "embedding": {"output": OUTPUT, "dim": EMBEDDING_DIM, "normalized": True,
+                              "normalize_false": self.has_pooled,
                               "types": dict(EMBEDDING_TYPES),
                               "quant_range": list(EMBEDDING_QUANT_RANGE)},
                 "tokenizer": PREPROCESS_ID}
@@ -524,26 +552,37 @@ class TextEmbeddingBackend(TaskBackend):
         meta = req.meta
         if not meta:
             return None if not truncated else _Options(0, "float", True)
-        if _flag(meta, OPT_NORMALIZE) is False:
+        pooled = _flag(meta, OPT_NORMALIZE) is False
+        if pooled and not self.has_pooled:
             raise InvalidArgument(
-                f"normalize=false is not available on {self.model_id}: its graph mean-pools and "
-                f"L2-normalises inside the model, so the vector before normalisation never "
-                f"leaves ONNX Runtime; omit normalize (or send true)", OPT_NORMALIZE)
+                f"normalize=false is not available on task {self.name!r}: its model "
+                f"({self.config.model}) has no {POOLED!r} output (the mean-pooled vector before "
+                f"L2 normalisation, which the prepared MiniLM graphs have); omit normalize (or "
+                f"send true)", OPT_NORMALIZE)
         dims, etype = embedding_options(meta, EMBEDDING_DIM)
-        if not dims and etype == "float" and not truncated:
+        if pooled and etype in ("int8", "uint8"):
+            raise InvalidArgument(
+                f"embedding_type {etype!r} quantises over the fixed range "
+                f"[{_QUANT_LO:g}, {_QUANT_HI:g}] meant for unit vectors and would clip the "
+                f"mean-pooled vector normalize=false returns; send normalize=true with it, or "
+                f"embedding_type float, binary or ubinary", OPT_NORMALIZE)
+        if not dims and etype == "float" and not truncated and not pooled:
             return None
-        return _Options(dims, etype, truncated)
+        return _Options(dims, etype, truncated, pooled)
 
     def postprocess(self, outputs: dict, items) -> list:
-        res = split_outputs(outputs, len(items))
+        pooled = outputs.get(POOLED)
+        # the result has OUTPUT only; a pooled row replaces it where normalize=false asks
+        res = split_outputs(outputs if pooled is None else {OUTPUT: outputs[OUTPUT]}, len(items))
         for i, item in enumerate(items):
             opts = getattr(item, "options", None)
             if opts is None or not isinstance(res[i], dict):
                 continue
             out = res[i]
-            vec = out[OUTPUT]
+            # (a non-finite pooled row makes its normalised row non-finite: already withheld)
+            vec = pooled[i] if opts.pooled else out[OUTPUT]
             if opts.dims or opts.etype != "float":
-                vec = shape_embedding(vec, opts.dims, opts.etype)
+                vec = shape_embedding(vec, opts.dims, opts.etype, not opts.pooled)
             out = {**out, OUTPUT: vec}
             res[i] = EmbeddingOutputs(out, {RESP_TRUNCATED: "true"}) if opts.truncated else out
         return res

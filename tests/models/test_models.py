@@ -211,6 +211,36 @@ def test_minilm_matches_reference_batched_with_padding(minilm_runner, minilm_ref
     np.testing.assert_allclose(part, whole[short], atol=PADDING_TOLERANCE, rtol=0)
 
 
+def test_minilm_pooled_output_is_the_masked_mean_of_the_last_hidden_state(prepared, minilm_reference):
+    """``pooled`` (normalize=false) is sentence-transformers' mean pooling: the mean of the
+    encoder's last hidden state over the real tokens, checked against numpy on that state
+    (exposed as an extra output of the same graph); normalised, it is ``embedding``."""
+    import onnx
+    import onnxruntime as ort
+
+    meta, expected = minilm_reference
+    weights, config = minilm.load_weights(minilm.source_dir())
+    model = minilm.build_graph(weights, config)
+    assert [o.name for o in model.graph.output] == [minilm.OUTPUT, minilm.POOLED]
+    hidden = next(n.input[1] for n in model.graph.node if n.name.startswith("pool_sum_3d"))
+    model.graph.output.append(onnx.helper.make_tensor_value_info(hidden, onnx.TensorProto.FLOAT, None))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    short = [i for i, ids in enumerate(meta["input_ids"]) if len(ids) < 40]
+    ids, mask = minilm.pad_batch([meta["input_ids"][i] for i in short])
+    emb, pooled, state = sess.run([minilm.OUTPUT, minilm.POOLED, hidden],
+                                  {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: mask})
+    m = mask[:, :, None].astype(np.float64)
+    want = (state * m).sum(axis=1) / m.sum(axis=1)
+    norms = np.linalg.norm(pooled, axis=1)
+    assert (norms > 1.0).all()
+    np.testing.assert_allclose(pooled, want, atol=1e-5 * norms.max(), rtol=0)
+    np.testing.assert_allclose(pooled / norms[:, None], emb, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(emb, expected[short], atol=FIXTURE_TOLERANCE, rtol=0)
+    # and the prepared file has the same two outputs
+    prepared_sess = cpu_session(prepared[models.MINILM] / models.MODEL_FILE)
+    assert [o.name for o in prepared_sess.get_outputs()] == [minilm.OUTPUT, minilm.POOLED]
+
+
 def test_minilm_fused_graph_equals_plain(minilm_runner, minilm_reference, tmp_path):
     """The transformer optimizer fuses our graph completely and keeps the numbers."""
     lines: list[str] = []

@@ -275,14 +275,59 @@ def test_truncate_false_and_truncated_meta(http):
     assert embed(http, input="x", truncate="yes").status_code == 400
 
 
-def test_normalize_false_is_refused_honestly(http):
-    r = http.post("/v1/infer/text_embed", content=b"x", params={"normalize": "false"},
-                  headers={"Content-Type": "text/plain"})
+def native(http, text: str, task: str = "text_embed", **params) -> httpx.Response:
+    return http.post(f"/v1/infer/{task}", content=text.encode(), params=params,
+                     headers={"Content-Type": "text/plain"})
+
+
+@pytest.mark.parametrize("task", ["text_embed", "text_embed_int8"])
+def test_normalize_false_native_and_openai_routes(http, reference, task):
+    texts, ref = reference
+    keep = [i for i, t in enumerate(texts) if t]
+    # native route, raw JSON reply: one text alone
+    r = native(http, texts[1], task, normalize="false")
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"]["embedding"]
+    assert out["dtype"] == "fp32" and out["shape"] == [384]
+    alone = np.array(out["data"], np.float32)
+    unit = np.array(native(http, texts[1], task).json()["outputs"]["embedding"]["data"])
+    norm = float(np.linalg.norm(alone))
+    assert norm > 1.0
+    np.testing.assert_allclose(alone / norm, unit, atol=1e-5)
+    # /v1/embeddings extension field: every reference text in one call (batched together)
+    r = http.post("/v1/embeddings", json={"model": task, "input": [texts[i] for i in keep],
+                                          "normalize": False, "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    got = np.array([d["embedding"] for d in r.json()["data"]], np.float32)
+    norms = np.linalg.norm(got, axis=1)
+    np.testing.assert_allclose(got[keep.index(1)], alone, atol=1e-5 * norm)  # batch-independent
+    cos = ((got / norms[:, None]) * ref[keep]).sum(axis=1)
+    assert cos.min() >= (0.9999 if task == "text_embed" else 0.99), cos.min()
+    # base64 (the openai client's default) carries the same float32 vector
+    b64 = http.post("/v1/embeddings", json={"model": task, "input": texts[1], "normalize": False,
+                                            "encoding_format": "base64"}).json()
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4"),
+                               alone, atol=1e-5 * norm)
+    # dimensions: cut, not normalised again (TEI); normalize=true still cuts and normalises
+    r = embed(http, input=texts[1], dimensions=16, normalize=False, encoding_format="float")
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"],
+                               native(http, texts[1], normalize="false").json()
+                               ["outputs"]["embedding"]["data"][:16], atol=1e-5 * norm)
+    r = embed(http, input=texts[1], dimensions=16, normalize=True, encoding_format="float")
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], cut(ref[1], 16), atol=TOL)
+
+
+def test_normalize_errors(http):
+    r = native(http, "x", normalize="maybe")
     assert r.status_code == 400 and err(r)["field"] == "normalize"
-    assert "inside the model" in err(r)["message"]
-    ok = http.post("/v1/infer/text_embed", content=b"x", params={"normalize": "true"},
-                   headers={"Content-Type": "text/plain"})
-    assert ok.status_code == 200
+    assert embed(http, input="x", normalize="no").status_code == 400
+    assert err(embed(http, input="x", normalize="no"))["field"] == "normalize"
+    r = embed(http, input="x", normalize=False, embedding_type="int8", encoding_format="float")
+    assert r.status_code == 400 and err(r)["field"] == "normalize" and "clip" in err(r)["message"]
+    r = native(http, "x", normalize="false", **{"lumen.embedding.type": "uint8"})
+    assert r.status_code == 400 and err(r)["field"] == "normalize"
+    r = embed(http, input="x", normalize=False, embedding_type="binary", encoding_format="float")
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 48
 
 
 def test_token_ids_route_takes_the_options(http, reference):

@@ -415,3 +415,79 @@ def test_truncation_is_reported_to_in_process_callers(rt):
     cut, whole = gather(rt, [raw(long), raw("a short text")])
     assert cut.meta.get("lumen.truncated") == "true" and cut.stats.tokens == te.DEFAULT_MAX_SEQ_LENGTH
     assert "lumen.truncated" not in whole.meta
+
+
+# ------------------------------------------------------------------------- normalize=false
+def pooled_req(text, **meta):
+    return lc.InferRequest(task=TASK, payload=text.encode("utf-8"), payload_mime="text/plain",
+                           meta={"normalize": "false", **meta})
+
+
+def test_normalize_false_returns_the_mean_pooled_vector(rt, reference):
+    texts, _, expected = reference
+    keep = [i for i, t in enumerate(texts) if t]
+    alone = [gather(rt, [pooled_req(texts[i])])[0].outputs["embedding"] for i in keep]
+    # batched with the normalised requests for the same texts (one batch, mixed options)
+    mixed = gather(rt, [pooled_req(texts[i]) for i in keep] + [raw(texts[i]) for i in keep])
+    batched = np.stack([r.outputs["embedding"] for r in mixed[:len(keep)]])
+    unit = np.stack([r.outputs["embedding"] for r in mixed[len(keep):]])
+    alone = np.stack(alone)
+    assert alone.dtype == np.float32 and alone.shape == (len(keep), te.EMBEDDING_DIM)
+    norms = np.linalg.norm(alone, axis=1)
+    assert (norms > 1.0).all()  # MiniLM's mean-pooled vectors are far from unit length
+    np.testing.assert_allclose(batched, alone, atol=1e-5 * norms.max(), rtol=0)
+    # its direction is sentence-transformers' embedding, and L2 reproduces normalize=true
+    np.testing.assert_allclose(alone / norms[:, None], expected[keep], atol=FIXTURE_TOLERANCE, rtol=0)
+    np.testing.assert_allclose(batched / np.linalg.norm(batched, axis=1, keepdims=True), unit,
+                               atol=1e-5, rtol=0)
+    # an in-process caller may send a bool
+    via_bool = gather(rt, [lc.InferRequest(task=TASK, payload=texts[keep[0]].encode(),
+                                           payload_mime="text/plain", meta={"normalize": False})])
+    np.testing.assert_allclose(via_bool[0].outputs["embedding"], alone[0], atol=1e-5 * norms[0])
+
+
+def test_normalize_false_with_dimensions_and_types(rt, reference):
+    texts, ids, _ = reference
+    full = gather(rt, [pooled_req(texts[1])])[0].outputs["embedding"]
+    cut, bits, unit_bits, tens = gather(rt, [
+        pooled_req(texts[1], **{"lumen.embedding.dimensions": "32"}),
+        pooled_req(texts[1], **{"lumen.embedding.type": "ubinary"}),
+        lc.InferRequest(task=TASK, payload=texts[1].encode(), payload_mime="text/plain",
+                        meta={"lumen.embedding.type": "ubinary"}),
+        lc.new_infer_request(TASK).for_tensor_array(np.asarray(ids[1], np.int64).reshape(1, -1),
+                                                    layout="NL", preprocess_id=PP)
+        .with_meta("normalize", "false").build()])
+    # TEI's order: cut to D, and no second normalisation when normalize is false
+    np.testing.assert_allclose(cut.outputs["embedding"], full[:32], atol=1e-5 * np.abs(full).max())
+    assert np.linalg.norm(cut.outputs["embedding"]) > 1.0
+    # sign bits do not depend on the scale
+    np.testing.assert_array_equal(bits.outputs["embedding"], unit_bits.outputs["embedding"])
+    np.testing.assert_allclose(tens.outputs["embedding"], full, atol=1e-5 * np.abs(full).max())
+    for etype in ("int8", "uint8"):  # the fixed [-1, 1] range would clip it: refused
+        with pytest.raises(lc.InvalidArgument) as info:
+            gather(rt, [pooled_req(texts[1], **{"lumen.embedding.type": etype})])
+        assert info.value.field == "normalize" and "clip" in info.value.message
+    with pytest.raises(lc.InvalidArgument) as info:
+        gather(rt, [pooled_req(texts[1], normalize="perhaps")])
+    assert info.value.field == "normalize"
+
+
+def test_a_model_without_a_pooled_output_refuses_normalize_false(prepared_home, tmp_path):
+    import onnx_models
+
+    t = {"name": TASK, "backend": te.BACKEND_NAME,
+         "model": onnx_models.embedding_only(tmp_path / "embedding_only.onnx"),
+         "options": {"tokenizer": str(models.model_dir(models.MINILM, prepared_home)
+                                      / minilm.TOKENIZER_FILE)}}
+
+    async def main():
+        async with lc.Runtime.from_dict({"tasks": [t]}) as runtime:
+            ok = await runtime.infer(raw("hello"))
+            with pytest.raises(lc.InvalidArgument) as info:
+                await runtime.infer(pooled_req("hello"))
+            return ok, info.value, runtime.describe(TASK)
+
+    ok, err, desc = asyncio.run(main())
+    assert ok.outputs["embedding"].shape == (te.EMBEDDING_DIM,)
+    assert err.field == "normalize" and "'pooled'" in err.message
+    assert desc["embedding"]["normalize_false"] is False
