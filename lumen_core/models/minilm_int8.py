@@ -30,6 +30,11 @@ non-empty reference texts, alone and batched 32):
   activations, which lose more: 0.98115 symmetric) cannot saturate.  Symmetric uint8 rows
   (zero point 128, ``sym_u8``) with 7-bit weights: 1.38-1.42x but 0.98903; uint8 x uint8
   (``sym_u8u8``): 0.99162 but 1.08x.
+- ``com.microsoft.MatMulIntegerToFloat`` (scalar a_scale only on CPU, so the row scale and
+  zero-point correction stay separate): 0.99030, no faster; mixing symmetric and asymmetric
+  rows per MatMul input: only "asymmetric except the FFN input" keeps 0.99 (0.99004) and it is
+  not faster within the spread.  A profile puts the per-row (de)quantisation at a third of the
+  int8 graph's time (bench/README.md, "More revision-2 variants").
 
 The output is a deterministic function of the package's weights (numpy rounding); the
 manifest still records the ORT version (the self-check runs its integer kernels) with the
