@@ -105,34 +105,18 @@ async def ours(path: str, xs: np.ndarray, callers: int, batch: int, threads: int
                 resp = await rt.infer(r)
                 sizes.append(resp.stats.batch_size)
 
-        workers = [t.native_id for t in threading.enumerate() if t.name.startswith("lumen-mlp")]
-        w0 = threads_cpu(workers)
+        p0 = time.process_time()  # every thread of the process: loop, workers, ORT's pool
         c0 = time.thread_time()
         t0 = time.perf_counter()
         await asyncio.gather(*[caller(k) for k in range(callers)])
         dt = time.perf_counter() - t0
         loop_cpu = time.thread_time() - c0
-        worker_cpu = threads_cpu(workers) - w0
+        worker_cpu = time.process_time() - p0 - loop_cpu
     diag = {"busy": sum(busy_us) / 1e6 / dt / instances, "run_us": float(np.mean(runs_ns)) / 1000,
             "loop_cpu_us": loop_cpu / (per * callers) * 1e6, "mean_batch": float(np.mean(sizes)),
             "worker_cpu_us": worker_cpu / (per * callers) * 1e6,
             "idle": max(0.0, 1 - (loop_cpu + worker_cpu) / (dt * (os.cpu_count() or 1)))}
     return per * callers / dt, diag
-
-
-def threads_cpu(native_ids: list) -> float:
-    """CPU seconds the given threads of this process have used (Linux ``/proc``; ORT's own
-    pool threads are not named, so a 2-thread session's second thread is not in here)."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for tid in native_ids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def spread(values: list) -> str:
@@ -192,9 +176,9 @@ def main() -> None:
                       f"{(1 / rate - 1 / best) * 1e6:5.1f} us/request; worker busy "
                       f"{diag['busy']:.0%}, model run {diag['run_us']:.0f} us per batch (ideal "
                       f"{same}), "
-                      f"CPU per request: loop {diag['loop_cpu_us']:.1f} us, workers "
-                      f"{diag['worker_cpu_us']:.1f} us (the ideal's model alone "
-                      f"{inst * 1e6 / ideals[(inst, th)] if (inst, th) in ideals else float('nan'):.1f}); "
+                      f"CPU per request: loop {diag['loop_cpu_us']:.1f} us, workers and ORT "
+                      f"{diag['worker_cpu_us']:.1f} us (the same layout offline: "
+                      f"{inst * th * 1e6 / ideals[(inst, th)] if (inst, th) in ideals else float('nan'):.1f} core-us); "
                       f"cores not used by this process {diag['idle']:.0%}; mean batch {diag['mean_batch']:.1f}")
     print(f"over {a.rounds} rounds, ours / best ideal:")
     for key, vals in ratios.items():
