@@ -18,6 +18,7 @@ comparison repeats ``--rounds`` times so the spread shows.  The load average is 
 and after: the box is shared, and the figures move with what else runs.
 
     python bench/bench_ray.py [--count 512] [--concurrency 16 64] [--rounds 3]
+    RAY_SERVE_ENABLE_HA_PROXY=1 python bench/bench_ray.py ...   # Ray's HAProxy ingress instead
 """
 from __future__ import annotations
 
@@ -95,9 +96,11 @@ def main() -> int:
     model_dir = str(models.model_dir(models.MINILM))
     texts = loadgen.make_corpus(args.corpus_size, loadgen.DEFAULT_SEED)
     port = free_port()
+    ingress = ("HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1)"
+               if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Ray's Python proxy")
     print(f"load average before: {load_avg()}; {REPLICAS} replicas x {REPLICA_CPUS:g} CPU x "
-          f"{THREADS} ORT thread each; {args.count} requests per run (+{args.warmup} warm-up)",
-          flush=True)
+          f"{THREADS} ORT thread each; ingress: {ingress}; {args.count} requests per run "
+          f"(+{args.warmup} warm-up)", flush=True)
     ray.init(num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": LR.replica_env()})
     results: list = []
