@@ -125,9 +125,11 @@ class ResponseCache:
 
     # -- keys -------------------------------------------------------------------------------
     def key(self, version: str, payload_mime: str, meta: Any, payload: Any) -> tuple:
-        """The cache key of a request served by model version ``version``."""
-        opts = tuple(sorted((k, v) for k, v in meta.items() if k not in SCHEDULING_KEYS)) \
-            if meta else ()
+        """The cache key of a request served by model version ``version``.  Each option value
+        goes in with its type: ``False == 0`` and ``True == 1`` in Python, and an in-process
+        caller's ``{"normalize": 0}`` (a 400) must not hit the entry of ``{"normalize": False}``."""
+        opts = tuple(sorted((k, type(v).__name__, v) for k, v in meta.items()
+                            if k not in SCHEDULING_KEYS)) if meta else ()
         return (self.task, version, payload_mime, opts, payload_digest(payload))
 
     # -- the LRU ----------------------------------------------------------------------------

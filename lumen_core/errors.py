@@ -155,6 +155,8 @@ class ModelMissingError(RuntimeError):
     load) can show it without parsing the message.
     """
 
-    def __init__(self, message: str, command: str):
+    def __init__(self, message: str, command: str, stale: bool = False):
         super().__init__(message)
         self.command = command
+        #: prepared, but by an older lumen-core (an older revision of the recipe)
+        self.stale = stale

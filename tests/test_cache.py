@@ -75,6 +75,11 @@ def test_key_separates_versions_options_and_payloads_not_scheduling():
         assert c.key("1", MIME, opt, "hello") != k, opt
     assert c.key("1", MIME, {KEY_EMBEDDING_DIMENSIONS: "8"}, "x") != \
         c.key("1", MIME, {KEY_EMBEDDING_DIMENSIONS: "16"}, "x")
+    # an in-process caller's values keep their type: False == 0 in Python, but {"normalize": 0}
+    # is refused (400) where {"normalize": False} is served, so one must never hit the other
+    assert c.key("1", MIME, {"normalize": 0}, "x") != c.key("1", MIME, {"normalize": False}, "x")
+    assert c.key("1", MIME, {"truncate": 1}, "x") != c.key("1", MIME, {"truncate": True}, "x")
+    assert c.key("1", MIME, {"normalize": False}, "x") == c.key("1", MIME, {"normalize": False}, "x")
     # meta order does not matter; priority and deadline change no response
     assert c.key("1", MIME, {"a": "1", "b": "2"}, "x") == c.key("1", MIME, {"b": "2", "a": "1"}, "x")
     assert c.key("1", MIME, {KEY_PRIORITY: "1", KEY_TIMEOUT_MS: "50"}, "hello") == k

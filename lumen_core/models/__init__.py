@@ -19,6 +19,7 @@ fixes it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import shutil
@@ -39,6 +40,8 @@ from ._files import (
     write_manifest,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "MANIFEST_NAME",
     "MINILM",
@@ -52,6 +55,7 @@ __all__ = [
     "model_dir",
     "models_dir",
     "prepare",
+    "prepared_model",
     "read_manifest",
     "require_model",
 ]
@@ -121,9 +125,21 @@ def require_model(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path
             f"model {name!r} under {directory} was prepared by an older lumen-core "
             f"(revision {manifest.get('revision')!r}, now {preparer.REVISION}); run `{PREPARE_COMMAND}`"
             f"{_home_hint(home)}",
-            command=PREPARE_COMMAND,
+            command=PREPARE_COMMAND, stale=True,
         )
     return directory
+
+
+def prepared_model(name: str, home: Optional[os.PathLike] = None) -> Optional[pathlib.Path]:
+    """:func:`require_model`, or None when the model is not prepared (the default tasks then
+    leave it out).  A model prepared by an older lumen-core is also None, with a warning that
+    says so and what to run: after an upgrade its task would otherwise vanish without a word."""
+    try:
+        return require_model(name, home)
+    except ModelMissingError as exc:
+        if exc.stale:
+            log.warning("%s; its default task is left out until then", exc)
+        return None
 
 
 def _home_hint(home: Optional[os.PathLike]) -> str:

@@ -44,7 +44,7 @@ from ..descriptor import Descriptor
 from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import ConfigError, InternalError, ModelMissingError
-from ..models import OCR, require_model
+from ..models import OCR, prepared_model, require_model
 from ..models import rapidocr as R
 from ..request import InferRequest, new_infer_request
 from . import ocr_post as P
@@ -319,9 +319,7 @@ def default_task_table() -> Optional[dict]:
     extra is missing)."""
     if P._IMPORT_ERROR is not None:
         return None
-    try:
-        require_model(OCR)
-    except ModelMissingError:
+    if prepared_model(OCR) is None:
         return None
     return {"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
             "options": {"det_instances": 1, "rec_instances": 1}}

@@ -80,11 +80,10 @@ from ..engine.session import read_io
 from ..errors import (
     ConfigError,
     InvalidArgument,
-    ModelMissingError,
     PayloadTooLarge,
     UnsupportedMediaType,
 )
-from ..models import MINILM, MINILM_INT8, MODEL_FILE, require_model
+from ..models import MINILM, MINILM_INT8, MODEL_FILE, prepared_model, require_model
 from ..models.minilm import (
     ATTENTION_MASK,
     EMBEDDING_DIM,
@@ -557,8 +556,9 @@ class TextEmbeddingBackend(TaskBackend):
             raise InvalidArgument(
                 f"normalize=false is not available on task {self.name!r}: its model "
                 f"({self.config.model}) has no {POOLED!r} output (the mean-pooled vector before "
-                f"L2 normalisation, which the prepared MiniLM graphs have); omit normalize (or "
-                f"send true)", OPT_NORMALIZE)
+                f"L2 normalisation, which the prepared MiniLM graphs have since lumen-core's "
+                f"recipe revision 3: a file prepared earlier gets it from `lumen models "
+                f"prepare`); omit normalize (or send true)", OPT_NORMALIZE)
         dims, etype = embedding_options(meta, EMBEDDING_DIM)
         if pooled and etype in ("int8", "uint8"):
             raise InvalidArgument(
@@ -729,9 +729,7 @@ DEFAULT_INSTANCES = 2
 def default_task_table() -> Optional[dict]:
     """The built-in ``text_embed`` task on the prepared all-MiniLM-L6-v2, or None when
     ``lumen models prepare`` has not been run (``Runtime.default()`` then leaves it out)."""
-    try:
-        require_model(MINILM)
-    except ModelMissingError:
+    if prepared_model(MINILM) is None:
         return None
     # Two instances (threads per instance default to cores // instances): on the 2-core
     # reference box two single-thread sessions ran the in-process corpus at 1.11x the offline
@@ -744,9 +742,7 @@ def default_task_table() -> Optional[dict]:
 def default_int8_task_table() -> Optional[dict]:
     """The built-in ``text_embed_int8`` task on the prepared int8 all-MiniLM-L6-v2 (dynamic
     quantisation, ``models/minilm_int8.py``), or None when it is not prepared."""
-    try:
-        require_model(MINILM_INT8)
-    except ModelMissingError:
+    if prepared_model(MINILM_INT8) is None:
         return None
     return {"name": INT8_TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM_INT8,
             "model_version": "1", "instances": DEFAULT_INSTANCES}

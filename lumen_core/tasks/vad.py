@@ -50,8 +50,8 @@ from ..contract import (
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..engine.state import ContextInput, check_model_io, sequence_plans
-from ..errors import ConfigError, InvalidArgument, ModelMissingError, UnsupportedMediaType
-from ..models import MODEL_FILE, SILERO_VAD, require_model
+from ..errors import ConfigError, InvalidArgument, UnsupportedMediaType
+from ..models import MODEL_FILE, SILERO_VAD, prepared_model, require_model
 from ..models.silero import (
     CHUNK_SAMPLES,
     CONTEXT_SAMPLES,
@@ -261,9 +261,7 @@ def default_task_table() -> Optional[dict]:
 
     Its ``[tasks.sequence]`` holds policy only: the backend declares Silero's stateful inputs
     (:func:`default_sequence`)."""
-    try:
-        require_model(SILERO_VAD)
-    except ModelMissingError:
+    if prepared_model(SILERO_VAD) is None:
         return None
     return {
         "name": "vad",

@@ -125,8 +125,32 @@ def test_require_model_names_the_command(tmp_path):
     manifest = models.read_manifest(directory)
     manifest["revision"] = -1
     (directory / models.MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(ModelMissingError, match="older lumen-core.*lumen models prepare"):
+    with pytest.raises(ModelMissingError, match="older lumen-core.*lumen models prepare") as old:
         models.require_model(models.SILERO_VAD, home=tmp_path)
+    assert old.value.stale and not info.value.stale
+
+
+def test_stale_default_model_is_left_out_with_a_warning(tmp_path, monkeypatch, caplog):
+    """After an upgrade that bumps a recipe's revision, the default task of a model prepared
+    by the older lumen-core is left out of the default runtime, and the log says why and what
+    to run (it used to vanish without a word); a model never prepared stays silent."""
+    from lumen_core.tasks import default_task_tables
+
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    directory = models.prepare([models.SILERO_VAD], home=tmp_path)[models.SILERO_VAD]
+    assert "vad" in [t["name"] for t in default_task_tables()]
+    manifest = models.read_manifest(directory)
+    manifest["revision"] = -1
+    (directory / models.MANIFEST_NAME).write_text(json.dumps(manifest))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lumen_core.models"):
+        names = [t["name"] for t in default_task_tables()]
+        assert models.prepared_model(models.MINILM) is None  # not prepared: no warning
+    assert "vad" not in names
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "silero-vad" in warnings[0] and "older lumen-core" in warnings[0]
+    assert "lumen models prepare" in warnings[0] and "left out" in warnings[0]
 
 
 @pytest.mark.parametrize(
