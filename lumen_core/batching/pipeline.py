@@ -85,13 +85,17 @@ class StepSpec:
 class StepStats:
     """Counters of one step (loop thread only)."""
 
-    __slots__ = ("batches", "items", "queue_us", "compute_us", "max_batch")
+    __slots__ = ("batches", "items", "requests", "queue_us", "compute_us", "max_batch")
 
     def __init__(self) -> None:
-        self.batches = self.items = self.queue_us = self.compute_us = self.max_batch = 0
+        self.batches = self.items = self.requests = self.queue_us = self.compute_us = 0
+        self.max_batch = 0
 
     def as_dict(self) -> dict:
-        return {"batches": self.batches, "items": self.items, "queue_us": self.queue_us,
+        """``queue_us`` sums, over the ``requests`` that ran this step, the wait of each one's
+        slowest item in the step's queue (what the step added to that request's queue time)."""
+        return {"batches": self.batches, "items": self.items, "requests": self.requests,
+                "queue_us": self.queue_us,
                 "compute_us": self.compute_us, "max_batch_size": self.max_batch,
                 "mean_batch_size": self.items / self.batches if self.batches else 0.0}
 
@@ -166,6 +170,7 @@ class StepContext:
         self.queue_us += q
         self.compute_us += c
         st.stats.queue_us += q
+        st.stats.requests += 1
         return out
 
 

@@ -134,13 +134,23 @@ class RuntimeCollector:
         ready = GaugeMetricFamily(f"{NAMESPACE}_ready",
                                   "1 when every task is loaded and warmed up.")
         ready.add_metric([], 1.0 if getattr(self.runtime, "ready", False) else 0.0)
+        step_queue = CounterMetricFamily(
+            f"{NAMESPACE}_step_queue_seconds", "Time requests waited in an ensemble step's queue "
+            "(per request, its slowest item's wait), summed; divide by "
+            f"{NAMESPACE}_step_requests_total for the mean per request.", labels=["task", "step"])
+        step_requests = CounterMetricFamily(
+            f"{NAMESPACE}_step_requests", "Requests that ran through an ensemble step.",
+            labels=["task", "step"])
         for name, load in self.runtime.load().items():
             pending.add_metric([name], float(load["pending"]))
             in_flight.add_metric([name], float(load["in_flight"]))
             padding.add_metric([name], float(load["padding_ratio"]))
             if "active_sequences" in load:  # a stateful task
                 active.add_metric([name], float(load["active_sequences"]))
-        yield from (ready, pending, in_flight, padding, active)
+            for step, st in load.get("steps", {}).items():  # an ensemble (batching/pipeline.py)
+                step_queue.add_metric([name, step], st["queue_us"] / 1e6)
+                step_requests.add_metric([name, step], float(st["requests"]))
+        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests)
         caches = self.runtime.cache_stats() if hasattr(self.runtime, "cache_stats") else {}
         if caches:
             yield from _cache_families(caches)

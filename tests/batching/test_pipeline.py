@@ -93,6 +93,8 @@ def test_fan_out_batches_across_requests(tmp_path):
         assert got == pytest.approx(expected(x, k), rel=1e-6)
     stats = pipe.step_stats()
     assert stats["a"]["items"] == 48
+    assert stats["a"]["requests"] == stats["b"]["requests"] == 48  # each request once per step
+    assert stats["b"]["queue_us"] >= 0 and stats["b"]["compute_us"] > 0
     assert stats["b"]["items"] == sum(k for _x, k in reqs)
     # fan-out items of different requests shared batches: more than any request's own k
     assert max(seen["b_batches"]) > 8

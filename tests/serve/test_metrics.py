@@ -63,6 +63,25 @@ def test_observer_series(active):
     assert (("lumen_active_sequences", frozenset({("task", "t")})) in s) is active
 
 
+def test_ensemble_step_queue_series():
+    """Per-step queue time of an ensemble (``load()["steps"]``, batching/pipeline.py) as
+    counters: summed seconds and the requests they cover, per task and step."""
+    steps = {"det": {"batches": 4, "items": 9, "requests": 9, "queue_us": 1_500_000,
+                     "compute_us": 800_000, "max_batch_size": 3, "mean_batch_size": 2.25},
+             "rec": {"batches": 2, "items": 40, "requests": 8, "queue_us": 250_000,
+                     "compute_us": 90_000, "max_batch_size": 24, "mean_batch_size": 20.0}}
+    load = {"pending": 0, "in_flight": 0, "padding_ratio": 0.0, "steps": steps}
+    rt = types.SimpleNamespace(ready=True, load=lambda: {"ocr": load, "t": dict(load, steps={})})
+    s = _samples(PrometheusObserver(rt))
+    m = S.metric
+    assert m(s, "lumen_step_queue_seconds_total", task="ocr", step="det") == pytest.approx(1.5)
+    assert m(s, "lumen_step_queue_seconds_total", task="ocr", step="rec") == pytest.approx(0.25)
+    assert m(s, "lumen_step_requests_total", task="ocr", step="det") == 9
+    assert m(s, "lumen_step_requests_total", task="ocr", step="rec") == 8
+    assert not any(name.startswith("lumen_step_") and dict(labels).get("task") == "t"
+                   for name, labels in s)  # a plain task has no step series
+
+
 def test_each_observer_has_its_own_registry():
     a, b = PrometheusObserver(_fake_runtime(False)), PrometheusObserver(_fake_runtime(False))
     a.request("t", "raw", "ok", 10)
