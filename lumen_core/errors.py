@@ -12,7 +12,7 @@ command that fixes it).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class LumenError(Exception):
@@ -49,6 +49,12 @@ class TaskNotFound(LumenError):
     code = "not_found"
     http_status = 404
     grpc_status = "NOT_FOUND"
+
+    @classmethod
+    def unknown(cls, name: str, served: Any) -> "TaskNotFound":
+        """The error for a task ``name`` that is not among ``served`` (task names)."""
+        return cls(f"unknown task {name!r}; this runtime serves "
+                   f"{', '.join(sorted(served)) or 'no tasks'}", "task")
 
 
 class UnsupportedMediaType(LumenError):

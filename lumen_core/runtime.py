@@ -321,8 +321,7 @@ class Runtime:
         if task is None:
             if self._closing or not self.ready:
                 raise Unavailable("the runtime is not running (starting or shutting down)")
-            raise TaskNotFound(f"unknown task {name!r}; this runtime serves "
-                               f"{', '.join(sorted(self.tasks)) or 'no tasks'}", "task")
+            raise TaskNotFound.unknown(name, self.tasks)
         if self._closing:
             raise Unavailable("the runtime is shutting down; not accepting requests")
         return task
@@ -694,8 +693,7 @@ class Runtime:
     def _task(self, name: str) -> Task:
         task = self.tasks.get(name)
         if task is None:
-            raise TaskNotFound(f"unknown task {name!r}; this runtime serves "
-                               f"{', '.join(sorted(self.tasks)) or 'no tasks'}", "task")
+            raise TaskNotFound.unknown(name, self.tasks)
         return task
 
     def versions(self, task: str) -> list:

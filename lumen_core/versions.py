@@ -338,8 +338,7 @@ class Lifecycle:
     def _set(self, name: str) -> TaskVersions:
         tv = self.sets.get(name)
         if tv is None:
-            raise TaskNotFound(f"unknown task {name!r}; this runtime serves "
-                               f"{', '.join(sorted(self.sets)) or 'no tasks'}", "task")
+            raise TaskNotFound.unknown(name, self.sets)
         return tv
 
     # -- start -------------------------------------------------------------------------------
