@@ -184,3 +184,15 @@ def embedding_only(path, dim: int = 384) -> str:
          helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", "L"])],
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", dim])], [ones])
     return _save(graph, path)
+
+
+def matmul(path, d: int = 16, seed: int = 0) -> str:
+    """The null model: ``y = x @ W`` with ``x`` [N, d] (a 16x16 MatMul costs ORT next to
+    nothing, so what a request costs around it is the runtime's own)."""
+    w = (np.random.default_rng(seed).standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "null",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d])],
+        [numpy_helper.from_array(w, "W")])
+    return _save(graph, path)

@@ -1,0 +1,191 @@
+"""The runtime's own CPU per request, on a null model (issue 24).
+
+A null model (a 16x16 MatMul, one instance with one intra-op thread, batches of 32) costs ORT
+next to nothing, so whatever CPU a request costs is the runtime's: on a GPU this is the figure
+that bounds throughput (the model's work leaves the CPU, the runtime's does not).  Three paths,
+each with ``CALLERS`` in-process callers over the same pre-built requests:
+
+* **floor**: plain asyncio, each caller awaiting one future per request, a server task
+  resolving them 32 at a time (what any awaitable API costs at least);
+* **infer**: ``await rt.infer(req)``;
+* **infer_many**: ``await rt.infer_many(32 requests)``.
+
+The figure is the *process's* CPU time (every thread: event loop, engine worker, ORT's) per
+request, which a noisy box disturbs far less than wall time.  Each round runs the compiled
+twins and the pure-Python ones (``LUMEN_NO_EXTENSIONS=1``) in child processes, one after the
+other, so the rounds interleave; every figure is the median over rounds with its spread.
+
+    python bench/bench_null.py [--rounds 3] [--requests 65536] [--callers 256] [--uvloop]
+    python bench/bench_null.py --child            # one round of the running implementation
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+D = 16
+BATCH = 32
+PATHS = ("floor", "infer", "infer_many")
+
+
+async def _timed(coro_fn, n: int) -> dict:
+    c0, t0 = time.process_time(), time.perf_counter()
+    await coro_fn()
+    dc, dt = time.process_time() - c0, time.perf_counter() - t0
+    return {"cpu_us": dc / n * 1e6, "items_s": n / dt}
+
+
+async def floor(n: int, callers: int) -> dict:
+    """Plain asyncio: ``callers`` coroutines each awaiting one future per request; a server
+    task resolves the waiting futures ``BATCH`` at a time (one wake-up per batch)."""
+    loop = asyncio.get_running_loop()
+    waiting: list = []
+    wake = asyncio.Event()
+    per = n // callers
+    done = [0]
+
+    async def caller() -> None:
+        for _ in range(per):
+            f = loop.create_future()
+            waiting.append(f)
+            if len(waiting) >= BATCH:
+                wake.set()
+            await f
+        done[0] += 1
+        wake.set()
+
+    async def server() -> None:
+        while done[0] < callers:
+            await wake.wait()
+            wake.clear()
+            while len(waiting) >= BATCH or (waiting and done[0] + len(waiting) >= callers):
+                batch = waiting[:BATCH]
+                del waiting[:BATCH]
+                for f in batch:
+                    f.set_result(None)
+                await asyncio.sleep(0)
+
+    async def go() -> None:
+        srv = asyncio.ensure_future(server())
+        await asyncio.gather(*[caller() for _ in range(callers)])
+        wake.set()
+        await srv
+
+    return await _timed(go, per * callers)
+
+
+async def runtime_paths(path: str, reqs: list, callers: int) -> dict:
+    import lumen_core as lc
+
+    cfg = {"tasks": [{"name": "null", "backend": "onnx", "model": path, "instances": 1,
+                      "intra_op_threads": 1,
+                      "batching": {"max_batch_size": BATCH, "max_queue_delay_us": 0,
+                                   "max_queue_size": callers * BATCH * 2}}]}
+    out = {}
+    async with lc.Runtime.from_dict(cfg) as rt:
+        per = len(reqs) // callers
+
+        async def single() -> None:
+            async def caller(k: int) -> None:
+                for r in reqs[k * per:(k + 1) * per]:
+                    await rt.infer(r)
+            await asyncio.gather(*[caller(k) for k in range(callers)])
+
+        gper = len(reqs) // (callers // BATCH or 1)
+
+        async def bulk() -> None:
+            async def caller(k: int) -> None:
+                mine = reqs[k * gper:(k + 1) * gper]
+                for i in range(0, len(mine), BATCH):
+                    await rt.infer_many(mine[i:i + BATCH])
+            # as many items in flight as the single path: callers / 32 groups of 32
+            await asyncio.gather(*[caller(k) for k in range(callers // BATCH or 1)])
+
+        await _timed(single, len(reqs))  # warm-up: lazy imports, arena, ORT's first runs
+        out["infer"] = await _timed(single, per * callers)
+        out["infer_many"] = await _timed(bulk, gper * (callers // BATCH or 1))
+    return out
+
+
+def child(a: argparse.Namespace) -> dict:
+    import onnx_models as M
+
+    import lumen_core as lc
+    from lumen_core import native
+
+    d = tempfile.mkdtemp()
+    path = M.matmul(os.path.join(d, "null.onnx"), D)
+    xs = np.random.default_rng(0).standard_normal((a.requests, D)).astype(np.float32)
+    reqs = [lc.new_infer_request("null").for_tensor_array(xs[i:i + 1], "NC", "none").build()
+            for i in range(a.requests)]
+    run = asyncio.run
+    if a.uvloop:
+        import uvloop
+
+        run = uvloop.run
+    res = {"floor": run(floor(a.requests, a.callers))}
+    res.update(run(runtime_paths(path, reqs, a.callers)))
+    res["compiled"] = all(native.using_extensions().values())
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=65536)
+    ap.add_argument("--callers", type=int, default=256)
+    ap.add_argument("--uvloop", action="store_true")
+    ap.add_argument("--impls", default="c,py", help="which twins: c, py or both")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a)))
+        return
+    impls = a.impls.split(",")
+    runs: dict = {impl: [] for impl in impls}
+    for r in range(a.rounds):
+        for impl in impls:
+            env = dict(os.environ)
+            env.pop("LUMEN_NO_EXTENSIONS", None)
+            if impl == "py":
+                env["LUMEN_NO_EXTENSIONS"] = "1"
+            cmd = [sys.executable, __file__, "--child", "--requests", str(a.requests),
+                   "--callers", str(a.callers)] + (["--uvloop"] if a.uvloop else [])
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            if impl == "c" and not res["compiled"]:
+                raise SystemExit("the compiled extensions are not built: pip install .")
+            runs[impl].append(res)
+            print(f"round {r + 1} {impl:2s}: " + ", ".join(
+                f"{p} {res[p]['cpu_us']:.2f} us ({res[p]['items_s'] / 1000:.1f}k/s)"
+                for p in PATHS), flush=True)
+    load = os.getloadavg()
+    print(f"\nnull model (16x16 MatMul, 1 instance x 1 thread, batches of {BATCH}), "
+          f"{a.callers} callers, {a.requests} requests, "
+          f"{'uvloop' if a.uvloop else 'asyncio'}, {a.rounds} rounds; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print("process CPU per request, median [min-max] over rounds; items/s median")
+    for impl in impls:
+        for p in PATHS:
+            cpu = [x[p]["cpu_us"] for x in runs[impl]]
+            ips = [x[p]["items_s"] for x in runs[impl]]
+            ratio = [x[p]["cpu_us"] / x["floor"]["cpu_us"] for x in runs[impl]]
+            print(f"  {impl:2s} {p:10s} {statistics.median(cpu):6.2f} us "
+                  f"[{min(cpu):.2f}-{max(cpu):.2f}]  {statistics.median(ips) / 1000:7.1f}k/s  "
+                  f"x floor {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]")
+
+
+if __name__ == "__main__":
+    main()
