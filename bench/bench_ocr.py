@@ -1,6 +1,6 @@
 """ocr: images/s of the ``ocr`` task with 8 concurrent callers vs rapidocr's own sequential loop.
 
-Both sides read the same fixture images (``shared/fixtures/ocr``), on the same model files
+Both sides read the same fixture images (``tests/fixtures/ocr``), on the same model files
 (rapidocr 3.10.0's, prepared by ``lumen models prepare``), in one process run, alternating
 ``--runs`` times; the ratio of each run is printed, then the median and the spread.
 
@@ -27,8 +27,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED = pathlib.Path(os.environ.get("LUMEN_SHARED", ROOT / ".." / "shared")).resolve()
-OCR_DIR = SHARED / "fixtures" / "ocr"
+OCR_DIR = ROOT / "tests" / "fixtures" / "ocr"
 MIME = {"png": "image/png", "jpg": "image/jpeg"}
 
 
