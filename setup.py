@@ -1,8 +1,12 @@
-"""Build the compiled hot path: every csrc/_<name>.pyx becomes lumen_core._<name>.
+"""Build the compiled hot path: every csrc/_<name>.pyx becomes lumen_core._<name>, and every
+lumen_core/_<name>.pxd compiles lumen_core/<name>.py into lumen_core._<name>.
 
 The compiled module and its pure-Python twin share a name (``lumen_core._descriptor`` /
 ``lumen_core.descriptor``; see lumen_core/native.py), so the source is named like the module
-it builds.  LUMEN_NO_EXTENSIONS=1 at build time skips compilation (the twins are used).  On
+it builds.  Two kinds of source: a ``csrc/_<name>.pyx`` is C-level code with its own twin
+(buffer protocol, nogil loops); a ``lumen_core/_<name>.pxd`` beside ``lumen_core/<name>.py``
+is Cython's pure-Python mode -- one source, the ``.py``, which is itself the pure twin and is
+compiled with the types the ``.pxd`` declares (the request path's classes).  LUMEN_NO_EXTENSIONS=1 at build time skips compilation (the twins are used).  On
 Linux the extensions are built without debug info and linked stripped (``-g0``, ``-s``).
 """
 import glob
@@ -23,18 +27,31 @@ if os.environ.get("LUMEN_NO_EXTENSIONS", "") not in ("1", "true", "yes"):
     compile_args = ["-O3"] + (["-g0"] if strip else [])
     link_args = ["-s"] if strip else []
 
-    exts = []
+    sources = []
     for pyx in sorted(glob.glob(os.path.join("csrc", "*.pyx"))):
         stem = os.path.splitext(os.path.basename(pyx))[0]
         if not stem.startswith("_"):
             raise SystemExit(f"{pyx}: compiled sources are named csrc/_<name>.pyx after the "
                              f"module lumen_core._<name> they build")
+        sources.append((stem, pyx))
+    for pxd in sorted(glob.glob(os.path.join("lumen_core", "_*.pxd"))):
+        stem = os.path.splitext(os.path.basename(pxd))[0]
+        py = os.path.join("lumen_core", stem[1:] + ".py")
+        if not os.path.isfile(py):
+            raise SystemExit(f"{pxd}: declares the compiled twin of {py}, which does not exist")
+        sources.append((stem, py))
+    print(f"lumen-core: compiling {len(sources)} Cython extensions "
+          f"({', '.join(stem for stem, _ in sources)}); this takes about a minute", flush=True)
+
+    exts = []
+    for stem, src in sources:
         exts.append(
             Extension(
                 f"lumen_core.{stem}",
-                [pyx],
+                [src],
                 depends=sorted(glob.glob(os.path.join("csrc", "*.h"))
-                               + glob.glob(os.path.join("csrc", "*.pxd"))),
+                               + glob.glob(os.path.join("csrc", "*.pxd"))
+                               + glob.glob(os.path.join("lumen_core", "_*.pxd"))),
                 include_dirs=["csrc", numpy.get_include()],
                 extra_compile_args=compile_args,
                 extra_link_args=link_args,

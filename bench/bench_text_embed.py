@@ -102,7 +102,7 @@ def in_process(rt: lc.Runtime, texts: list) -> tuple:
         shared = [0]
         await asyncio.gather(*[caller(shared) for _ in range(CONCURRENCY)])
 
-    asyncio.run_coroutine_threadsafe(main(), rt._loop).result()
+    asyncio.run_coroutine_threadsafe(main(), rt.loop).result()
     after = counters()
 
     def delta(key: str) -> int:

@@ -59,7 +59,6 @@ cdef object _not_contiguous = _py.not_contiguous
 cdef object _slot_mismatch = _py.slot_mismatch
 cdef object _ragged_length = _py.ragged_length
 cdef object _pad_element = _py.pad_element
-cdef object _scatter_count = _py.scatter_count
 # integer kinds accepted for the mask of gather_ragged: the pure twin's MASK_KINDS as C flags
 cdef bint MASK_KIND_OK[256]
 memset(MASK_KIND_OK, 0, sizeof(MASK_KIND_OK))
@@ -312,20 +311,6 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
         return total
     finally:
         s.release()
-
-
-def scatter(batch_out, n) -> list:
-    """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
-    cdef Py_ssize_t i, k
-    cdef list out = []
-    if (isinstance(batch_out, cnp.ndarray) and cnp.PyArray_NDIM(<cnp.ndarray>batch_out) >= 1
-            and type(n) is int and 0 <= n <= cnp.PyArray_DIM(<cnp.ndarray>batch_out, 0)):
-        k = n
-    else:  # cold: an error, or an ``__index__`` count such as numpy.int64
-        k = _scatter_count(batch_out, n)
-    for i in range(k):
-        out.append(batch_out[i, ...])
-    return out
 
 
 def first_non_finite(buf) -> int:

@@ -21,14 +21,13 @@ An item that aliases ``dest`` is copied as if by ``memmove``, in item order.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 #: the twin API (``lumen_core._assemble`` exports the same)
-__all__ = ["first_non_finite", "gather", "gather_ragged", "scatter"]
+__all__ = ["first_non_finite", "gather", "gather_ragged"]
 
 #: integer kinds accepted for the attention-style ``mask`` of ``gather_ragged``
 MASK_KINDS = "iub"
@@ -102,19 +101,6 @@ def pad_element(pad_value: Any, dtype: np.dtype) -> np.ndarray:
     return np.array(pad_value, dtype=dtype)
 
 
-def scatter_count(batch_out: Any, n: Any) -> int:
-    """Check ``scatter``'s arguments; return ``n`` as an int (any ``__index__`` object)."""
-    if not isinstance(batch_out, np.ndarray):
-        raise TypeError(f"batch_out must be a numpy.ndarray, not {type(batch_out).__name__}")
-    if batch_out.ndim < 1:
-        raise ValueError("batch_out must have at least one dimension")
-    n = operator.index(n)
-    if n < 0 or n > batch_out.shape[0]:
-        raise ValueError(f"n={n} is outside 0..{batch_out.shape[0]}")
-    return n
-
-
-# --------------------------------------------------------------------------- buffers
 def _view(item: Any, index: int) -> memoryview:
     """A memoryview of item ``index``, C-contiguous, else the twins' error naming the index."""
     try:
@@ -205,12 +191,6 @@ def gather_ragged(items: Sequence[Any], dest: np.ndarray, mask: np.ndarray | Non
         return sum(lengths)
     finally:
         _release(views)
-
-
-def scatter(batch_out: np.ndarray, n: int) -> list:
-    """Per-item views ``batch_out[i, ...]`` for ``i < n`` (no copies; 0-d views for a 1-D output)."""
-    n = scatter_count(batch_out, n)
-    return [batch_out[i, ...] for i in range(n)]
 
 
 def first_non_finite(buf: Any) -> int:

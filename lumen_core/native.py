@@ -19,7 +19,7 @@ from types import ModuleType
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
 #: the twinned hot-path modules, by name
-NAMES = ("descriptor", "assemble", "image", "notify", "scheduler")
+NAMES = ("descriptor", "assemble", "image", "notify", "messages", "scheduler")
 #: name -> (compiled module, pure-Python twin)
 TWINS = {name: (f"lumen_core._{name}", f"lumen_core.{name}") for name in NAMES}
 

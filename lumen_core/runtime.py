@@ -23,19 +23,17 @@ from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
 from .cache import MISS, ResponseCache
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import KEY_MODEL_VERSION, KEY_TIMEOUT_MS, TensorContract
+from .contract import KEY_MODEL_VERSION, TensorContract
 from .engine.ort import make_instances
 from .errors import (
-    DeadlineExceeded,
     InternalError,
     InvalidArgument,
     LumenError,
-    PayloadTooLarge,
     TaskNotFound,
     Unavailable,
 )
 from .prepare_pool import PreparePool
-from .request import InferRequest, InferResponse, ResponseStats, new_infer_request
+from .request import InferRequest, InferResponse, new_infer_request
 from .scheduler import route_of
 from .tasks import backend_class, default_task_tables
 from .tasks.base import TaskBackend
@@ -64,29 +62,19 @@ class Observer:
         """One finished batch."""
 
 
-class Task:
-    """A loaded version of a task: its backend, engine instances, their runners and the
-    batcher.  ``router`` is None unless the task serves several versions (versions.py);
-    ``holds`` counts requests routed here that are still being prepared off the loop."""
+class Task(native.scheduler.Route):
+    """A loaded version of a task: its dispatch record (``scheduler.Route``: backend,
+    contract, batcher, policy defaults, router, holds, cache) plus what the runtime keeps
+    for it -- its config, engine instances and their runners."""
 
     def __init__(self, config: TaskConfig, backend: TaskBackend, instances: list, runners: list,
                  batcher: Any):
+        b = config.batching
+        super().__init__(config.name, config.model_version, backend, batcher, b.priority_levels,
+                         b.default_priority_level, b.default_timeout_ms)
         self.config = config
-        self.backend = backend
         self.instances = instances
         self.runners = runners
-        self.batcher = batcher
-        #: the response cache ([tasks.cache]) or None
-        self.cache: Optional[ResponseCache] = None
-        b = config.batching
-        # resolved once: the per-request policy check reads plain attributes
-        self.name = config.name
-        self.priority_levels = b.priority_levels
-        self.default_priority = b.default_priority_level or b.priority_levels
-        self.default_timeout_ms = b.default_timeout_ms
-        self.version = config.model_version
-        self.router: Any = None
-        self.holds = 0
 
     @property
     def padding_ratio(self) -> float:
@@ -95,59 +83,62 @@ class Task:
         total = sum(r.stats.get("padded_tokens", 0) for r in self.runners)
         return (total - real) / total if total else 0.0
 
-    def policy(self, desc: Any) -> tuple:
-        """(priority, timeout_ms) of a request: its own values within the task's limits."""
-        priority = desc.priority or self.default_priority
-        if priority > self.priority_levels:
-            raise InvalidArgument(f"lumen.priority must be 1..{self.priority_levels} for task "
-                                  f"{self.name!r}, got {priority}", "lumen.priority")
-        timeout_ms = self.default_timeout_ms
-        if desc.timeout_ms:
-            # a request may only tighten the task's deadline, never extend it
-            timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
-        return priority, timeout_ms
-
-
-class _Pinned:
-    """The runtime as one version's warm-up sees it: its task name reaches that version (and
-    no other), and nothing is observed or traced."""
-
-    _observe = None
-    _trace = None
-    _closing = False
-
-    def __init__(self, rt: "Runtime", task: Task):
-        self._rt = rt
-        self.tasks = {task.name: task}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._rt, name)
-
 
 class Runtime:
     def __init__(self, config: LumenConfig):
         self.config = config
-        self.tasks: dict = {}
         self._observer: Observer = Observer()
-        self._observe = None  # observer.request when a real observer is installed
-        #: ``tracing.Tracing`` when tracing is on ([server] tracing, LUMEN_TRACING), else None;
-        #: set before ``start`` (the batchers get it as their tasks load)
-        self._trace = tracing.from_config(config)
-        self.ready = False
-        self._closing = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
-        self._max_payload = config.server.max_payload_bytes
         self._pool = PreparePool()  # heavy preprocessing: bounded, smallest first, deadlines
+        #: the request path (scheduler.py): the routes, ``infer`` and ``infer_many``
+        self._dispatch = native.scheduler.Dispatcher(config.server.max_payload_bytes, self._pool)
+        #: ``tracing.Tracing`` when tracing is on ([server] tracing, LUMEN_TRACING), else None
+        self._dispatch.trace = tracing.from_config(config)
         #: versions, traffic splits, reloads (versions.py); ``self.tasks`` holds each task's head
         self._lifecycle = Lifecycle(self)
         #: task name -> ResponseCache of the loaded tasks with [tasks.cache]
         self._caches: dict = {}
+        # instance attributes: ``await rt.infer(req)`` calls the compiled dispatcher directly,
+        # with no Python frame between the caller and the request path
+        self.infer = self._dispatch.infer
+        self.infer_many = self._dispatch.infer_many
         if any(tc.cache is not None for tc in config.tasks):
-            # instance attributes: a runtime without caches runs the class's uncached path
-            # untouched (not one extra check per request)
+            # a runtime without caches runs the dispatcher untouched (not one extra check)
             self.infer = self._infer_cached
             self.infer_many = self._infer_many_cached
+
+    @property
+    def tasks(self) -> dict:
+        """Task name -> the loaded head version (a :class:`Task`)."""
+        return self._dispatch.routes
+
+    @property
+    def ready(self) -> bool:
+        """True once every task loaded and warmed up, until ``stop``."""
+        return self._dispatch.ready
+
+    @property
+    def loop(self) -> Optional[asyncio.AbstractEventLoop]:
+        """The event loop the runtime was started on (None before ``start``)."""
+        return self._loop
+
+    @property
+    def closing(self) -> bool:
+        """True while the runtime stops (requests are refused ``Unavailable``)."""
+        return self._dispatch.closing
+
+    @property
+    def tracing(self) -> Optional[tracing.Tracing]:
+        """The runtime's tracing (spans per request and batch), None when tracing is off."""
+        return self._dispatch.trace
+
+    @tracing.setter
+    def tracing(self, value: Optional[tracing.Tracing]) -> None:
+        # the batchers take it as their tasks load: set it before ``start``
+        if self._dispatch.routes:
+            raise RuntimeError("set the runtime's tracing before it starts")
+        self._dispatch.trace = value
 
     @property
     def observer(self) -> Observer:
@@ -156,7 +147,7 @@ class Runtime:
     @observer.setter
     def observer(self, obs: Observer) -> None:
         self._observer = obs
-        self._observe = None if type(obs) is Observer else obs.request
+        self._dispatch.observe = None if type(obs) is Observer else obs.request
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -179,7 +170,7 @@ class Runtime:
     async def start(self) -> None:
         if self.ready:
             return
-        self._closing = False  # a stopped runtime may be started again
+        self._dispatch.closing = False  # a stopped runtime may be started again
         self._loop = asyncio.get_running_loop()
         try:
             # each version loads, starts and warms up; then its task routes to it
@@ -187,11 +178,13 @@ class Runtime:
         except BaseException:
             await self._close_tasks()
             raise
-        self.ready = True
+        self._dispatch.ready = True
         log.info("lumen runtime ready: tasks %s, extensions %s", sorted(self.tasks),
                  native.using_extensions())
 
-    def _load_task(self, tc: TaskConfig) -> Task:
+    def load_task(self, tc: TaskConfig) -> Task:
+        """Build one task version from its config: backend, engine instances, batcher (not
+        started; the lifecycle starts and warms it up before it takes traffic)."""
         try:
             cls = backend_class(tc.backend)
         except KeyError:
@@ -215,9 +208,10 @@ class Runtime:
         else:
             batcher = DynamicBatcher(tc.name, tc.batching, runners, on_batch=on_batch,
                                      **backend.batching_options())
-        if self._trace is not None:
-            self._trace.versions[tc.name] = tc.model_version
-            batcher._trace = self._trace
+        trace = self._dispatch.trace
+        if trace is not None:
+            trace.versions[tc.name] = tc.model_version
+            batcher.trace = trace
         task = Task(tc, backend, instances, runners, batcher)
         if tc.cache is not None:
             if backend.stateful:
@@ -253,10 +247,11 @@ class Runtime:
 
         batcher = build_pipeline(tc.name, tc.batching, backend.steps(), backend.flow,
                                  make_runners, on_batch)
-        if self._trace is not None:  # request spans per ocr request, batch spans per step
-            self._trace.versions[tc.name] = tc.model_version
+        trace = self._dispatch.trace
+        if trace is not None:  # request spans per ocr request, batch spans per step
+            trace.versions[tc.name] = tc.model_version
             for step in batcher.steps.values():
-                step.batcher._trace = self._trace
+                step.batcher.trace = trace
         return Task(tc, backend, instances, batcher.runners, batcher)
 
     def _batch_observer(self, name: str):
@@ -266,28 +261,30 @@ class Runtime:
                 obs.batch(name, n, compute_us)
         return on_batch
 
-    async def _warmup(self, task: Task) -> None:
-        """Run the backend's warm-up requests through the public path, on ``task`` itself (a
-        new version warms up before any traffic can reach it)."""
-        pinned = _Pinned(self, task)
+    async def warmup(self, task: Task) -> None:
+        """Run the backend's warm-up requests through the whole request path, on ``task``
+        itself (a new version warms up before any traffic can reach it), unobserved."""
+        pinned = native.scheduler.Dispatcher(self.config.server.max_payload_bytes, self._pool)
+        pinned.routes = {task.name: task}
+        pinned.ready = True
         for req in task.backend.warmup_requests():
             try:
-                await native.scheduler.infer(pinned, req)
+                await pinned.infer(req)
             except LumenError as exc:
                 raise InternalError(f"warm-up of task {task.config.name!r} failed: {exc}") from exc
 
     async def stop(self) -> None:
         """Stop admitting, drain in-flight work, release sessions and threads."""
-        self._closing = True
+        self._dispatch.closing = True
         # the pool first: what it still holds is refused, and nothing reaches a batcher
         # after that batcher started draining
         await self._lifecycle.stop()
         await asyncio.to_thread(self._pool.stop)
-        self._pool = PreparePool()  # a stopped runtime may be started again
+        self._pool = self._dispatch.pool = PreparePool()  # a stopped runtime may start again
         for task in self._loaded_tasks():
             await task.batcher.drain()
         await self._close_tasks()
-        self.ready = False
+        self._dispatch.ready = False
 
     def _loaded_tasks(self) -> list:
         """Every loaded version of every task (heads, other versions, draining ones), once."""
@@ -298,12 +295,13 @@ class Runtime:
 
     async def _close_tasks(self) -> None:
         for task in self._loaded_tasks():
-            await self._close_task(task)
-        self.tasks = {}
-        self._lifecycle.sets = {}
+            await self.close_task(task)
+        self._dispatch.routes = {}
+        self._lifecycle.forget()
         self._caches = {}
 
-    async def _close_task(self, task: Task) -> None:
+    async def close_task(self, task: Task) -> None:
+        """Close one task version: its batcher (refusing what it still holds) and engines."""
         await task.batcher.close()
         for runner in task.runners:
             await asyncio.to_thread(runner.close)
@@ -316,41 +314,43 @@ class Runtime:
         await self.stop()
 
     # -- inference ------------------------------------------------------------------------
-    def _route(self, name: str) -> Task:
-        task = self.tasks.get(name)
-        if task is None:
-            if self._closing or not self.ready:
-                raise Unavailable("the runtime is not running (starting or shutting down)")
-            raise TaskNotFound.unknown(name, self.tasks)
-        if self._closing:
-            raise Unavailable("the runtime is shutting down; not accepting requests")
-        return task
+    async def infer(self, req: InferRequest) -> InferResponse:  # type: ignore[no-redef]
+        """Run one request: route by task, validate, prepare, queue, await its batch, respond.
 
-    #: ``await rt.infer(req)``: run one request (route by task, validate, prepare, queue, await
-    #: its batch, respond).  The per-request hot path lives in ``lumen_core/scheduler.py`` and
-    #: its compiled twin ``csrc/_scheduler.pyx``; this is whichever ``native`` chose.
-    infer = native.scheduler.infer
+        (Instances call the compiled ``scheduler.Dispatcher.infer`` directly: ``rt.infer`` is
+        an instance attribute bound in ``__init__``; this method documents it.)"""
+        return await self._dispatch.infer(req)
+
+    async def infer_many(self, requests: Sequence[InferRequest]) -> list:  # type: ignore[no-redef]
+        """Run many requests as one group; return, in order, each one's ``InferResponse`` or
+        its ``LumenError`` (an invalid item fails alone; the others still run).
+
+        Every item is still its own request for validation, deadlines, errors and metrics,
+        but the group is admitted per task as a unit (it fits the queue or every item of that
+        task gets the same ``Overloaded``) and costs one future and one wake-up per task, not
+        one per item.  Cancelling the call cancels every item still queued.
+        """
+        return await self._dispatch.infer_many(requests)
 
     async def _infer_cached(self, req: InferRequest) -> InferResponse:
         """``infer`` of a runtime where some task has ``[tasks.cache]`` (cache.py): a cached
         task's request is validated (meta, payload limits, deadline policy) and then answered
         from its cache, by an identical computation already running, or by ``infer``."""
+        dispatch = self._dispatch
         cache = self._caches.get(getattr(req, "task", None))
         if cache is None:
-            return await Runtime.infer(self, req)
-        head = self._route(req.task)
-        router = getattr(head, "router", None)
+            return await dispatch.infer(req)
+        head = dispatch.route(req.task)
+        router = head.router
         # the version that serves this request (a pin, a split), picked once: it is in the
         # key, and the computation runs on exactly that version
         task = router(req.meta) if router is not None else head
-        observe = self._observe
-        t0 = time.perf_counter_ns() if observe is not None else 0
-        route = route_of(req.meta)
+        t0 = time.monotonic_ns()
+        kind = route_of(req.meta)
         where: list = [None]
         try:
-            payload, nbytes = self._payload(req.payload, task.backend)
-            desc = native.descriptor.parse_meta(req.meta, nbytes, task.backend.contract)
-            route = desc.kind
+            desc, payload, _nbytes = dispatch.validate(task, req)
+            kind = desc.kind
             timeout_ms = task.policy(desc)[1]
             key = cache.key(task.version, req.payload_mime, req.meta, payload)
             run = req
@@ -359,25 +359,24 @@ class Runtime:
                 run = InferRequest(req.task, req.payload, req.payload_mime,
                                    {**(req.meta or {}), KEY_MODEL_VERSION: task.version},
                                    req.correlation_id)
-            compute = functools.partial(Runtime.infer, self, run)
+            compute = functools.partial(dispatch.infer, run)
             resp = await cache.fetch(key, req, compute, timeout_ms, where)
         except LumenError as exc:
-            if observe is not None and where[0] != MISS:  # a miss: Runtime.infer observed it
-                observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000, 0, 0,
-                        task.version)
+            if where[0] != MISS:  # a miss: the dispatcher observed it
+                dispatch.observed(task, kind, exc.code, t0, None)
             raise
-        if observe is not None and where[0] != MISS:
-            observe(task.name, route, "ok", (time.perf_counter_ns() - t0) // 1000, 0, 0,
-                    task.version)
+        if where[0] != MISS:
+            dispatch.observed(task, kind, "ok", t0, None)
         return resp
 
     async def _infer_many_cached(self, requests: Sequence[InferRequest]) -> list:
         """``infer_many`` where some task has a cache: items of cached tasks go one by one
         through ``_infer_cached`` (each is its own request there too), the rest as one group."""
         caches = self._caches
+        many = self._dispatch.infer_many
         cached = [i for i, r in enumerate(requests) if getattr(r, "task", None) in caches]
         if not cached:
-            return await Runtime.infer_many(self, requests)
+            return await many(requests)
         out: list = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if getattr(r, "task", None) not in caches]
 
@@ -388,183 +387,11 @@ class Runtime:
                 out[i] = exc
 
         async def group() -> None:
-            for i, res in zip(plain, await Runtime.infer_many(self, [requests[i] for i in plain]),
-                              strict=True):
+            for i, res in zip(plain, await many([requests[i] for i in plain]), strict=True):
                 out[i] = res
 
         await asyncio.gather(*(one(i) for i in cached), *([group()] if plain else []))
         return out
-
-    def _validate(self, task: Task, req: InferRequest) -> tuple:
-        """(descriptor, prepared request or None when it must be prepared off the loop)."""
-        backend = task.backend
-        payload, nbytes = self._payload(req.payload, backend)
-        desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
-        if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
-                and not backend.stateful:
-            return desc, None
-        return desc, self._prepare(task, req, desc, payload)
-
-    def _payload(self, payload: Any, backend: TaskBackend) -> tuple:
-        """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
-        that takes text (its size counted in code points: each is at least one byte)."""
-        if type(payload) is str:
-            if not backend.accepts_text:
-                raise InvalidArgument(f"task {backend.name!r} takes no text input; send its "
-                                      f"input as bytes or a tensor (see /v1/tasks)", "payload")
-            n = len(payload)
-        else:
-            try:
-                payload = memoryview(payload)
-            except TypeError:
-                raise InvalidArgument(f"payload must be a bytes-like buffer, got "
-                                      f"{type(payload).__name__}", "payload") from None
-            if not payload.c_contiguous:
-                raise InvalidArgument("payload buffer must be C-contiguous", "payload")
-            n = payload.nbytes
-        if n > self._max_payload:
-            raise PayloadTooLarge(f"payload is {n} bytes; the limit is {self._max_payload} "
-                                  f"(server.max_payload_bytes)", "payload")
-        return payload, n
-
-    async def _prepare_off_loop(self, task: Task, req: InferRequest, desc: Any, nbytes: int,
-                                timeout_ms: int) -> tuple:
-        """(prepared, timeout left for the queue) for a heavy input, prepared on the bounded
-        pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
-        thread, the preprocessing and then the batch queue."""
-        t0 = time.monotonic_ns()
-        # the version stays loaded until the request is queued on it (versions.py drains it
-        # only once nothing holds it; the caller submits right after this returns)
-        task.holds += 1
-        try:
-            prepared = await self._pool.run(functools.partial(self._prepare, task, req, desc),
-                                            nbytes, timeout_ms)
-        finally:
-            task.holds -= 1
-        if timeout_ms:
-            left = timeout_ms - (time.monotonic_ns() - t0) // 1_000_000
-            if left <= 0:
-                raise DeadlineExceeded(f"deadline of {timeout_ms} ms expired during "
-                                       f"preprocessing", KEY_TIMEOUT_MS)
-            timeout_ms = left
-        return prepared, timeout_ms
-
-    def _prepare(self, task: Task, req: InferRequest, desc: Any, payload: Any = None) -> Any:
-        if payload is None:
-            payload = req.payload if type(req.payload) is str else memoryview(req.payload)
-        try:
-            return task.backend.prepare(req, desc, payload)
-        except LumenError:
-            raise
-        except Exception as exc:
-            raise self._prepare_failed(task, exc) from exc
-
-    @staticmethod
-    def _prepare_failed(task: Task, exc: Exception) -> InternalError:
-        """A backend bug on odd input must not escape as a crash: logged, answered."""
-        log.error("task %s: prepare failed", task.name, exc_info=exc)
-        return InternalError(f"task {task.name!r} failed to prepare the input: {exc}")
-
-    async def infer_many(self, requests: Sequence[InferRequest]) -> list:
-        """Run many requests as one group; return, in order, each one's ``InferResponse`` or
-        its ``LumenError`` (an invalid item fails alone; the others still run).
-
-        Every item is still its own request for validation, deadlines, errors and metrics,
-        but the group is admitted per task as a unit (it fits the queue or every item of that
-        task gets the same ``Overloaded``) and costs one future and one wake-up per task, not
-        one per item.  Cancelling the call cancels every item still queued.
-        """
-        out: list = [None] * len(requests)
-        observe = self._observe
-        t0 = time.perf_counter_ns() if observe is not None else 0
-        per_task: dict = {}
-        held: list = []  # versions holding items until they are queued (versions.py)
-        try:
-            await self._infer_many_prepare(requests, out, per_task, held, t0)
-            submitted = self._infer_many_submit(per_task, out, t0)
-        finally:
-            for task in held:
-                task.holds -= 1
-        try:
-            for _t, _items, group, _e in submitted:
-                await group.future
-        except asyncio.CancelledError:
-            for task, _items, _g, entries in submitted:
-                task.batcher.cancel_group(entries)
-            raise
-        for task, items, _g, entries in submitted:
-            for (i, route, prepared, _spec), e in zip(items, entries, strict=True):
-                res = e.outcome
-                if isinstance(res, LumenError):
-                    out[i] = res
-                    code = res.code
-                else:
-                    req = requests[i]
-                    out[i] = InferResponse(req.correlation_id, req.task, res,
-                                           getattr(res, "meta", None),
-                                           ResponseStats(e.batch_size, e.queue_us, e.compute_us,
-                                                         prepared.length, task.version))
-                    code = "ok"
-                if observe is not None:
-                    observe(task.name, route, code, (time.perf_counter_ns() - t0) // 1000,
-                            e.queue_us, e.compute_us, task.version)
-        return out
-
-    async def _infer_many_prepare(self, requests: Sequence[InferRequest], out: list,
-                                  per_task: dict, held: list, t0: int) -> None:
-        """Validate, route and prepare each item of ``infer_many`` into ``per_task`` (per
-        task version); each version an item is routed to is held until the group is queued."""
-        observe = self._observe
-        for i, req in enumerate(requests):
-            route = route_of(req.meta) if observe is not None and isinstance(req, InferRequest) \
-                else "raw"
-            task = None
-            try:
-                task = self._route(req.task) if isinstance(req, InferRequest) else None
-                if task is None:
-                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
-                                          f"InferRequest", "requests")
-                if task.router is not None:
-                    task = task.router(req.meta)
-                if id(task) not in per_task:
-                    task.holds += 1
-                    held.append(task)
-                    per_task[id(task)] = (task, [])
-                desc, prepared = self._validate(task, req)
-                route = desc.kind
-                priority, timeout_ms = task.policy(desc)
-                if prepared is None:
-                    prepared, timeout_ms = await self._prepare_off_loop(
-                        task, req, desc, self._payload(req.payload, task.backend)[1], timeout_ms)
-            except LumenError as exc:
-                out[i] = exc
-                if observe is not None and task is not None:
-                    observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000,
-                            0, 0, task.version)
-                continue
-            per_task[id(task)][1].append(
-                (i, route, prepared, (prepared, desc, priority, timeout_ms)))
-
-    def _infer_many_submit(self, per_task: dict, out: list, t0: int) -> list:
-        """Queue each version's items of ``infer_many`` as one group."""
-        observe = self._observe
-        submitted: list = []
-        for task, items in per_task.values():
-            if not items:
-                continue
-            try:
-                group, entries = task.batcher.submit_many([it[3] for it in items])
-            except LumenError as exc:
-                for i, route, _p, _s in items:
-                    out[i] = exc
-                    if observe is not None:
-                        observe(task.name, route, exc.code, (time.perf_counter_ns() - t0) // 1000,
-                                0, 0, task.version)
-                continue
-            submitted.append((task, items, group, entries))
-            if self._trace is not None:
-                self._trace.admitted_group(task, [it[1] for it in items], entries, group)
-        return submitted
 
     # -- model lifecycle: versions, traffic, reload (lumen_core/versions.py) ---------------
     async def reload(self, task: Optional[str] = None) -> dict:
@@ -653,15 +480,7 @@ class Runtime:
 
     def infer_sync(self, req: InferRequest) -> InferResponse:
         """Blocking ``infer`` for threads other than the runtime's loop."""
-        loop = self._loop
-        if loop is None or not self.ready:
-            raise Unavailable("start the runtime first (`with rt:` or `async with rt:`)")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            raise RuntimeError("infer_sync called on the runtime's own event loop; use `await rt.infer(req)`")
+        loop = self._sync_loop()
         return asyncio.run_coroutine_threadsafe(self.infer(req), loop).result(SYNC_WAIT_S)
 
     def infer_many_sync(self, requests: Sequence[InferRequest]) -> list:

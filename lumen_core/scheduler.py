@@ -1,30 +1,73 @@
-"""The scheduler's per-request hot path (pure-Python twin of ``csrc/_scheduler.pyx``).
+# cython: annotation_typing=False
+"""The request path's typed homes: what every request touches, in one module compiled as C.
 
-What every request pays on the event loop, in one place so it can be compiled: the queue
-entry, admission into a dynamic batcher, answering a caller, delivering a finished batch, and
-``Runtime.infer`` itself (validate -> prepare -> submit -> await -> respond).  Everything
-around it (formation, deadlines, cancellation, sequences) stays in ``batching/``; this module
-holds no policy of its own, only the straight-line code those modules would otherwise run per
-request.  Both twins behave alike (tests run against both); the compiled one exists because
-this glue is most of the runtime's per-request cost (``bench/bench_scheduler.py``).
+One source, two builds.  Cython compiles this file with the declarations of
+``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the classes
+below become ``cdef class``es with C fields, their methods C calls, and ``Dispatcher.infer`` a C
+coroutine.  Run as plain Python (``LUMEN_NO_EXTENSIONS=1``, or no compiler) the same file is the
+pure-Python twin.  Nothing here is written twice.
+
+The homes, in the order a request meets them:
+
+- :class:`Route` -- a task version's dispatch record: its batcher, contract, preparation and
+  deadline/priority defaults, resolved once at load;
+- :class:`Dispatcher` -- the runtime's table of routes and ``infer`` / ``infer_many``: route,
+  validate (``native.descriptor``), prepare, admit, await, respond;
+- :class:`Prepared` -- a request ready for batching (execution signature, payload buffers);
+  :class:`DenseTensor` prepares the common dense tensor route without a Python frame;
+- :class:`Admission` -- a batcher's admission state: its lock, counters, the signature queues
+  of a dynamic batcher, the idle workers, and every deadline of the batcher in one heap with
+  one loop timer for the earliest (as Triton's ``PolicyQueue``), not a timer per request;
+- :class:`SignatureQueue` -- one execution signature's queue, one FIFO per priority level;
+- :class:`Entry` / :class:`Group` -- a queued request and who waits for it;
+- :class:`Rows` -- a finished batch's outputs, split once: a request's result is its row.
+
+``batching/policy.py`` builds the batchers' shared policy on :class:`Admission` (draining,
+closing, start-up), ``batching/dynamic.py`` and ``batching/sequence.py`` their formation.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import heapq
+import logging
 import time
-from typing import Any
+from collections import deque as _deque
+from threading import Lock as _Lock
+from typing import Any, Callable, Optional, Sequence
 
 from . import native
-from .contract import KEY_INPUT_KIND
-from .descriptor import KIND_TENSOR
-from .errors import LumenError
-from .request import InferResponse, ResponseStats
+from .contract import KEY_INPUT_KIND, KEY_TIMEOUT_MS
+from .errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    Overloaded,
+    PayloadTooLarge,
+    TaskNotFound,
+    Unavailable,
+)
+from .request import InferRequest, InferResponse
 
-#: the twin API (the constants QUEUED, RUNNING, DONE and UNSET are shared module attributes)
-__all__ = ["Entry", "Group", "answer", "deliver", "enqueue", "infer"]
+log = logging.getLogger("lumen.batching")
 
-#: entry states (see ``batching/policy.py``)
+#: the twin API (``lumen_core._scheduler`` exports the same names)
+__all__ = ["Admission", "DenseTensor", "Dispatcher", "Entry", "Group", "Prepared", "Route",
+           "Rows", "SignatureQueue", "answer", "deliver", "route_of"]
+
+#: entry states: queued -> running (taken into a batch, under the batcher's lock) -> done
 QUEUED, RUNNING, DONE = 0, 1, 2
+#: Retry-After hint (seconds) sent with ``Overloaded``
+OVERLOAD_RETRY_AFTER_S = 1
+#: the deadline error's field
+DEADLINE_FIELD = KEY_TIMEOUT_MS
+#: the deadline heap is rebuilt without answered entries once it holds this many and at least
+#: twice what it held after the last rebuild (answered entries leave it lazily)
+DEADLINE_COMPACT_MIN = 256
+#: the metrics routes a request may take
+RAW, TENSOR = "raw", "tensor"
 
 
 class _Unset:
@@ -38,41 +81,44 @@ class _Unset:
 UNSET: Any = _Unset()
 
 _Future = asyncio.Future
+_CancelledError = asyncio.CancelledError
 _monotonic_ns = time.monotonic_ns
 _perf_ns = time.perf_counter_ns
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+_respond = native.messages.respond
 
 
+# ------------------------------------------------------------------------------ entries
 class Group:
-    """One future for several entries (``infer_many``): resolves when all are answered."""
+    """One future for several entries (``infer_many``, a pipeline step's items): it resolves
+    once every entry is answered; each entry's ``outcome`` holds its own result or error."""
 
-    __slots__ = ("future", "remaining", "timers")
+    __slots__ = ("future", "remaining")
 
     def __init__(self, future: asyncio.Future, n: int):
         self.future = future
         self.remaining = n
-        self.timers: list = []  # deadline timers shared by the group's entries
 
     def one_done(self) -> None:
         self.remaining -= 1
-        if self.remaining == 0:
-            for t in self.timers:
-                t.cancel()
-            if not self.future.done():
-                self.future.set_result(None)
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(None)
 
 
 class Entry:
-    """A queued request: the item, who waits for it (an asyncio future or a ``Group``), its
-    timing, and once answered its ``outcome`` (result or ``LumenError``).
+    """A queued request: the item, who waits for it (a future or a :class:`Group`), its
+    timing, and once answered its ``outcome`` (a result, :class:`Rows` with ``row``, or a
+    ``LumenError``).
 
-    ``queue`` is the formation structure holding it (a dynamic batcher's signature queue);
-    ``seq``, ``start``, ``end`` and ``was_open`` are the sequence batcher's; ``span`` the
-    request's tracing span (None unless tracing is on).
+    ``queue`` is the dynamic batcher's :class:`SignatureQueue` holding it; ``seq``, ``start``,
+    ``end`` and ``was_open`` are the sequence batcher's; ``span`` the request's tracing span
+    (None unless tracing is on); ``route``, ``kind`` and ``t0`` the dispatcher's.
     """
 
     __slots__ = ("item", "waiter", "priority", "arrival_ns", "dispatch_ns", "deadline_ns",
-                 "timer", "state", "outcome", "batch_size", "compute_us", "queue", "seq",
-                 "start", "end", "was_open", "span")
+                 "state", "outcome", "row", "batch_size", "compute_us", "queue", "seq", "start",
+                 "end", "was_open", "span", "route", "kind", "t0")
 
     def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
                  queue: Any = None, deadline_ns: int = 0):
@@ -82,9 +128,9 @@ class Entry:
         self.arrival_ns = arrival_ns
         self.dispatch_ns = 0
         self.deadline_ns = deadline_ns
-        self.timer = None
         self.state = QUEUED
         self.outcome = UNSET
+        self.row = -1
         self.batch_size = 0
         self.compute_us = 0
         self.queue = queue
@@ -92,11 +138,26 @@ class Entry:
         self.start = False
         self.end = False
         self.was_open = True
-        self.span = None  # the request's OTel span when tracing is on (tracing.py)
+        self.span = None
+        self.route = None  # the Route (task version) the Dispatcher admitted it for
+        self.kind = RAW  # its metrics route
+        self.t0 = 0  # when the Dispatcher took it (monotonic ns; observed requests only)
 
     @property
     def queue_us(self) -> int:
         return (self.dispatch_ns - self.arrival_ns) // 1000 if self.dispatch_ns else 0
+
+    @property
+    def timeout_ms(self) -> int:
+        """The deadline the entry was admitted with (0: none)."""
+        return (self.deadline_ns - self.arrival_ns) // 1_000_000 if self.deadline_ns else 0
+
+    def result(self) -> Any:
+        """The answered result as a mapping of outputs (a batch row is split out here)."""
+        out = self.outcome
+        if type(out) is Rows:
+            return out.row(self.row)
+        return out
 
 
 def answer(e: Entry, outcome: Any) -> None:
@@ -105,10 +166,6 @@ def answer(e: Entry, outcome: Any) -> None:
         return
     e.state = DONE
     e.outcome = outcome
-    timer = e.timer
-    if timer is not None:
-        e.timer = None
-        timer.cancel()
     w = e.waiter
     if type(w) is Group:
         w.one_done()
@@ -119,10 +176,21 @@ def answer(e: Entry, outcome: Any) -> None:
             w.set_result(outcome)
 
 
-def deliver(entries: list, results: list, compute_us: int) -> None:
-    """Answer every entry of a finished batch that is still unanswered."""
-    n = len(entries)  # one result per entry: run_split guarantees it
-    for i in range(n):
+def deliver(entries: list, results: Any, compute_us: int) -> None:
+    """Answer every entry of a finished batch that is still unanswered: with its own result,
+    or (``results`` a :class:`Rows`) with the batch's outputs and its row."""
+    n = len(entries)
+    i = 0
+    if type(results) is Rows:
+        for i in range(n):
+            e = entries[i]
+            if e.outcome is UNSET:
+                e.batch_size = n
+                e.compute_us = compute_us
+                e.row = i
+                answer(e, results)
+        return
+    for i in range(n):  # one result per entry: run_split guarantees it
         e = entries[i]
         if e.outcome is UNSET:
             e.batch_size = n
@@ -130,101 +198,835 @@ def deliver(entries: list, results: list, compute_us: int) -> None:
             answer(e, results[i])
 
 
+class Rows:
+    """A finished batch's outputs, split once for the whole batch: item ``i``'s result is
+    ``{name: array[i]}`` (made only when someone reads it, :meth:`row`)."""
+
+    __slots__ = ("arrays", "n")
+
+    def __init__(self, arrays: dict, n: int):
+        self.arrays = arrays
+        self.n = n
+
+    def row(self, i: int) -> dict:
+        # views, never copies (a batch's outputs are never recycled); 0-d for a 1-D output
+        return {k: v[i, ...] for k, v in self.arrays.items()}
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# ------------------------------------------------------------------------------ items
+class Prepared:
+    """One request ready for batching (``engine.plan.PreparedModelRequest``).
+
+    ``signature`` is the execution signature: only items with equal signatures share a batch.
+    ``tensors`` holds the per-input payload buffers (indexed by the plan's ``slot``),
+    ``item_shape`` the per-item shape of dense inputs (no batch axis), ``length`` the token
+    count of ragged inputs (length-aware batching).
+    """
+
+    __slots__ = ("signature", "tensors", "item_shape", "length")
+
+    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0):
+        self.signature = signature
+        self.tensors = tensors
+        self.item_shape = item_shape
+        self.length = length
+
+
+class DenseTensor:
+    """The tensor route of a model with one dense input, prepared in C: the payload is the
+    item, under the signature of its (dtype, per-item shape, preprocess id).
+
+    ``make_signature(dtype, item_shape, preprocess_id)`` builds a signature the first time a
+    combination is seen; at most ``max_cached`` are remembered.
+    """
+
+    __slots__ = ("make_signature", "signatures", "max_cached")
+
+    def __init__(self, make_signature: Callable[..., Any], max_cached: int = 256):
+        self.make_signature = make_signature
+        self.signatures = {}
+        self.max_cached = max_cached
+
+    def prepare(self, desc: Any, payload: Any) -> Prepared:
+        item_shape = desc.shape[1:]
+        key = (desc.dtype, item_shape, desc.preprocess_id)
+        sig = self.signatures.get(key)
+        if sig is None:
+            sig = self.make_signature(desc.dtype, item_shape, desc.preprocess_id, desc.layout)
+            if len(self.signatures) < self.max_cached:
+                self.signatures[key] = sig
+        return Prepared(sig, (payload,), item_shape, 0)
+
+
+# ------------------------------------------------------------------------------ queues
+class SignatureQueue:
+    """Requests of one execution signature: one FIFO per priority level (index 0 = highest).
+    Only touched under the batcher's lock."""
+
+    __slots__ = ("signature", "levels", "live")
+
+    def __init__(self, signature: Any, levels: int):
+        self.signature = signature
+        self.levels = [_deque() for _ in range(levels)]
+        self.live = 0
+
+    def head(self) -> Optional[Entry]:
+        """The oldest live entry of the highest non-empty level (dead ones are dropped)."""
+        for level in self.levels:
+            while level and level[0].state != QUEUED:
+                level.popleft()
+            if level:
+                return level[0]
+        return None
+
+    def take(self, n: int, now: int, policy: "Admission") -> list:
+        """Pop up to ``n`` live entries, highest priority first, FIFO within a level, and mark
+        them running; an entry past its deadline is killed instead (never run)."""
+        out = []
+        k = 0
+        for level in self.levels:
+            while level and k < n:
+                e = level.popleft()
+                if e.state == QUEUED:
+                    if e.deadline_ns and e.deadline_ns <= now:
+                        policy.kill(e)
+                    else:
+                        e.state = RUNNING
+                        e.dispatch_ns = now
+                        out.append(e)
+                        k += 1
+            if k == n:
+                break
+        self.live -= k
+        return out
+
+
+# ------------------------------------------------------------------------------ admission
+class Admission:
+    """A batcher's admission state and the policy every request meets on the loop thread:
+    admission (``max_queue_size``), the signature queues of a dynamic batcher, waking an idle
+    worker when a batch can form, deadlines, cancellation and the delivery of finished
+    batches.  ``batching/policy.QueuePolicy`` adds the life cycle (start, drain, close).
+
+    Threads: ``lock`` guards the queues, the counters and entry states; workers take batches
+    under it.  Deadlines: every deadline of the batcher sits in one heap (``deadlines``) with
+    one loop timer for the earliest; an entry answered before its deadline leaves the heap
+    lazily.  An idle worker waits on its own lock (:meth:`wait_for_work`); a request wakes one
+    only when it makes a batch formable: the first pending request, a queue reaching its
+    ready size, or any request when ``max_queue_delay_us`` is 0.
+    """
+
+    __slots__ = ("name", "max_queue_size", "levels", "lock", "pending", "running", "closed",
+                 "stopping", "started", "loop", "queues", "idle", "delay_ns", "ready_live",
+                 "deadlines", "deadline_count", "compact_at", "timer", "timer_ns", "trace",
+                 "on_batch", "idle_event")
+
+    def __init__(self, name: str, max_queue_size: int, levels: int = 1, delay_ns: int = 0,
+                 ready_live: int = 1, on_batch: Optional[Callable[[int, int], None]] = None):
+        self.name = name
+        self.max_queue_size = max_queue_size
+        self.levels = levels
+        self.lock = _Lock()
+        self.pending = 0  # live queued requests (admission)
+        self.running = 0  # batches in flight
+        self.closed = False
+        self.stopping = False
+        self.started = False
+        self.loop = None
+        self.queues = {}
+        self.idle = []  # the wake locks of workers waiting for work
+        self.delay_ns = delay_ns
+        self.ready_live = ready_live  # a queue this long forms a batch without waiting
+        self.deadlines = []
+        self.deadline_count = 0
+        self.compact_at = DEADLINE_COMPACT_MIN
+        self.timer = None
+        self.timer_ns = 0
+        self.trace = None  # the runtime's tracing.Tracing when tracing is on
+        self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
+        self.idle_event = None  # asyncio.Event while somebody drains
+
+    # -- admission (loop thread) ------------------------------------------------------------
+    def admit(self, n: int) -> None:
+        """Raise the precise error when ``n`` more requests cannot be admitted now."""
+        if self.closed:
+            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
+        if n > self.max_queue_size:
+            # a group larger than the whole queue can never be admitted: not retryable
+            raise InvalidArgument(f"{n} inputs in one call exceed task {self.name!r}'s queue "
+                                  f"(batching.max_queue_size = {self.max_queue_size}); send at "
+                                  f"most {self.max_queue_size} per call or raise max_queue_size",
+                                  "input")
+        if self.pending + n > self.max_queue_size:
+            raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
+                             f"retry later", None, OVERLOAD_RETRY_AFTER_S)
+
+    def submit(self, item: Any, desc: Any = None, priority: int = 1,
+               timeout_ms: int = 0) -> Entry:
+        """Admit ``item`` (it has ``.signature``) into its signature queue; raise at once when
+        closed or full.  ``desc`` (the request's descriptor) is the sequence batcher's."""
+        if not self.started:
+            self.start()
+        if not 1 <= priority <= self.levels:
+            raise ValueError(f"priority must be 1..{self.levels}")
+        now = _monotonic_ns()
+        sig = item.signature
+        e = Entry(item, _Future(loop=self.loop), priority, now, None,
+                  now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+        lock = self.lock
+        lock.acquire()
+        try:
+            if self.closed or self.pending >= self.max_queue_size:
+                self.admit(1)
+            self.enqueue(e, sig)
+            self.pending += 1
+            self.wake_if_formable(e.queue)
+        finally:
+            lock.release()
+        if timeout_ms > 0:
+            self.arm(e)
+        return e
+
+    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+        """Admit a group ``[(item, desc, priority, timeout_ms), ...]`` as a unit (all or
+        none); return ``(group, entries)``: ``group.future`` resolves once every entry is
+        answered, each entry's ``outcome`` holds its result or error."""
+        if not self.started:
+            self.start()
+        n = len(specs)
+        group = Group(_Future(loop=self.loop), n)
+        entries = []
+        if not n:
+            group.future.set_result(None)
+            return group, entries
+        now = _monotonic_ns()
+        sigs = []
+        for spec in specs:  # signatures and priorities first: raise before anything queues
+            item, _desc, priority, timeout_ms = spec
+            if not 1 <= priority <= self.levels:
+                raise ValueError(f"priorities must be 1..{self.levels}")
+            sigs.append(item.signature)
+            entries.append(Entry(item, group, priority, now, None,
+                                 now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0))
+        lock = self.lock
+        lock.acquire()
+        try:
+            self.admit(n)
+            for k in range(n):
+                self.enqueue(entries[k], sigs[k])
+            self.pending += n
+            self.wake_if_formable(None)
+        finally:
+            lock.release()
+        for e in entries:
+            if e.deadline_ns:
+                self.arm(e)
+        return group, entries
+
+    def enqueue(self, e: Entry, sig: Any) -> None:
+        """Under the lock: queue ``e`` in the signature queue of ``sig``."""
+        q = self.queues.get(sig)
+        if q is None:
+            q = self.queues[sig] = SignatureQueue(sig, self.levels)
+        q.levels[e.priority - 1].append(e)
+        q.live += 1
+        e.queue = q
+
+    def wake_if_formable(self, q: Optional[SignatureQueue]) -> None:
+        """Under the lock, after admitting into ``q`` (None: several queues): wake one idle
+        worker if a batch can form now or a worker must start timing the queue delay."""
+        if self.idle and (self.delay_ns == 0 or q is None or self.pending == 1
+                          or q.live >= self.ready_live):
+            self.idle.pop().release()
+
+    def wake_all(self) -> None:
+        """Under the lock: wake every idle worker (closing, or work they must re-examine)."""
+        idle = self.idle
+        while idle:
+            idle.pop().release()
+
+    def wait_for_work(self, wake: Any, timeout: float, idle: list) -> None:
+        """Worker thread, holding the lock: wait (the lock released) until a request wakes
+        this worker through its own lock ``wake`` (held by it while it is not waiting) or
+        ``timeout`` seconds pass (-1: no limit); return holding the lock again.  ``idle`` is
+        the list a waker pops it from (``self.idle``; a sequence lane keeps its own)."""
+        idle.append(wake)
+        lock = self.lock
+        lock.release()
+        try:
+            got = wake.acquire(True, timeout)
+        finally:
+            lock.acquire()
+        if not got:
+            try:
+                idle.remove(wake)  # timed out, nobody woke it
+            except ValueError:  # woken just after the timeout: take back the release
+                wake.acquire(False)
+
+    # -- dead entries (under the lock) -------------------------------------------------------
+    def kill(self, e: Entry) -> None:
+        """Under the lock: a queued entry dies (it never runs)."""
+        e.state = DONE
+        self.pending -= 1
+        self.unqueue(e)
+
+    def unqueue(self, e: Entry) -> None:
+        """Under the lock: drop a dead entry from the formation structures (it leaves its
+        deque lazily); the sequence batcher overrides this."""
+        q = e.queue
+        if q is not None:
+            q.live -= 1
+
+    # -- deadlines (loop thread) -----------------------------------------------------------
+    def arm(self, e: Entry) -> None:
+        """Put ``e``'s deadline in the heap; re-arm the one timer when it is the earliest."""
+        self.deadline_count += 1
+        _heappush(self.deadlines, (e.deadline_ns, self.deadline_count, e))
+        if len(self.deadlines) >= self.compact_at:
+            self.deadlines = [d for d in self.deadlines if d[2].outcome is UNSET]
+            heapq.heapify(self.deadlines)
+            self.compact_at = max(DEADLINE_COMPACT_MIN, 2 * len(self.deadlines))
+        if self.timer is None or e.deadline_ns < self.timer_ns:
+            self.set_timer(e.deadline_ns)
+
+    def set_timer(self, at_ns: int) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_ns = at_ns
+        self.timer = self.loop.call_later(max(0, at_ns - _monotonic_ns()) / 1e9,
+                                          self.expire_due)
+
+    def expire_due(self) -> None:
+        """The timer: answer every entry whose deadline has passed, then re-arm."""
+        self.timer = None
+        heap = self.deadlines
+        now = _monotonic_ns()
+        expired = False
+        while heap and heap[0][0] <= now:
+            e = _heappop(heap)[2]
+            if e.outcome is UNSET:
+                self.expire(e)
+                expired = True
+        while heap and heap[0][2].outcome is not UNSET:
+            _heappop(heap)
+        if heap:
+            self.set_timer(heap[0][0])
+        if expired:
+            self.maybe_idle()
+
+    def expire(self, e: Entry) -> None:
+        """``e``'s deadline passed: it dies if still queued; its caller gets the error now
+        (a running entry reached the model: its batch's late result is dropped)."""
+        lock = self.lock
+        lock.acquire()
+        state = e.state
+        if state == QUEUED:
+            self.kill(e)
+        lock.release()
+        # DONE here: formation already dropped it for its deadline, before it could run
+        where = "while its batch was running" if state == RUNNING else "in the queue"
+        answer(e, DeadlineExceeded(f"deadline of {e.timeout_ms} ms expired {where}",
+                                   DEADLINE_FIELD))
+
+    def stop_timer(self) -> None:
+        """Loop thread, at close: no more deadline callbacks."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    # -- cancellation (loop thread) --------------------------------------------------------
+    def cancel(self, entry: Entry) -> None:
+        """The caller went away: drop a queued entry (a running one finishes unseen)."""
+        if entry.outcome is not UNSET:
+            return
+        lock = self.lock
+        lock.acquire()
+        if entry.state == QUEUED:
+            self.kill(entry)
+        lock.release()
+        answer(entry, Cancelled("the request was cancelled by its caller"))
+        w = entry.waiter
+        if type(w) is not Group and w.done() and not w.cancelled():
+            w.exception()  # a caller that went away never reads it: no "never retrieved" log
+        self.maybe_idle()
+
+    def cancel_group(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            self.cancel(e)
+
+    def refuse(self, entries: Sequence[Entry]) -> None:
+        """Loop thread: answer entries a closing batcher will never run."""
+        for e in entries:
+            answer(e, Unavailable(f"task {self.name!r} shut down before this request ran"))
+        self.maybe_idle()
+
+    # -- delivery (loop thread, one call per finished batch) ---------------------------------
+    def deliver_batch(self, entries: list, results: Any, compute_us: int) -> None:
+        lock = self.lock
+        lock.acquire()
+        self.running -= 1
+        lock.release()
+        if type(results) is not list and type(results) is not Rows:
+            # the worker itself failed: every item gets it
+            err = results if isinstance(results, LumenError) else InternalError(
+                f"worker failed: {results}")
+            results = [err] * len(entries)
+        # entries answered already (expired or cancelled while running) are skipped
+        deliver(entries, results, compute_us)
+        if self.trace is not None:  # the batch span, here on the loop: workers do no OTel work
+            try:
+                self.trace.batch(self.name, entries, compute_us)
+            except Exception:  # a tracing bug must never strand the batch's callers
+                log.exception("batch tracing failed")
+        if self.on_batch is not None:
+            try:
+                self.on_batch(len(entries), compute_us)
+            except Exception:  # a metrics bug must never strand the batch's callers
+                log.exception("batch observer failed")
+        if self.idle_event is not None:
+            self.maybe_idle()
+
+    def maybe_idle(self) -> None:
+        if self.idle_event is not None and not self.pending and not self.running:
+            self.idle_event.set()
+
+    # -- what subclasses provide -------------------------------------------------------------
+    def start(self, loop: Any = None) -> None:  # pragma: no cover - QueuePolicy's
+        raise NotImplementedError
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Batches running now."""
+        return self.running
+
+
+# ------------------------------------------------------------------------------ routing
 def route_of(meta: Any) -> str:
     """The metrics route a request claims (``tensor`` or ``raw``), before it is validated."""
     kind = meta.get(KEY_INPUT_KIND) if isinstance(meta, dict) else None
-    return "tensor" if kind == KIND_TENSOR else "raw"
+    return TENSOR if kind == TENSOR else RAW
 
 
-def enqueue(b: Any, item: Any, priority: int, timeout_ms: int) -> Entry:
-    """Admit ``item`` into dynamic batcher ``b`` (loop thread); raise at once when the
-    batcher is closed or full.  The deadline timer is ``b``'s to arm."""
-    now = _monotonic_ns()
-    sig = item.signature
-    with b.lock:
-        if b._closed or b._pending >= b.max_queue_size:
-            b._admit(1)  # raises the precise error
-        q = b._queues.get(sig)
-        if q is None:
-            q = b._new_queue(sig)
-        e = Entry(item, _Future(loop=b._loop), priority, now, q,
-                  now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
-        q.levels[priority - 1].append(e)
-        q.live += 1
-        b._pending += 1
-        if b._waiting:
-            b._cond.notify()
-    if timeout_ms > 0:
-        b._arm_deadline((e,), timeout_ms)
-    return e
+class Route:
+    """A loaded task version as the request path sees it, resolved once at load: the
+    backend's contract and preparation, the batcher, the priority and deadline defaults.
 
-
-async def infer(rt: Any, req: Any) -> InferResponse:
-    """``Runtime.infer``: route by task, validate, prepare, queue, await the batch, respond.
-
-    The common case (a C-contiguous buffer within the payload limit, prepared inline, no
-    observer) runs straight through; every other case calls back into the Runtime, which
-    accepts or explains.
+    ``router`` is None unless the task serves several versions (``versions.Router`` picks
+    one per request); ``holds`` counts requests routed here that are still being prepared off
+    the loop (a version is unloaded only once nothing holds it); ``cache`` is the task's
+    ``ResponseCache`` or None.
     """
-    task = rt.tasks.get(req.task)
-    if task is None or rt._closing:
-        task = rt._route(req.task)
-    observe = rt._observe
-    t0 = _perf_ns() if observe is not None else 0
-    route = "raw"
-    if observe is not None:  # a request refused before its descriptor parses keeps its route
-        route = route_of(req.meta)
-    try:
-        if task.router is not None:  # several versions: a pin or the split picks (versions.py)
-            task = task.router(req.meta)
-        backend = task.backend
+
+    __slots__ = ("name", "version", "backend", "contract", "batcher", "router", "holds", "cache",
+                 "priority_levels", "default_priority", "default_timeout_ms", "dense",
+                 "off_loop", "inline_max", "stateful")
+
+    def __init__(self, name: str, version: str, backend: Any, batcher: Any,
+                 priority_levels: int = 1, default_priority: int = 0,
+                 default_timeout_ms: int = 0):
+        self.name = name
+        self.version = version
+        self.backend = backend
+        self.contract = backend.contract
+        self.batcher = batcher
+        self.router = None
+        self.holds = 0
+        self.cache = None
+        self.priority_levels = priority_levels
+        self.default_priority = default_priority or priority_levels
+        self.default_timeout_ms = default_timeout_ms
+        dense = getattr(backend, "dense_tensor", None)
+        self.dense = dense() if dense is not None else None
+        self.stateful = bool(backend.stateful)
+        # stateful tasks are admitted in arrival order, inline: never off the loop
+        self.off_loop = bool(backend.prepare_off_loop) and not self.stateful
+        self.inline_max = -1 if self.stateful else backend.inline_prepare_max_bytes
+
+    def policy(self, desc: Any) -> tuple:
+        """(priority, timeout_ms) of a request: its own values within the task's limits."""
+        priority = desc.priority or self.default_priority
+        if priority > self.priority_levels:
+            raise InvalidArgument(f"lumen.priority must be 1..{self.priority_levels} for task "
+                                  f"{self.name!r}, got {priority}", "lumen.priority")
+        timeout_ms = self.default_timeout_ms
+        if desc.timeout_ms:
+            # a request may only tighten the task's deadline, never extend it
+            timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
+        return priority, timeout_ms
+
+    def prepares_off_loop(self, nbytes: int) -> bool:
+        """True when a payload of ``nbytes`` is prepared on the bounded pool."""
+        return self.off_loop or (self.inline_max >= 0 and nbytes > self.inline_max)
+
+    def prepare(self, req: Any, desc: Any, payload: Any) -> Any:
+        """The prepared item of ``req`` (its descriptor ``desc``, its payload buffer): the
+        dense tensor route in C, anything else by the backend; a backend bug on odd input is
+        logged and answered ``InternalError``, never a crash."""
+        dense = self.dense
+        if dense is not None and desc.kind == TENSOR:
+            return dense.prepare(desc, payload)
         try:
-            payload = memoryview(req.payload)
-            nbytes = payload.nbytes
-            if nbytes > rt._max_payload or not payload.c_contiguous:
-                raise TypeError
-        except TypeError:
-            payload, nbytes = rt._payload(req.payload, backend)
-        desc = native.descriptor.parse_meta(req.meta, nbytes, backend.contract)
-        route = desc.kind
-        if desc.priority or desc.timeout_ms:
-            priority, timeout_ms = task.policy(desc)
-        else:
-            priority, timeout_ms = task.default_priority, task.default_timeout_ms
-        if (backend.prepare_off_loop or nbytes > backend.inline_prepare_max_bytes) \
-                and not backend.stateful:  # stateful: admitted in arrival order, inline
-            # the bounded pool; the deadline covers the wait, the work and the queue after
-            prepared, timeout_ms = await rt._prepare_off_loop(task, req, desc, nbytes, timeout_ms)
+            return self.backend.prepare(req, desc, payload)
+        except LumenError:
+            raise
+        except Exception as exc:
+            log.error("task %s: prepare failed", self.name, exc_info=exc)
+            raise InternalError(f"task {self.name!r} failed to prepare the input: {exc}") from exc
+
+
+class Dispatcher:
+    """The runtime's request path: its routes (task name -> the head :class:`Route`),
+    ``infer`` and ``infer_many``.
+
+    ``observe`` is the metrics hook (``Observer.request``) or None; ``trace`` the runtime's
+    ``tracing.Tracing`` or None; ``pool`` the bounded preprocessing pool; ``max_payload``
+    ``server.max_payload_bytes``.  ``ready`` and ``closing`` follow the runtime's life cycle.
+
+    ``infer`` is a coroutine with three C calls in it: :meth:`admit` (route, validate,
+    prepare, queue, trace: everything up to the await), the await of the entry's future, and
+    :meth:`finish` (observe, respond).  A request prepared off the loop (a large or heavy
+    input) is admitted by :meth:`admit_off_loop` instead.
+    """
+
+    __slots__ = ("routes", "ready", "closing", "max_payload", "observe", "trace", "pool")
+
+    def __init__(self, max_payload: int, pool: Any):
+        self.routes = {}
+        self.ready = False
+        self.closing = False
+        self.max_payload = max_payload
+        self.observe = None
+        self.trace = None
+        self.pool = pool
+
+    # -- routing and validation --------------------------------------------------------------
+    def route(self, name: Any) -> Route:
+        """The head route of task ``name``; ``TaskNotFound`` / ``Unavailable`` otherwise."""
+        task = self.routes.get(name)
+        if task is None:
+            if self.closing or not self.ready:
+                raise Unavailable("the runtime is not running (starting or shutting down)")
+            raise TaskNotFound.unknown(name, self.routes)
+        if self.closing:
+            raise Unavailable("the runtime is shutting down; not accepting requests")
+        return task
+
+    def routed(self, req: Any) -> Route:
+        """The route (task version) that serves ``req``: its task's head, or the version a
+        pin or the traffic split picks when the task serves several."""
+        route = self.routes.get(req.task)
+        if route is None or self.closing:
+            route = self.route(req.task)
+        if route.router is not None:
+            route = route.router(req.meta)
+        return route
+
+    def payload(self, payload: Any, route: Route) -> tuple:
+        """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
+        that takes text (its size counted in code points: each is at least one byte)."""
+        if type(payload) is str:
+            if not route.backend.accepts_text:
+                raise InvalidArgument(f"task {route.name!r} takes no text input; send its "
+                                      f"input as bytes or a tensor (see /v1/tasks)", "payload")
+            n = len(payload)
         else:
             try:
-                prepared = backend.prepare(req, desc, payload)
-            except LumenError:
-                raise
-            except Exception as exc:
-                raise rt._prepare_failed(task, exc) from exc
-        batcher = task.batcher
-        entry = batcher.submit(prepared, desc, priority, timeout_ms)
-        if rt._trace is not None:  # the one tracing check a request pays (tracing.py)
-            rt._trace.admitted(task, route, entry)
+                payload = memoryview(payload)
+            except TypeError:
+                raise InvalidArgument(f"payload must be a bytes-like buffer, got "
+                                      f"{type(payload).__name__}", "payload") from None
+            if not payload.c_contiguous:
+                raise InvalidArgument("payload buffer must be C-contiguous", "payload")
+            n = payload.nbytes
+        if n > self.max_payload:
+            raise PayloadTooLarge(f"payload is {n} bytes; the limit is {self.max_payload} "
+                                  f"(server.max_payload_bytes)", "payload")
+        return payload, n
+
+    def validate(self, route: Route, req: Any) -> tuple:
+        """(descriptor, payload, nbytes) of ``req`` on ``route``: payload limits and the
+        ``lumen.*`` metadata checked (``InvalidArgument`` and kin otherwise)."""
+        payload, nbytes = self.payload(req.payload, route)
+        return native.descriptor.parse_meta(req.meta, nbytes, route.contract), payload, nbytes
+
+    def observed(self, route: Optional[Route], kind: Any, code: str, t0: int,
+                 e: Optional[Entry] = None) -> None:
+        """Report one finished request to the metrics hook (when there is one)."""
+        if self.observe is not None and route is not None:
+            self.observe(route.name, kind, code, (_monotonic_ns() - t0) // 1000,
+                         e.queue_us if e is not None else 0,
+                         e.compute_us if e is not None else 0, route.version)
+
+    # -- infer --------------------------------------------------------------------------------
+    async def infer(self, req: Any) -> InferResponse:
+        """Route by task, validate, prepare, queue, await the batch, respond (``Runtime.infer``)."""
+        entry = self.admit(req)
+        if entry is None:
+            entry = await self.admit_off_loop(req)
         try:
-            value = await entry.waiter
-        except asyncio.CancelledError:
-            batcher.cancel(entry)
+            await entry.waiter
+        except _CancelledError:
+            self.cancelled(entry)
             raise
-    except LumenError as exc:
-        if observe is not None:
-            observe(task.name, route, exc.code, (_perf_ns() - t0) // 1000, 0, 0, task.version)
-        raise
-    except asyncio.CancelledError:
-        if observe is not None:
-            observe(task.name, route, "cancelled", (_perf_ns() - t0) // 1000, 0, 0,
-                    task.version)
-        raise
-    queue_us = (entry.dispatch_ns - entry.arrival_ns) // 1000
-    if observe is not None:
-        observe(task.name, route, "ok", (_perf_ns() - t0) // 1000, queue_us, entry.compute_us,
-                task.version)
-    # a backend may attach response meta to its outputs (e.g. ``lumen.truncated``)
-    return InferResponse(req.correlation_id, req.task, value, getattr(value, "meta", None),
-                         ResponseStats(entry.batch_size, queue_us, entry.compute_us,
-                                       prepared.length, task.version))
+        except LumenError as exc:
+            self.observed(entry.route, entry.kind, exc.code, entry.t0, None)
+            raise
+        return self.finish(req, entry)
+
+    def admit(self, req: Any) -> Optional[Entry]:
+        """Everything before the await: route, validate, prepare inline, queue; None when the
+        input is prepared off the loop (:meth:`admit_off_loop`).  A refused request is
+        observed here and raises."""
+        route = self.routes.get(req.task)
+        if route is None or self.closing:
+            route = self.route(req.task)
+        t0 = 0
+        kind = RAW
+        if self.observe is not None:  # a request refused before its meta parses keeps its route
+            t0 = _monotonic_ns()
+            kind = route_of(req.meta)
+        try:
+            if route.router is not None:  # several versions: a pin or the split picks
+                route = route.router(req.meta)
+            payload = req.payload
+            try:
+                payload = memoryview(payload)
+                nbytes = payload.nbytes
+                if nbytes > self.max_payload or not payload.c_contiguous:
+                    raise TypeError
+            except TypeError:
+                payload, nbytes = self.payload(req.payload, route)
+            if route.prepares_off_loop(nbytes):
+                return None
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            kind = desc.kind
+            if desc.priority or desc.timeout_ms:
+                priority, timeout_ms = route.policy(desc)
+            else:
+                priority = route.default_priority
+                timeout_ms = route.default_timeout_ms
+            prepared = route.prepare(req, desc, payload)
+            entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
+        except LumenError as exc:
+            self.observed(route, kind, exc.code, t0, None)
+            raise
+        return self.admitted(entry, route, kind, t0)
+
+    def admitted(self, entry: Entry, route: Route, kind: Any, t0: int) -> Entry:
+        """``entry`` is queued on ``route``: remember for whom, open its span if tracing."""
+        entry.route = route
+        entry.kind = kind
+        entry.t0 = t0
+        if self.trace is not None:  # the one tracing check a request pays (tracing.py)
+            self.trace.admitted(route, kind, entry)
+        return entry
+
+    def cancelled(self, entry: Entry) -> None:
+        """The caller of ``entry`` went away (its task was cancelled)."""
+        entry.route.batcher.cancel(entry)
+        self.observed(entry.route, entry.kind, "cancelled", entry.t0, None)
+
+    def finish(self, req: Any, entry: Entry) -> InferResponse:
+        """The answered request: observed, and its response made."""
+        if self.observe is not None:
+            self.observed(entry.route, entry.kind, "ok", entry.t0, entry)
+        return respond(req, entry.route, entry)
+
+    async def admit_off_loop(self, req: Any) -> Entry:
+        """:meth:`admit` of an input prepared on the bounded pool (large or heavy)."""
+        route = self.route(req.task)
+        t0 = _monotonic_ns()
+        kind = route_of(req.meta)
+        try:
+            route = self.routed(req)
+            desc, payload, nbytes = self.validate(route, req)
+            kind = desc.kind
+            priority, timeout_ms = route.policy(desc)
+            prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
+                                                               nbytes, timeout_ms)
+            entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
+        except LumenError as exc:
+            self.observed(route, kind, exc.code, t0, None)
+            raise
+        except _CancelledError:
+            self.observed(route, kind, "cancelled", t0, None)
+            raise
+        return self.admitted(entry, route, kind, t0)
+
+    async def prepare_off_loop(self, route: Route, req: Any, desc: Any, payload: Any,
+                               nbytes: int, timeout_ms: int) -> tuple:
+        """(prepared, timeout left for the queue) for a heavy input, prepared on the bounded
+        pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
+        thread, the preprocessing and then the batch queue."""
+        t0 = _monotonic_ns()
+        # the version stays loaded until the request is queued on it (versions.py drains it
+        # only once nothing holds it; the caller submits right after this returns)
+        route.holds += 1
+        try:
+            prepared = await self.pool.run(functools.partial(route.prepare, req, desc, payload),
+                                           nbytes, timeout_ms)
+        finally:
+            route.holds -= 1
+        if timeout_ms:
+            left = timeout_ms - (_monotonic_ns() - t0) // 1_000_000
+            if left <= 0:
+                raise DeadlineExceeded(f"deadline of {timeout_ms} ms expired during "
+                                       f"preprocessing", KEY_TIMEOUT_MS)
+            timeout_ms = left
+        return prepared, timeout_ms
+
+    # -- infer_many ---------------------------------------------------------------------------
+    async def infer_many(self, requests: Sequence[Any]) -> list:
+        """Run many requests as one group; return, in order, each one's ``InferResponse`` or
+        its ``LumenError`` (an invalid item fails alone; the others still run).
+
+        Every item is still its own request for validation, deadlines, errors and metrics,
+        but the items of one task version are admitted as a unit (they fit the queue or each
+        gets the same ``Overloaded``) and cost one future and one wake-up, not one per item.
+        Cancelling the call cancels every item still queued.
+        """
+        out = [None] * len(requests)
+        t0 = _monotonic_ns()
+        groups = {}  # id(route) -> _Items
+        try:
+            late = self.many_prepare(requests, out, groups, t0)
+            for i in late:  # inputs prepared off the loop
+                await self.many_off_loop(requests[i], i, out, groups, t0)
+            submitted = self.many_submit(groups, out, t0)
+        finally:
+            for items in groups.values():
+                items.route.holds -= 1
+        try:
+            for items in submitted:
+                await items.group.future
+        except _CancelledError:
+            for items in submitted:
+                items.route.batcher.cancel_group(items.entries)
+            raise
+        self.many_respond(requests, submitted, out, t0)
+        return out
+
+    def many_prepare(self, requests: Sequence[Any], out: list, groups: dict, t0: int) -> list:
+        """Validate, route and prepare every item that is prepared inline into its version's
+        group (an item's error goes to ``out[i]``); return the indices prepared off the loop."""
+        late = []
+        for i in range(len(requests)):
+            req = requests[i]
+            route = None
+            kind = RAW
+            try:
+                if not isinstance(req, InferRequest):
+                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
+                                          f"InferRequest", "requests")
+                if self.observe is not None:
+                    kind = route_of(req.meta)
+                route = self.routed(req)
+                items = self.items_of(route, groups)
+                desc, payload, nbytes = self.validate(route, req)
+                kind = desc.kind
+                if route.prepares_off_loop(nbytes):
+                    late.append(i)
+                    continue
+                priority, timeout_ms = route.policy(desc)
+                items.add(i, kind, route.prepare(req, desc, payload), desc, priority, timeout_ms)
+            except LumenError as exc:
+                out[i] = exc
+                self.observed(route, kind, exc.code, t0, None)
+        return late
+
+    def items_of(self, route: Route, groups: dict) -> _Items:
+        """``route``'s share of an ``infer_many`` call (the route is held until it is queued)."""
+        items = groups.get(id(route))
+        if items is None:
+            route.holds += 1
+            items = groups[id(route)] = _Items(route)
+        return items
+
+    async def many_off_loop(self, req: Any, i: int, out: list, groups: dict, t0: int) -> None:
+        """Item ``i`` of ``infer_many``, prepared on the bounded pool."""
+        route = None
+        kind = route_of(req.meta)
+        try:
+            route = self.routed(req)
+            items = self.items_of(route, groups)
+            desc, payload, nbytes = self.validate(route, req)
+            kind = desc.kind
+            priority, timeout_ms = route.policy(desc)
+            prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
+                                                               nbytes, timeout_ms)
+        except LumenError as exc:
+            out[i] = exc
+            self.observed(route, kind, exc.code, t0, None)
+            return
+        items.add(i, kind, prepared, desc, priority, timeout_ms)
+
+    def many_submit(self, groups: dict, out: list, t0: int) -> list:
+        """Queue each version's items of ``infer_many`` as one group."""
+        submitted = []
+        for items in groups.values():
+            if not items.specs:
+                continue
+            route = items.route
+            try:
+                items.group, items.entries = route.batcher.submit_many(items.specs)
+            except LumenError as exc:
+                for k in range(len(items.index)):
+                    out[items.index[k]] = exc
+                    self.observed(route, items.kinds[k], exc.code, t0, None)
+                continue
+            submitted.append(items)
+            if self.trace is not None:
+                self.trace.admitted_group(route, items.kinds, items.entries, items.group)
+        return submitted
+
+    def many_respond(self, requests: Sequence[Any], submitted: list, out: list,
+                     t0: int) -> None:
+        """The answered items of ``infer_many``: responses (or errors) into ``out``."""
+        observe = self.observe
+        for items in submitted:
+            route = items.route
+            entries = items.entries
+            for k in range(len(entries)):
+                e = entries[k]
+                i = items.index[k]
+                res = e.outcome
+                if isinstance(res, LumenError):
+                    out[i] = res
+                    if observe is not None:
+                        self.observed(route, items.kinds[k], res.code, t0, e)
+                else:
+                    out[i] = respond(requests[i], route, e)
+                    if observe is not None:
+                        self.observed(route, items.kinds[k], "ok", t0, e)
+
+
+class _Items:
+    """One task version's share of an ``infer_many`` call."""
+
+    __slots__ = ("route", "index", "kinds", "specs", "group", "entries")
+
+    def __init__(self, route: Route):
+        self.route = route
+        self.index = []
+        self.kinds = []
+        self.specs = []
+        self.group = None
+        self.entries = None
+
+    def add(self, i: int, kind: Any, prepared: Any, desc: Any, priority: int,
+            timeout_ms: int) -> None:
+        self.index.append(i)
+        self.kinds.append(kind)
+        self.specs.append((prepared, desc, priority, timeout_ms))
+
+
+def respond(req: Any, route: Route, e: Entry) -> InferResponse:
+    """The response of an answered entry: its outputs (a batch row, split when read), the
+    backend's response meta if any (e.g. ``lumen.truncated``), its batch's figures."""
+    out = e.outcome
+    return _respond(req, out, e.row if type(out) is Rows else -1, e.batch_size, e.queue_us,
+                    e.compute_us, e.item.length, route.version)

@@ -319,6 +319,10 @@ class Lifecycle:
         self._config_state: Optional[tuple] = None
 
     # -- loaded tasks ------------------------------------------------------------------------
+    def forget(self) -> None:
+        """The runtime closed every task: no version is loaded any more."""
+        self.sets = {}
+
     def tasks(self) -> list:
         """Every loaded Task (serving and draining), each once."""
         out = []
@@ -479,14 +483,14 @@ class Lifecycle:
         tv.loading.append(inst)
         tv.event("loading", inst)
         try:
-            task = await asyncio.to_thread(rt._load_task, vtc)
+            task = await asyncio.to_thread(rt.load_task, vtc)
             try:
-                task.batcher.start(rt._loop)
-                await rt._warmup(task)
-                if rt._closing:  # the runtime stopped meanwhile: nothing may serve now
+                task.batcher.start(rt.loop)
+                await rt.warmup(task)
+                if rt.closing:  # the runtime stopped meanwhile: nothing may serve now
                     raise RuntimeError("the runtime is shutting down")
             except BaseException:
-                await rt._close_task(task)
+                await rt.close_task(task)
                 raise
         except Exception as exc:
             inst.state = FAILED
@@ -533,8 +537,8 @@ class Lifecycle:
         rt.tasks[tv.name] = head
         if old is not None and old is not head:
             old.router = None
-        if rt._trace is not None:
-            rt._trace.versions[tv.name] = head.version
+        if rt.tracing is not None:
+            rt.tracing.versions[tv.name] = head.version
 
     def set_traffic(self, name: str, weights: Mapping) -> dict:
         tv = self._set(name)
@@ -600,7 +604,7 @@ class Lifecycle:
                 while b.active_sequences or b.backlog:  # they end or idle out
                     await asyncio.sleep(DRAIN_POLL_S)
             await task.batcher.drain()
-            await self.rt._close_task(task)
+            await self.rt.close_task(task)
         finally:
             tv.draining.remove(inst)
             if task.backend.stateful:

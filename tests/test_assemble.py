@@ -1,4 +1,4 @@
-"""Batch assembly (gather / gather_ragged / scatter), both implementations via the ``assemble`` fixture.
+"""Batch assembly (gather / gather_ragged), both implementations via the ``assemble`` fixture.
 
 The two twins must agree byte for byte and raise the same exception types, so every test runs
 against both and the property test also compares them with each other.
@@ -282,43 +282,6 @@ def test_gather_property_matches_stack_and_twins_agree(slot, n, data):
         np.testing.assert_array_equal(dest, expected)
 
 
-# ---------------------------------------------------------------------------------- scatter
-
-
-def test_scatter_returns_views(assemble):
-    out = np.arange(24, dtype=np.float32).reshape(4, 6)
-    views = assemble.scatter(out, 3)
-    assert len(views) == 3
-    for i, v in enumerate(views):
-        assert np.shares_memory(v, out)
-        np.testing.assert_array_equal(v, out[i])
-    views[1][0] = -1
-    assert out[1, 0] == -1
-
-
-def test_scatter_one_dimensional_gives_zero_d_views(assemble):
-    out = np.arange(3, dtype=np.int64)
-    views = assemble.scatter(out, 3)
-    assert all(isinstance(v, np.ndarray) and v.shape == () for v in views)
-    assert [int(v) for v in views] == [0, 1, 2]
-    assert all(np.shares_memory(v, out) for v in views)
-
-
-def test_scatter_bounds_and_types(assemble):
-    out = np.zeros((2, 2))
-    assert assemble.scatter(out, 0) == []
-    assert len(assemble.scatter(out, np.int64(2))) == 2
-    for n in (-1, 3, 2**70):
-        with pytest.raises(ValueError, match="outside 0..2"):
-            assemble.scatter(out, n)
-    with pytest.raises(TypeError):
-        assemble.scatter(out, 1.0)
-    with pytest.raises(TypeError, match="numpy.ndarray"):
-        assemble.scatter([[1, 2]], 1)
-    with pytest.raises(ValueError, match="at least one dimension"):
-        assemble.scatter(np.zeros(()), 0)
-
-
 # ---------------------------------------------------------------------------------- errors
 
 _RO = np.zeros((1, 4), np.int64)
@@ -359,12 +322,6 @@ _ERRORS = [
      "item 0 has 3 bytes, not a multiple of the element size 2"),
     ("gather_ragged", lambda: ([bytes(10)], np.zeros((1, 4), np.int16), None, 0), ValueError,
      "item 0 has 5 elements, the batch row has 4"),
-    ("scatter", lambda: ([[1, 2]], 1), TypeError, "batch_out must be a numpy.ndarray, not list"),
-    ("scatter", lambda: (np.zeros(()), 0), ValueError, "batch_out must have at least one dimension"),
-    ("scatter", lambda: (np.zeros((2, 2)), 3), ValueError, "n=3 is outside 0..2"),
-    ("scatter", lambda: (np.zeros((2, 2)), np.int64(-1)), ValueError, "n=-1 is outside 0..2"),
-    ("scatter", lambda: (np.zeros((2, 2)), 1.0), TypeError,
-     "'float' object cannot be interpreted as an integer"),
 ]
 
 
@@ -375,13 +332,6 @@ def test_errors_are_the_pure_twins_word_for_word(assemble, fn, args, exc, messag
     with pytest.raises(exc) as info:
         getattr(assemble, fn)(*args())
     assert type(info.value) is exc and str(info.value) == message
-
-
-def test_scatter_accepts_index_like_counts(assemble):
-    out = np.arange(6).reshape(3, 2)
-    for n in (np.int64(2), np.uint8(2), True):
-        views = assemble.scatter(out, n)
-        assert len(views) == int(n) and all(np.shares_memory(v, out) for v in views)
 
 
 # ------------------------------------------------------------------------ first_non_finite

@@ -31,7 +31,7 @@ WEBP_HEAD = b"RIFF\x00\x00\x00\x00WEBP"
 
 
 def _on_loop(runtime: lc.Runtime, coro):
-    return asyncio.run_coroutine_threadsafe(coro, runtime._loop).result(WAIT_S)
+    return asyncio.run_coroutine_threadsafe(coro, runtime.loop).result(WAIT_S)
 
 
 def _mimes(bases: list) -> st.SearchStrategy:

@@ -1,7 +1,9 @@
 """The compiled/pure switch: twins named and placed alike, one API, every function tested twice.
 
-``lumen_core.native.TWINS`` pairs ``lumen_core._<name>`` (built from ``csrc/_<name>.pyx``) with
-its pure-Python twin ``lumen_core.<name>``; the conftest fixtures parametrise tests over both.
+``lumen_core.native.TWINS`` pairs ``lumen_core._<name>`` with its pure-Python twin
+``lumen_core.<name>``; the compiled one is built from ``csrc/_<name>.pyx`` (C-level code) or
+from the twin itself with the types of ``lumen_core/_<name>.pxd`` (Cython's pure-Python mode:
+one source); the conftest fixtures parametrise tests over both.
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 
 def test_twins_are_named_and_placed_alike():
-    sources = sorted(p.stem for p in (ROOT / "csrc").glob("*.pyx"))
-    assert sources == sorted(f"_{name}" for name in native.TWINS)  # one entry per compiled module
+    pyx = {p.stem for p in (ROOT / "csrc").glob("*.pyx")}
+    pxd = {p.stem for p in (ROOT / "lumen_core").glob("_*.pxd")}
+    assert not pyx & pxd  # one source per compiled module
+    assert sorted(pyx | pxd) == sorted(f"_{name}" for name in native.TWINS)
     for name, (compiled, pure) in native.TWINS.items():
         assert (compiled, pure) == (f"lumen_core._{name}", f"lumen_core.{name}")
-        assert (ROOT / "csrc" / f"_{name}.pyx").is_file()
         assert (ROOT / "lumen_core" / f"{name}.py").is_file()
 
 

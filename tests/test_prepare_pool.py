@@ -123,6 +123,7 @@ def test_runtime_deadline_covers_slow_preprocessing(tmp_path, monkeypatch):
         return real(self, req, desc, payload)
 
     monkeypatch.setattr(OnnxBackend, "prepare_off_loop", True)
+    monkeypatch.setattr(OnnxBackend, "dense_tensor", None)  # no C fast path: prepare_tensor runs
     monkeypatch.setattr(OnnxBackend, "prepare_tensor", prepare_tensor)
     x = np.zeros((1, 16), np.float32)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import onnx_models as M
@@ -9,6 +10,9 @@ import pytest
 
 import lumen_core as lc
 from lumen_core.errors import ConfigError
+
+#: seconds a test waits for an event that must come
+WAIT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +207,18 @@ def test_multiple_instances_share_the_load(model_dir):
 
     async def main():
         async with lc.Runtime.from_dict(cfg) as rt:
+            # each instance's first batch waits until the other instance ran one: with one
+            # worker taking all the work this would stall (and fail), whatever the box's speed
+            instances = rt.tasks["mlp"].instances
+            ran = [threading.Event() for _ in instances]
+            for k, inst in enumerate(instances):
+                def run(feeds, n, _k=k, _run=inst.run):
+                    ran[_k].set()
+                    assert ran[1 - _k].wait(WAIT_S), "the other instance never got a batch"
+                    return _run(feeds, n)
+                inst.run = run
             res = await asyncio.gather(*[rt.infer(mlp_req(xs[i])) for i in range(200)])
-            counts = [i.stats["items"] for i in rt.tasks["mlp"].instances]
+            counts = [i.stats["items"] for i in instances]
             return res, counts
 
     res, counts = asyncio.run(main())

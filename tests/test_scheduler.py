@@ -1,16 +1,15 @@
-"""The scheduler's per-request hot path on both twins (``lumen_core.scheduler`` and the
-compiled ``lumen_core._scheduler``): entries, answering, batch delivery, admission, infer."""
+"""The request path's typed homes on both twins (``lumen_core.scheduler`` / ``lumen_core.messages``
+and the compiled ``lumen_core._scheduler`` / ``_messages``, one source each): entries, answering,
+batch rows, admission with its deadline heap, the dispatcher's infer and infer_many."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
-import onnx_models as M
 import pytest
 
 import lumen_core as lc
-from lumen_core.batching.dynamic import DynamicBatcher
-from lumen_core.config import BatchingConfig
 from lumen_core.errors import Overloaded, Unavailable
 
 
@@ -46,53 +45,173 @@ def test_deliver_skips_answered_entries_and_counts_groups(scheduler):
     asyncio.run(main())
 
 
-class _Item:
-    __slots__ = ("signature",)
-
-    def __init__(self, sig="s"):
-        self.signature = sig
-
-
-def test_enqueue_admits_refuses_and_arms_deadlines(scheduler):
+def test_rows_split_once_and_deliver_a_row_each(scheduler, messages):
     async def main():
-        pinned = type("Pinned", (DynamicBatcher,), {"_sched": scheduler})  # entries of this twin
-        b = pinned("t", BatchingConfig(max_batch_size=1, max_queue_size=2,
-                                       max_queue_delay_us=10_000_000), [])
-        b.start()
-        e1 = scheduler.enqueue(b, _Item(), 1, 0)
-        e2 = scheduler.enqueue(b, _Item("other"), 1, 50)
-        assert b.pending == 2 and e1.timer is None and e2.timer is not None
-        assert e2.deadline_ns > e2.arrival_ns
-        with pytest.raises(Overloaded):
-            scheduler.enqueue(b, _Item(), 1, 0)
-        with pytest.raises(lc.DeadlineExceeded):
-            await e2.waiter
-        b.cancel(e1)
-        assert b.pending == 0
-        await b.close()
-        with pytest.raises(Unavailable):
-            scheduler.enqueue(b, _Item(), 1, 0)
+        loop = asyncio.get_running_loop()
+        es = [scheduler.Entry(i, loop.create_future(), 1, 0) for i in range(3)]
+        y = np.arange(6).reshape(3, 2)
+        rows = scheduler.Rows({"y": y, "p": np.arange(3.0)}, 3)
+        assert len(rows) == 3 and rows.row(2)["y"].tolist() == [4, 5]
+        # rows are views of the batch's arrays (never copies); a 1-D output gives 0-d views
+        assert np.shares_memory(rows.row(1)["y"], y) and rows.row(1)["p"].shape == ()
+        scheduler.answer(es[0], lc.Cancelled("gone"))
+        scheduler.deliver(es, rows, 7)
+        assert [e.row for e in es] == [-1, 1, 2] and es[1].outcome is rows
+        assert es[2].result()["y"].tolist() == [4, 5] and es[2].batch_size == 3
+        # the response holds the rows and its row; outputs are split out on first read
+        req = messages.InferRequest("t", b"", "", {}, "cid-1")
+        resp = messages.respond(req, rows, 1, 3, 10, 7, 0, "2")
+        assert resp.outputs["y"].tolist() == [2, 3] and resp.correlation_id == "cid-1"
+        assert resp.meta == {"lumen.batch.size": "3", "lumen.queue_us": "10",
+                             "lumen.compute_us": "7", "lumen.model.version": "2"}
+        assert resp.stats.batch_size == 3 and resp.stats.version == "2"
     asyncio.run(main())
 
 
-def test_infer_runs_a_request_end_to_end(scheduler, tmp_path):
-    path = M.mlp(tmp_path / "mlp.onnx")
-    cfg = {"tasks": [{"name": "mlp", "backend": "onnx", "model": str(path),
-                      "batching": {"max_batch_size": 8, "max_queue_delay_us": 0}}]}
-    xs = np.random.default_rng(3).standard_normal((12, 16)).astype(np.float32)
+def test_route_of_reads_the_claimed_route(scheduler):
+    assert scheduler.route_of({"lumen.input.kind": "tensor"}) == "tensor"
+    assert scheduler.route_of({}) == scheduler.route_of(None) == "raw"
+    assert scheduler.route_of({"lumen.input.kind": ["tensor"]}) == "raw"  # not yet validated
+
+
+def test_correlation_ids_are_made_when_read(messages):
+    req = messages.InferRequest("t", b"x")
+    resp = messages.respond(req, {"y": 1}, -1, 1, 0, 0, 0, "")
+    cid = resp.correlation_id  # generated now, once, and shared with the request
+    assert len(cid) == 32 and req.correlation_id == cid and resp.correlation_id == cid
+    assert messages.InferRequest("t", b"x", "", None, "mine").correlation_id == "mine"
+    assert messages.InferResponse("c", "t", {"y": 1}).stats is None
+
+
+class _Item:
+    __slots__ = ("signature", "length")
+
+    def __init__(self, sig="s"):
+        self.signature = sig
+        self.length = 0
+
+
+def _batcher(scheduler, levels=1, max_queue_size=4, delay_ns=0, ready_live=1):
+    """An Admission of one twin whose "worker" answers what is queued on the next loop turn
+    (every entry with its row of one batch), or never when ``hold`` is set."""
+
+    class Inline(scheduler.Admission):
+        hold = False
+
+        def start(self, loop=None):
+            self.loop = loop or asyncio.get_running_loop()
+            self.started = True
+
+        def submit(self, item, desc=None, priority=1, timeout_ms=0):
+            e = super().submit(item, desc, priority, timeout_ms)
+            if not self.hold:
+                self.loop.call_soon(self.run)
+            return e
+
+        def submit_many(self, specs):
+            out = super().submit_many(specs)
+            if not self.hold:
+                self.loop.call_soon(self.run)
+            return out
+
+        def run(self):
+            with self.lock:
+                now = time.monotonic_ns()
+                batch = [e for q in self.queues.values() for e in q.take(64, now, self)]
+                self.pending -= len(batch)
+                self.running += 1
+            if batch:
+                xs = np.array([e.item.x for e in batch], np.float32)
+                self.deliver_batch(batch, scheduler.Rows({"y": xs * 2}, len(batch)), 5)
+            else:
+                with self.lock:
+                    self.running -= 1
+
+    return Inline("t", max_queue_size, levels, delay_ns, ready_live)
+
+
+def test_admission_refuses_at_once_and_keeps_one_deadline_timer(scheduler):
+    async def main():
+        b = _batcher(scheduler, max_queue_size=2)
+        b.hold = True
+        e1 = b.submit(_Item(), None, 1, 0)
+        e2 = b.submit(_Item("other"), None, 1, 50)
+        assert b.pending == 2 and len(b.queues) == 2 and b.timer is not None
+        with pytest.raises(Overloaded):
+            b.submit(_Item(), None, 1, 0)
+        with pytest.raises(lc.InvalidArgument, match="max_queue_size"):
+            b.submit_many([(_Item(), None, 1, 0)] * 3)  # larger than the whole queue
+        first = b.timer
+        e3 = None
+        b.cancel(e1)  # leaves the count at once
+        e3 = b.submit(_Item(), None, 1, 10)  # an earlier deadline re-arms the one timer
+        assert b.timer is not first and len(b.deadlines) == 2
+        with pytest.raises(lc.DeadlineExceeded, match="10 ms expired in the queue"):
+            await e3.waiter
+        with pytest.raises(lc.DeadlineExceeded, match="50 ms"):
+            await e2.waiter
+        with pytest.raises(lc.Cancelled):
+            await e1.waiter
+        assert b.pending == 0 and b.timer is None
+        b.closed = True
+        with pytest.raises(Unavailable):
+            b.submit(_Item(), None, 1, 0)
+    asyncio.run(main())
+
+
+def test_deadline_heap_drops_answered_entries(scheduler):
+    async def main():
+        b = _batcher(scheduler, max_queue_size=10_000)
+        b.hold = True
+        for _ in range(scheduler.DEADLINE_COMPACT_MIN * 3):
+            e = b.submit(_Item(), None, 1, 60_000)
+            b.cancel(e)
+        # answered entries leave the heap when it is rebuilt: it stays within a bound
+        assert len(b.deadlines) < scheduler.DEADLINE_COMPACT_MIN + 2
+        b.stop_timer()
+    asyncio.run(main())
+
+
+class _X:
+    __slots__ = ("signature", "length", "x")
+
+    def __init__(self, x):
+        self.signature = "s"
+        self.length = 0
+        self.x = x
+
+
+def test_dispatcher_infer_and_infer_many_end_to_end(scheduler):
+    class Backend:
+        contract = lc.TensorContract()
+        stateful = prepare_off_loop = accepts_text = False
+        inline_prepare_max_bytes = 1 << 20
+
+        def prepare(self, req, desc, payload):
+            if bytes(payload) == b"boom":
+                raise RuntimeError("a backend bug")
+            return _X(float(len(payload)))
 
     async def main():
-        async with lc.Runtime.from_dict(cfg) as rt:
-            reqs = [lc.new_infer_request("mlp").for_tensor_array(x.reshape(1, -1), "NC", "none")
-                    .build() for x in xs]
-            res = await asyncio.gather(*[scheduler.infer(rt, r) for r in reqs])
-            with pytest.raises(lc.TaskNotFound):
-                await scheduler.infer(rt, lc.InferRequest("nope", b""))
-            with pytest.raises(lc.InvalidArgument):
-                await scheduler.infer(rt, lc.InferRequest("mlp", object()))
-            return res
-
-    res = asyncio.run(main())
-    np.testing.assert_allclose(np.stack([r.outputs["y"] for r in res]), M.mlp_reference(xs),
-                               atol=1e-5)
-    assert all(1 <= r.stats.batch_size <= 8 for r in res)
+        d = scheduler.Dispatcher(1024, None)
+        route = scheduler.Route("t", "3", Backend(), _batcher(scheduler, max_queue_size=64))
+        d.routes = {"t": route}
+        d.ready = True
+        resp = await d.infer(lc.InferRequest("t", b"abc"))
+        assert resp.outputs["y"].tolist() == 6.0 and resp.meta["lumen.model.version"] == "3"
+        out = await d.infer_many([lc.InferRequest("t", b"ab"), lc.InferRequest("nope", b""),
+                                  lc.InferRequest("t", b"boom"), "not a request",
+                                  lc.InferRequest("t", b"x" * 2000)])
+        assert out[0].outputs["y"] == 4.0 and out[0].stats.batch_size == 1
+        assert isinstance(out[1], lc.TaskNotFound) and isinstance(out[2], lc.InternalError)
+        assert isinstance(out[3], lc.InvalidArgument) and out[3].field == "requests"
+        assert isinstance(out[4], lc.PayloadTooLarge)
+        with pytest.raises(lc.TaskNotFound):
+            await d.infer(lc.InferRequest("nope", b""))
+        with pytest.raises(lc.InvalidArgument, match="C-contiguous"):
+            await d.infer(lc.InferRequest("t", np.zeros((4, 4))[:, ::2]))
+        d.closing = True
+        with pytest.raises(Unavailable):
+            await d.infer(lc.InferRequest("t", b"abc"))
+        assert route.holds == 0
+    asyncio.run(main())

@@ -90,11 +90,11 @@ def test_off_by_default_and_switches(monkeypatch):
 def test_disabled_runtime_makes_no_spans(tmp_path, monkeypatch):
     monkeypatch.delenv(tracing.ENV, raising=False)
     rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
-    assert rt._trace is None
+    assert rt.tracing is None
 
     async def main():
         async with rt:
-            assert all(t.batcher._trace is None for t in rt.tasks.values())
+            assert all(t.batcher.trace is None for t in rt.tasks.values())
             resp = await rt.infer(mlp_request(0))
             assert resp.stats.batch_size == 1
             await rt.infer_many([mlp_request(i) for i in range(3)])
@@ -104,7 +104,7 @@ def test_disabled_runtime_makes_no_spans(tmp_path, monkeypatch):
 
 def test_runtime_request_and_batch_spans(tmp_path):
     rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
-    rt._trace, exporter = in_memory()
+    rt.tracing, exporter = in_memory()
 
     async def main():
         async with rt:
@@ -134,7 +134,7 @@ def test_runtime_request_and_batch_spans(tmp_path):
 def test_cancelled_request_span(tmp_path):
     """A caller that gives up while queued: its request span ends, marked cancelled."""
     rt = Runtime.from_dict(S.onnx_config(tmp_path))
-    rt._trace, exporter = in_memory()
+    rt.tracing, exporter = in_memory()
 
     async def main():
         async with rt:
@@ -157,7 +157,7 @@ def test_cancelled_request_span(tmp_path):
 
 def test_grpc_traceparent_metadata(tmp_path):
     rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
-    rt._trace, exporter = in_memory()
+    rt.tracing, exporter = in_memory()
     srv = S.ServerThread(rt)
     try:
         exporter.clear()
@@ -185,7 +185,7 @@ def test_oip_grpc_traceparent_metadata(tmp_path):
     from lumen_core.serve.proto import open_inference_grpc_pb2 as oip_pb
 
     rt = Runtime.from_dict(S.onnx_config(tmp_path, slow=False))
-    rt._trace, exporter = in_memory()
+    rt.tracing, exporter = in_memory()
     srv = S.ServerThread(rt)
     try:
         exporter.clear()

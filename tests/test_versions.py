@@ -101,18 +101,18 @@ def test_router_picks_by_point_and_pin():
     assert ei.value.field == "lumen.model.version" and "loaded: 1, 2" in ei.value.message
 
 
-def test_pinning_default_and_response_version(tmp_path, scheduler):
+def test_pinning_default_and_response_version(tmp_path):
     async def main():
         async with lc.Runtime.from_dict(_versions_cfg(tmp_path)) as rt:
-            infer = scheduler.infer
+            infer = rt.infer
             x = np.zeros(D, np.float32)
             for _ in range(20):  # no split configured: the highest version takes all
-                r = await infer(rt, _req(x))
+                r = await infer(_req(x))
                 assert _served(r) == 2.0 and r.meta["lumen.model.version"] == "2"
-            r1 = await infer(rt, _req(x, **{"lumen.model.version": "1"}))
+            r1 = await infer(_req(x, **{"lumen.model.version": "1"}))
             assert _served(r1) == 1.0 and r1.meta["lumen.model.version"] == "1"
             with pytest.raises(lc.InvalidArgument) as ei:
-                await infer(rt, _req(x, **{"lumen.model.version": "9"}))
+                await infer(_req(x, **{"lumen.model.version": "9"}))
             assert ei.value.field == "lumen.model.version"
             assert "loaded: 1, 2" in ei.value.message
             # infer_many routes each item to its version; errors stay per item
@@ -126,7 +126,7 @@ def test_pinning_default_and_response_version(tmp_path, scheduler):
     asyncio.run(main())
 
 
-def test_single_version_task_names_its_version(tmp_path, scheduler):
+def test_single_version_task_names_its_version(tmp_path):
     cfg = {"tasks": [{"name": "emb", "backend": "onnx", "intra_op_threads": 1,
                       "model": M.offset(tmp_path / "m.onnx", 5.0, D), "model_version": "3"}]}
 
@@ -134,32 +134,32 @@ def test_single_version_task_names_its_version(tmp_path, scheduler):
         async with lc.Runtime.from_dict(cfg) as rt:
             assert rt.tasks["emb"].router is None  # one version: the request path is unchanged
             x = np.zeros(D, np.float32)
-            r = await scheduler.infer(rt, _req(x))
+            r = await rt.infer(_req(x))
             assert r.meta["lumen.model.version"] == "3" and _served(r) == 5.0
-            r = await scheduler.infer(rt, _req(x, **{"lumen.model.version": "3"}))
+            r = await rt.infer(_req(x, **{"lumen.model.version": "3"}))
             assert _served(r) == 5.0
             with pytest.raises(lc.InvalidArgument) as ei:
-                await scheduler.infer(rt, _req(x, **{"lumen.model.version": "4"}))
+                await rt.infer(_req(x, **{"lumen.model.version": "4"}))
             assert ei.value.field == "lumen.model.version"
             # a route key is a known lumen.* key even without a split
-            r = await scheduler.infer(rt, _req(x, **{"lumen.route.key": "u1"}))
+            r = await rt.infer(_req(x, **{"lumen.route.key": "u1"}))
             assert _served(r) == 5.0
     asyncio.run(main())
 
 
-def test_split_90_10_and_sticky_keys(tmp_path, scheduler):
+def test_split_90_10_and_sticky_keys(tmp_path):
     async def main():
         async with lc.Runtime.from_dict(_versions_cfg(tmp_path, traffic={"1": 90, "2": 10})) as rt:
-            infer = scheduler.infer
+            infer = rt.infer
             x = np.zeros(D, np.float32)
-            rs = await asyncio.gather(*(infer(rt, _req(x)) for _ in range(2000)))
+            rs = await asyncio.gather(*(infer(_req(x)) for _ in range(2000)))
             counts = collections.Counter(r.meta["lumen.model.version"] for r in rs)
             assert abs(counts["2"] / 2000 - 0.10) < 0.03, counts
             assert all(_served(r) == float(r.meta["lumen.model.version"]) for r in rs)
             keys = [f"user-{i}" for i in range(300)]
 
             async def by_key():
-                out = await asyncio.gather(*(infer(rt, _req(x, **{"lumen.route.key": k}))
+                out = await asyncio.gather(*(infer(_req(x, **{"lumen.route.key": k}))
                                              for k in keys))
                 return [r.meta["lumen.model.version"] for r in out]
             first = await by_key()
@@ -175,7 +175,7 @@ def test_split_90_10_and_sticky_keys(tmp_path, scheduler):
             assert all(b == "2" for a, b in zip(first, second, strict=True) if a == "2")
             view = rt.set_traffic("emb", {"2": 1})
             assert view["traffic"] == {"1": 0.0, "2": 1.0} and view["default_version"] == "2"
-            rs = await asyncio.gather(*(infer(rt, _req(x)) for _ in range(50)))
+            rs = await asyncio.gather(*(infer(_req(x)) for _ in range(50)))
             assert {r.meta["lumen.model.version"] for r in rs} == {"2"}
             with pytest.raises(lc.InvalidArgument):
                 rt.set_traffic("emb", {"3": 1})

@@ -48,18 +48,13 @@ from ..errors import (
     Cancelled,
     DeadlineExceeded,
     InternalError,
-    InvalidArgument,
     LumenError,
-    Overloaded,
     Unavailable,
 )
 from .dynamic import DynamicBatcher
-from .policy import DEADLINE_FIELD, UNSET, _sched
+from .policy import DEADLINE_FIELD, UNSET, Entry, Group, QueuePolicy, answer
 
 log = logging.getLogger("lumen.batching")
-
-#: retry hint of a full pipeline (seconds)
-OVERLOAD_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -162,7 +157,7 @@ class StepContext:
             res = e.outcome
             if isinstance(res, LumenError):
                 raise res
-            out.append(res)
+            out.append(e.result())
             q = max(q, e.queue_us)
             c = max(c, e.compute_us)
             if e.batch_size > self.batch_size:
@@ -177,26 +172,19 @@ class StepContext:
 Flow = Callable[[StepContext, Any], Awaitable[Any]]
 
 
-class Pipeline:
-    """The batcher of an ensemble task (see the module docstring)."""
-
-    _sched = _sched
+class Pipeline(QueuePolicy):
+    """The batcher of an ensemble task (see the module docstring): the shared queue policy
+    (``QueuePolicy``: admission, the deadline heap, draining) over requests whose "formation"
+    is a flow over the steps' batchers."""
 
     def __init__(self, name: str, config: BatchingConfig, steps: Sequence[Step], flow: Flow):
-        self.name = name
+        super().__init__(name, config.max_queue_size, None, config.priority_levels)
         self.config = config
         self.steps = {s.name: s for s in steps}
         if len(self.steps) != len(steps):
             raise ValueError(f"pipeline {name!r}: step names must be unique")
         self.flow = flow
-        self.max_queue_size = config.max_queue_size
-        self._levels = config.priority_levels
         self._flows: dict = {}  # entry -> its flow task
-        self._closed = False
-        self._idle: Optional[asyncio.Event] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._started = False
-        self._trace: Any = None  # the runtime's tracing (per-step batchers trace their own)
 
     @property
     def runners(self) -> list:
@@ -204,37 +192,29 @@ class Pipeline:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        if self._started:
+        if self.started:
             return
-        self._loop = loop or asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         for s in self.steps.values():
-            s.batcher.start(self._loop)
-        self._started = True
+            s.batcher.start(self.loop)
+        self.started = True
 
     async def drain(self) -> None:
         """Stop admitting, wait for every request's flow, then drain the steps."""
-        self._closed = True
-        while self._flows:
-            if self._idle is None or self._idle.is_set():
-                self._idle = asyncio.Event()
-            await self._idle.wait()
+        await super().drain()
         for s in self.steps.values():
             await s.batcher.drain()
 
     async def close(self) -> None:
         """Refuse what is left (a close without drain), then close every step."""
-        self._closed = True
+        self.closed = True
+        self.stop_timer()
         for e, task in list(self._flows.items()):
             task.cancel()
-            self._sched.answer(e, Unavailable(f"task {self.name!r} shut down before this "
-                                              f"request finished"))
+            answer(e, Unavailable(f"task {self.name!r} shut down before this request "
+                                  f"finished"))
         for s in self.steps.values():
             await s.batcher.close()
-
-    @property
-    def pending(self) -> int:
-        """Requests admitted and not yet answered."""
-        return len(self._flows)
 
     @property
     def in_flight(self) -> int:
@@ -244,53 +224,43 @@ class Pipeline:
     def step_stats(self) -> dict:
         return {name: s.stats.as_dict() for name, s in self.steps.items()}
 
-    # -- admission (loop thread) ------------------------------------------------------------
-    def _admit(self, n: int) -> None:
-        if self._closed:
-            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
-        if n > self.max_queue_size:
-            raise InvalidArgument(f"{n} inputs in one call exceed task {self.name!r}'s queue "
-                                  f"(batching.max_queue_size = {self.max_queue_size})", "input")
-        if len(self._flows) + n > self.max_queue_size:
-            raise Overloaded(f"task {self.name!r} has {len(self._flows)} requests in flight "
-                             f"(max_queue_size); retry later", None, OVERLOAD_RETRY_AFTER_S)
-
+    # -- admission (loop thread): ``pending`` counts the flows -------------------------------
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Any:
         """Admit one request; its ``waiter`` resolves with the flow's result or error."""
-        if not self._started:
+        if not self.started:
             self.start()
-        self._admit(1)
-        e = self._entry(item, self._loop.create_future(), priority, timeout_ms)
-        self._launch(e, timeout_ms)
+        self.admit(1)
+        e = self._entry(item, self.loop.create_future(), priority, timeout_ms)
+        self._launch(e)
         return e
 
     def submit_many(self, specs: Sequence[tuple]) -> tuple:
         """``[(item, desc, priority, timeout_ms), ...]`` admitted as a unit: (group, entries)."""
-        if not self._started:
+        if not self.started:
             self.start()
-        group = self._sched.Group(self._loop.create_future(), len(specs))
+        group = Group(self.loop.create_future(), len(specs))
         if not specs:
             group.future.set_result(None)
             return group, []
-        if any(not 1 <= p <= self._levels for _i, _d, p, _t in specs):
-            raise ValueError(f"priorities must be 1..{self._levels}")
-        self._admit(len(specs))
+        if any(not 1 <= p <= self.levels for _i, _d, p, _t in specs):
+            raise ValueError(f"priorities must be 1..{self.levels}")
+        self.admit(len(specs))
         entries = [self._entry(item, group, priority, t) for item, _d, priority, t in specs]
-        for e, (_i, _d, _p, t) in zip(entries, specs, strict=True):
-            self._launch(e, t)
+        for e in entries:
+            self._launch(e)
         return group, entries
 
     def _entry(self, item: Any, waiter: Any, priority: int, timeout_ms: int) -> Any:
         now = time.monotonic_ns()
-        return self._sched.Entry(item, waiter, priority, now, None,
-                                 now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+        return Entry(item, waiter, priority, now, None,
+                     now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
 
-    def _launch(self, e: Any, timeout_ms: int) -> None:
-        ctx = StepContext(self, e, e.priority, timeout_ms)
-        task = self._loop.create_task(self._run(ctx))
-        self._flows[e] = task
-        if timeout_ms > 0:
-            e.timer = self._loop.call_later(timeout_ms / 1000.0, self._expire, e, timeout_ms)
+    def _launch(self, e: Any) -> None:
+        ctx = StepContext(self, e, e.priority, e.timeout_ms)
+        self.pending += 1
+        self._flows[e] = self.loop.create_task(self._run(ctx))
+        if e.deadline_ns:
+            self.arm(e)
 
     async def _run(self, ctx: StepContext) -> None:
         e = ctx.entry
@@ -304,21 +274,20 @@ class Pipeline:
             log.exception("pipeline %s: flow failed", self.name)
             outcome = InternalError(f"task {self.name!r} failed on this input: {exc}")
         finally:
-            self._flows.pop(e, None)
-            if self._idle is not None and not self._flows:
-                self._idle.set()
+            if self._flows.pop(e, None) is not None:
+                self.pending -= 1
+                self.maybe_idle()
         e.batch_size = ctx.batch_size
         e.compute_us = ctx.compute_us
         e.dispatch_ns = e.arrival_ns + ctx.queue_us * 1000 if ctx.queue_us else e.arrival_ns + 1
-        self._sched.answer(e, outcome)
+        answer(e, outcome)
 
     # -- deadlines and cancellation (loop thread) ------------------------------------------
-    def _expire(self, e: Any, timeout_ms: int) -> None:
-        e.timer = None
-        if e.outcome is not UNSET:
-            return
-        self._sched.answer(e, DeadlineExceeded(f"deadline of {timeout_ms} ms expired before "
-                                               f"every step finished", DEADLINE_FIELD))
+    def expire(self, e: Any) -> None:
+        """The request's deadline passed: it is answered now and its flow (with its queued
+        step items) is cancelled."""
+        answer(e, DeadlineExceeded(f"deadline of {e.timeout_ms} ms expired before every step "
+                                   f"finished", DEADLINE_FIELD))
         task = self._flows.get(e)
         if task is not None:
             task.cancel()
@@ -327,7 +296,7 @@ class Pipeline:
         """The caller went away: stop its flow (its queued step items are dropped)."""
         if entry.outcome is not UNSET:
             return
-        self._sched.answer(entry, Cancelled("the request was cancelled by its caller"))
+        answer(entry, Cancelled("the request was cancelled by its caller"))
         w = entry.waiter
         if isinstance(w, asyncio.Future) and w.done() and not w.cancelled():
             w.exception()
@@ -335,9 +304,8 @@ class Pipeline:
         if task is not None:
             task.cancel()
 
-    def cancel_group(self, entries: Sequence[Any]) -> None:
-        for e in entries:
-            self.cancel(e)
+    def queued(self) -> list:
+        return []
 
 
 def build_pipeline(name: str, config: BatchingConfig, specs: Sequence[StepSpec], flow: Flow,

@@ -107,7 +107,15 @@ def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) ->
                 return [exc]
             return [InternalError(f"model execution failed for this input: {exc}")]
         mid = len(items) // 2
-        return run_split(execute, items[:mid]) + run_split(execute, items[mid:])
+        return _per_item(run_split(execute, items[:mid])) + _per_item(
+            run_split(execute, items[mid:]))
+
+
+def _per_item(results: Any) -> list:
+    """A half's results as one per item (a half that ran whole may answer with its rows)."""
+    if isinstance(results, list):
+        return results
+    return [results.row(i) for i in range(len(results))]
 
 
 class Batch:
@@ -141,6 +149,10 @@ class Worker:
         self.source = source
         self.index = index
         self.flush = flush
+        #: held by the worker except while it waits for work: releasing it wakes the worker
+        #: (``Admission.wait_for_work``; a C lock, where a Condition costs Python frames)
+        self.wake = threading.Lock()
+        self.wake.acquire()
         # a runner that cannot call back before its run gets the flush before execute
         self._hooked = hasattr(runner, "before_run")
         if self._hooked:

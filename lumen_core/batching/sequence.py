@@ -55,7 +55,6 @@ flags are only touched under that lock; a lane's state store only by its worker.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Optional, Sequence
@@ -67,7 +66,7 @@ from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
 from ..engine.state import SequenceBatch, SlotStore, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
 from .dynamic import BatchResult
-from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, QueuePolicy
+from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, Group, QueuePolicy
 from .runner import Batch, Runner, Worker
 
 #: how many ended / idled-out ids are remembered for a precise error message
@@ -81,11 +80,11 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 ENDED, IDLED = "ended", "idled"
 
 
-def seq_entry(sched: Any, item: Any, waiter: Any, arrival_ns: int, seq: "_Sequence",
-              start: bool, end: bool) -> Entry:
+def seq_entry(item: Any, waiter: Any, arrival_ns: int, seq: "_Sequence", start: bool,
+              end: bool) -> Entry:
     """A queued request of a sequence (``Entry.seq/start/end``; ``was_open`` is the
     sequence's ``open`` flag before this request was accepted)."""
-    e = sched.Entry(item, waiter, 1, arrival_ns)
+    e = Entry(item, waiter, 1, arrival_ns)
     e.seq = seq
     e.start = start
     e.end = end
@@ -114,10 +113,9 @@ class _Sequence:
 class _Lane:
     """One engine instance: its slots, the sequences it holds and which of them are ready."""
 
-    __slots__ = ("index", "free", "nseq", "ready", "busy", "free_ns", "store", "cond",
-                 "waiting")
+    __slots__ = ("index", "free", "nseq", "ready", "busy", "free_ns", "store", "idle")
 
-    def __init__(self, index: int, capacity: int, plans: Sequence[Any], lock: threading.Lock):
+    def __init__(self, index: int, capacity: int, plans: Sequence[Any]):
         self.index = index
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self.nseq = 0
@@ -125,13 +123,12 @@ class _Lane:
         self.busy = False
         self.free_ns = 0  # when the lane last finished a batch
         self.store = SlotStore(capacity, plans)
-        self.cond = threading.Condition(lock)  # the lane's worker waits here
-        self.waiting = False
+        self.idle: list = []  # the wake lock of the lane's worker while it waits for work
 
     def wake(self) -> None:
         """Under the lock: new work may be formable on this lane."""
-        if self.waiting:
-            self.cond.notify()
+        if self.idle:
+            self.idle.pop().release()
 
 
 class SequenceBatcher(QueuePolicy):
@@ -160,7 +157,7 @@ class SequenceBatcher(QueuePolicy):
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
                                    if getattr(p, "kind", None) == "CORRID"), None)
-        self._lanes = [_Lane(i, self.capacity, spec.inputs, self.lock)
+        self._lanes = [_Lane(i, self.capacity, spec.inputs)
                        for i in range(len(self.runners))]
         self._seqs: dict = {}
         self._backlog: deque = deque()
@@ -175,14 +172,15 @@ class SequenceBatcher(QueuePolicy):
         self._init_workers(name, runners)
 
     # -- lifecycle (QueuePolicy: start, close) ----------------------------------------------
-    def _wake_all(self) -> None:
+    def wake_all(self) -> None:
         for lane in self._lanes:
-            lane.cond.notify_all()
+            lane.wake()
 
-    def _queued(self) -> list:
+    def queued(self) -> list:
         return [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
 
-    def _stop_timers(self) -> None:
+    def stop_timer(self) -> None:
+        super().stop_timer()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
@@ -216,9 +214,9 @@ class SequenceBatcher(QueuePolicy):
 
     def submit(self, item: Any, desc: Any, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""
-        if not self._started:
+        if not self.started:
             self.start()
-        loop = self._loop
+        loop = self.loop
         now = time.monotonic_ns()
         with self.lock:
             entry = self._enqueue(item, desc, loop.create_future(), now)
@@ -228,16 +226,16 @@ class SequenceBatcher(QueuePolicy):
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
         if timeout_ms > 0:
-            self._arm_deadline((entry,), timeout_ms)
+            self.arm(entry)
         return entry
 
     def submit_many(self, specs: Sequence[tuple]) -> tuple:
         """Admit ``[(item, desc, priority, timeout_ms), ...]`` in order, as one group: the
         first request that cannot be accepted raises and un-admits the ones before it."""
-        if not self._started:
+        if not self.started:
             self.start()
-        loop = self._loop
-        group = self._sched.Group(loop.create_future(), len(specs))
+        loop = self.loop
+        group = Group(loop.create_future(), len(specs))
         entries: list = []
         if not specs:
             group.future.set_result(None)
@@ -245,7 +243,7 @@ class SequenceBatcher(QueuePolicy):
         now = time.monotonic_ns()
         with self.lock:
             if len(specs) > self.max_queue:
-                self._admit(len(specs))  # raises: the group can never fit
+                self.admit(len(specs))  # raises: the group can never fit
             created: list = []  # (sequence, its _gone entry) of sequences this group started
             try:
                 for item, desc, _priority, timeout_ms in specs:
@@ -259,7 +257,7 @@ class SequenceBatcher(QueuePolicy):
                         created.append((e.seq, gone))
             except BaseException:
                 for e in reversed(entries):
-                    self._kill(e)
+                    self.kill(e)
                 for seq, gone in created:  # a refused group leaves no sequence behind
                     if seq.sid in self._seqs and not seq.queue and not seq.running:
                         self._release(seq, ENDED)
@@ -271,25 +269,22 @@ class SequenceBatcher(QueuePolicy):
             new_seq = self._sweep is None and self._seqs
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
-        deadlines: dict = {}
-        for e, (_i, _d, _p, timeout_ms) in zip(entries, specs, strict=True):
-            if timeout_ms > 0:
-                deadlines.setdefault(timeout_ms, []).append(e)
-        for timeout_ms, es in deadlines.items():
-            self._arm_deadline(es, timeout_ms, group)
+        for e in entries:
+            if e.deadline_ns:
+                self.arm(e)
         return group, entries
 
     def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int) -> Entry:
         """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
-        if self._closed:
-            self._admit()  # raises Unavailable
+        if self.closed:
+            self.admit(1)  # raises Unavailable
         sid = desc.sequence_id
         if sid is None:
             raise InvalidArgument(f"task {self.name!r} is stateful: every request needs "
                                   f"{KEY_SEQUENCE_ID} (and {KEY_SEQUENCE_START}=true on the first)",
                                   KEY_SEQUENCE_ID)
         seq = self._seqs.get(sid)
-        if self._pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+        if self.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
             # A sequence that holds a slot may always queue one request, so a full backlog
             # can never block the requests (e.g. an end) that would free a slot for it.
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue} pending, "
@@ -314,11 +309,11 @@ class SequenceBatcher(QueuePolicy):
             self._sig0 = sig
         elif not self._multi_sig and sig != self._sig0:
             self._multi_sig = True
-        entry = seq_entry(self._sched, item, waiter, now, seq, start, desc.sequence_end)
+        entry = seq_entry(item, waiter, now, seq, start, desc.sequence_end)
         entry.was_open = was_open
         seq.queue.append(entry)
         seq.last_ns = now
-        self._pending += 1
+        self.pending += 1
         lane = seq.lane
         if lane is not None and not seq.running and len(seq.queue) == 1:
             seq.ready_ns = now
@@ -411,10 +406,10 @@ class SequenceBatcher(QueuePolicy):
                     self._release(seq, IDLED)
             again = bool(self._seqs)  # also while draining: backlogged ones may need slots
         if again:
-            self._sweep = self._loop.call_later(self._sweep_s, self._sweep_idle)
+            self._sweep = self.loop.call_later(self._sweep_s, self._sweep_idle)
 
     # -- queue policy (under the lock) ------------------------------------------------------
-    def _unqueue(self, entry: Entry) -> None:
+    def unqueue(self, entry: Entry) -> None:
         seq = entry.seq
         q = seq.queue
         if entry.end or entry.start:
@@ -439,7 +434,7 @@ class SequenceBatcher(QueuePolicy):
 
     def finished(self, worker: Worker, batch: Batch, results: Any,
                  compute_us: int) -> Optional[Batch]:
-        self._done.put(batch.entries, results, compute_us)
+        self.completions.put(batch.entries, results, compute_us)
         lane = self._lanes[worker.index]
         with self.lock:
             self._settle(lane, batch, results)
@@ -450,12 +445,13 @@ class SequenceBatcher(QueuePolicy):
         lane.busy = False
         now = lane.free_ns = time.monotonic_ns()
         ready = lane.ready
-        failed = not isinstance(results, list)
+        failed = isinstance(results, BaseException)  # the worker itself failed
+        per_item = isinstance(results, list)  # else the batch's rows: every item succeeded
         seqs, starts = batch.extra
         for i, (s, e) in enumerate(zip(seqs, batch.entries, strict=True)):
             s.running = False
             s.last_ns = now
-            if starts[i] and (failed or isinstance(results[i], LumenError)):
+            if starts[i] and (failed or (per_item and isinstance(results[i], LumenError))):
                 # a failed run committed no state: the slot may still hold the previous
                 # sequence's (or the pre-restart) state, so the next request starts afresh
                 s.fresh = True
@@ -467,7 +463,7 @@ class SequenceBatcher(QueuePolicy):
 
     def _next_locked(self, worker: Worker, lane: _Lane) -> Optional[Batch]:
         while True:
-            timeout = None
+            timeout = -1.0
             if lane.ready:
                 now = time.monotonic_ns()
                 batch, due = self._form(lane, now)
@@ -475,14 +471,10 @@ class SequenceBatcher(QueuePolicy):
                     return batch
                 if due:
                     timeout = max(0, due - now) / 1e9
-            if self._stopping:
+            if self.stopping:
                 return None
             worker.flush()  # results waiting for the loop must not wait for our next batch
-            lane.waiting = True
-            try:
-                lane.cond.wait(timeout)
-            finally:
-                lane.waiting = False
+            self.wait_for_work(worker.wake, timeout, lane.idle)
 
     def _form(self, lane: _Lane, now: int) -> tuple:
         """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
@@ -492,7 +484,7 @@ class SequenceBatcher(QueuePolicy):
         for s in expired:  # past its deadline: never run (its loop timer answers the caller)
             while s.queue and s.queue[0].deadline_ns and s.queue[0].deadline_ns <= now \
                     and s.queue[0].state == QUEUED:
-                self._kill(s.queue[0])
+                self.kill(s.queue[0])
         n = len(ready)
         if not n:
             return None, 0
@@ -541,8 +533,8 @@ class SequenceBatcher(QueuePolicy):
             end[i] = e.end
             if corrid is not None:
                 corrid.append(s.corrid)
-        self._running += 1  # before pending drops: drain never sees both at 0 mid-handover
-        self._pending -= n
+        self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
+        self.pending -= n
         lane.busy = True
         items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
         return Batch(entries, items, (seqs, start))

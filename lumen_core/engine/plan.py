@@ -15,23 +15,12 @@ import numpy as np
 
 from .. import native
 
-
-class PreparedModelRequest:
-    """One request ready for batching.
-
-    ``signature`` is the execution signature (hashable): only requests with equal signatures
-    share a batch.  ``tensors`` holds per-input payload buffers (indexed by the plan's ``slot``),
-    ``item_shape`` the per-item shape of dense inputs (no batch axis), ``length`` the token count
-    of ragged inputs (used for length-aware batching).
-    """
-
-    __slots__ = ("signature", "tensors", "item_shape", "length")
-
-    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0):
-        self.signature = signature
-        self.tensors = tensors
-        self.item_shape = item_shape
-        self.length = length
+#: One request ready for batching: ``signature`` (only equal signatures share a batch),
+#: ``tensors`` (per-input payload buffers, indexed by a plan's ``slot``), ``item_shape`` (the
+#: per-item shape of dense inputs, no batch axis), ``length`` (the token count of ragged inputs,
+#: for length-aware batching).  A compiled type of the request path (``scheduler.Prepared``):
+#: backends make one per request, and may subclass it (with ``__slots__``) to carry more.
+PreparedModelRequest = native.scheduler.Prepared
 
 
 class InputPlan(abc.ABC):

@@ -173,7 +173,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
             raise InternalError(f"internal server error: {exc}") from exc
 
     async def Infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        tr = getattr(self.runtime, "_trace", None)
+        tr = getattr(self.runtime, "tracing", None)
         if tr is None:
             return await self._unary(request, context)
         # the transport span: a child of the caller's W3C traceparent metadata, if any
@@ -196,7 +196,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         """One stream message -> its reply message (a response or an error, never a raise);
         ``events``: the call's speech-segment trackers (``lumen.vad.events``, audio.py);
         ``carrier``: the call's metadata, for the trace parent when tracing is on."""
-        tr = getattr(self.runtime, "_trace", None)
+        tr = getattr(self.runtime, "tracing", None)
         if tr is None:
             return await self._stream_reply(msg, scope, events)
         with tr.rpc_span("lumen.v1.Inference", "InferStream", carrier):
@@ -246,7 +246,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
         events = audio.SequenceEvents(self.runtime)
-        carrier = call_metadata(context) if getattr(self.runtime, "_trace", None) else None
+        carrier = call_metadata(context) if getattr(self.runtime, "tracing", None) else None
         replies = windowed_replies(
             request_iterator, window, lambda msg: len(msg.payload),
             lambda msg: self._stream_one(msg, scope, events, carrier),

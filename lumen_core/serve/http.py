@@ -173,7 +173,7 @@ class HttpApp:
         needs_key = keys.enabled and name not in ALWAYS_OPEN and name not in keys.open_endpoints
 
         async def endpoint(request: Request) -> Response:
-            tr = getattr(self.runtime, "_trace", None)
+            tr = getattr(self.runtime, "tracing", None)
             if tr is None:
                 return await handle(request)
             # the transport span: a child of the caller's W3C traceparent, when it sends one

@@ -311,7 +311,7 @@ class OipServicer:
             raise InternalError(f"internal server error: {exc}") from exc
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
-        tr = getattr(self.base.runtime, "_trace", None)
+        tr = getattr(self.base.runtime, "tracing", None)
         if tr is None:
             return await self._model_infer(request, context)
         # the transport span: a child of the caller's W3C traceparent metadata, if any
@@ -328,7 +328,7 @@ class OipServicer:
 
     async def _stream_one(self, msg: Any, scope: Optional[str],
                           carrier: Optional[dict] = None) -> Any:
-        tr = getattr(self.base.runtime, "_trace", None)
+        tr = getattr(self.base.runtime, "tracing", None)
         if tr is None:
             return await self._stream_reply(msg, scope)
         with tr.rpc_span(SERVICE, "ModelStreamInfer", carrier):
@@ -354,7 +354,7 @@ class OipServicer:
             await self._abort(context, "ModelStreamInfer", exc)
         base = self.base  # one window rule and one in-flight count for both services
         window = StreamWindow(base.stream_window, base.stream_window_bytes)
-        carrier = call_metadata(context) if getattr(base.runtime, "_trace", None) else None
+        carrier = call_metadata(context) if getattr(base.runtime, "tracing", None) else None
         replies = windowed_replies(
             request_iterator, window, _message_bytes,
             lambda msg: self._stream_one(msg, scope, carrier), base._admitted, base._answered)

@@ -129,21 +129,21 @@ class TaskBackend(abc.ABC):
                 **self.contract.describe()}
 
 
-def split_outputs(outputs: dict, n: int, rename: Optional[dict] = None) -> list:
-    """Scatter batch outputs into per-item views; a non-finite item becomes an InternalError."""
-    bad = np.zeros(n, dtype=bool)
+def split_outputs(outputs: dict, n: int, rename: Optional[dict] = None) -> Any:
+    """A batch's outputs as its items' results, split once for the whole batch: a
+    ``scheduler.Rows`` (item ``i``'s result is row ``i`` of every output, made when read) when
+    every row is finite, else one result per item, a non-finite item an ``InternalError``.
+    ``rename`` maps output names to result names."""
+    arrays = {(rename or {}).get(k, k): v for k, v in outputs.items()} if rename else outputs
+    bad = None
     for arr in outputs.values():
         if arr.dtype.kind == "f":
             flat = arr.reshape(arr.shape[0], -1)[:n]
-            bad |= ~np.isfinite(flat).all(axis=1)
-    names = list(outputs)
-    views = {k: native.assemble.scatter(outputs[k], n) for k in names}
-    res: list[Any] = []
-    for i in range(n):
-        if bad[i]:
-            res.append(InternalError("the model produced a non-finite value (NaN or inf) for "
-                                     "this input; the result was withheld"))
-        else:
-            res.append({(rename or {}).get(k, k): views[k][i] for k in names})
-    return res
-
+            ok = np.isfinite(flat).all(axis=1)
+            if not ok.all():
+                bad = ~ok if bad is None else bad | ~ok
+    rows = native.scheduler.Rows(arrays, n)
+    if bad is None:
+        return rows
+    return [InternalError("the model produced a non-finite value (NaN or inf) for this input; "
+                          "the result was withheld") if bad[i] else rows.row(i) for i in range(n)]

@@ -9,9 +9,11 @@ buffers by the engine.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
+from .. import native
 from ..batching.signature import signature
 from ..config import Option
 from ..contract import (
@@ -70,7 +72,7 @@ class OnnxBackend(TaskBackend):
         pps = self.options["preprocess_ids"]
         max_dim = self.options["max_dim"]
         spec_dims = ((1, 1),) + tuple((d, d) if d else (1, max_dim) for d in dims[1:])
-        self._signatures: dict = {}
+        self._dense = native.scheduler.DenseTensor(self._signature, MAX_CACHED_SIGNATURES)
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         self.contract = TensorContract(
             specs=(TensorSpec(dtype, layout, frozenset(pps), spec_dims),),
@@ -91,14 +93,16 @@ class OnnxBackend(TaskBackend):
         return d
 
     def prepare_tensor(self, req, desc, payload) -> PreparedModelRequest:
-        item_shape = desc.shape[1:]
-        sig = self._signatures.get((desc.dtype, item_shape, desc.preprocess_id))
-        if sig is None:
-            sig = signature(self.name, self.model_id, self.config.model_version, desc.dtype,
-                            item_shape, desc.layout, desc.preprocess_id)
-            if len(self._signatures) < MAX_CACHED_SIGNATURES:
-                self._signatures[(desc.dtype, item_shape, desc.preprocess_id)] = sig
-        return PreparedModelRequest(sig, (payload,), item_shape)
+        return self._dense.prepare(desc, payload)
+
+    def dense_tensor(self) -> "native.scheduler.DenseTensor":
+        """The tensor route, prepared by the request path in C (every tensor request of this
+        backend is its payload under a cached signature)."""
+        return self._dense
+
+    def _signature(self, dtype: str, item_shape: tuple, preprocess_id: str, layout: str) -> Any:
+        return signature(self.name, self.model_id, self.config.model_version, dtype, item_shape,
+                         layout, preprocess_id)
 
     def warmup_requests(self) -> list:
         """One zero tensor of the smallest accepted shape, through the public tensor route."""

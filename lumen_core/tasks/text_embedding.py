@@ -574,6 +574,10 @@ class TextEmbeddingBackend(TaskBackend):
         pooled = outputs.get(POOLED)
         # the result has OUTPUT only; a pooled row replaces it where normalize=false asks
         res = split_outputs(outputs if pooled is None else {OUTPUT: outputs[OUTPUT]}, len(items))
+        if all(getattr(item, "options", None) is None for item in items):
+            return res  # the common case: every item's result is its row of the batch
+        if not isinstance(res, list):
+            res = [res.row(i) for i in range(len(items))]
         for i, item in enumerate(items):
             opts = getattr(item, "options", None)
             if opts is None or not isinstance(res[i], dict):

@@ -30,7 +30,7 @@ def traced(tmp_path_factory):
     # the server starts (and its tasks resolve their models) inside LUMEN_HOME's block
     with S.lumen_home_env(S.prepared_home(tmp_path_factory)):
         rt = Runtime.from_dict({"tasks": default_task_tables()})
-        rt._trace = tracing.Tracing(provider)
+        rt.tracing = tracing.Tracing(provider)
         srv = S.ServerThread(rt, grpc=False)
     yield srv, exporter
     srv.stop()

@@ -55,7 +55,7 @@ def reference(fixtures_dir):
 
 def on_loop(runtime, coro):
     """Run ``coro`` on the runtime's loop thread (where its batcher lives); return its result."""
-    return asyncio.run_coroutine_threadsafe(coro, runtime._loop).result(WAIT_S)
+    return asyncio.run_coroutine_threadsafe(coro, runtime.loop).result(WAIT_S)
 
 
 def raw(text, mime="text/plain"):

@@ -1,0 +1,142 @@
+# Declarations that compile lumen_core/scheduler.py (Cython's pure-Python mode) into
+# lumen_core._scheduler: the request path's typed homes as C types, their fields C fields and
+# their methods C calls (cpdef: Python subclasses may override them, e.g. the sequence
+# batcher's submit).  The .py is the one source; this file only adds types.
+cimport cython
+
+
+cdef class Group:
+    cdef public object future
+    cdef public Py_ssize_t remaining
+    cpdef one_done(self)
+
+
+cdef class Entry:
+    cdef public object item, waiter, outcome, queue, seq, span, route, kind
+    cdef public int priority, state
+    cdef public Py_ssize_t row, batch_size
+    cdef public long long arrival_ns, dispatch_ns, deadline_ns, compute_us, t0
+    cdef public bint start, end, was_open
+
+
+@cython.locals(w=object)
+cpdef answer(Entry e, object outcome)
+
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t, e=Entry)
+cpdef deliver(list entries, object results, long long compute_us)
+
+
+@cython.freelist(64)
+cdef class Rows:
+    cdef public dict arrays
+    cdef public Py_ssize_t n
+    cpdef dict row(self, Py_ssize_t i)
+
+
+@cython.freelist(256)
+cdef class Prepared:
+    cdef public object signature, tensors, item_shape
+    cdef public Py_ssize_t length
+
+
+cdef class DenseTensor:
+    cdef public object make_signature
+    cdef public dict signatures
+    cdef public Py_ssize_t max_cached
+    cpdef Prepared prepare(self, object desc, object payload)
+
+
+cdef class SignatureQueue:
+    cdef public object signature
+    cdef public list levels
+    cdef public Py_ssize_t live
+    cpdef Entry head(self)
+    @cython.locals(out=list, k=Py_ssize_t, e=Entry)
+    cpdef list take(self, Py_ssize_t n, long long now, Admission policy)
+
+
+cdef class Admission:
+    cdef public object name, lock, loop, timer, trace, on_batch, idle_event
+    cdef public Py_ssize_t max_queue_size, levels, pending, running, ready_live
+    cdef public Py_ssize_t deadline_count, compact_at
+    cdef public bint closed, stopping, started
+    cdef public dict queues
+    cdef public list idle, deadlines
+    cdef public long long delay_ns, timer_ns
+
+    cpdef admit(self, Py_ssize_t n)
+    @cython.locals(now="long long", e=Entry)
+    cpdef Entry submit(self, object item, object desc=*, int priority=*, long long timeout_ms=*)
+    @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group)
+    cpdef tuple submit_many(self, object specs)
+    @cython.locals(q=SignatureQueue)
+    cpdef enqueue(self, Entry e, object sig)
+    cpdef wake_if_formable(self, SignatureQueue q)
+    cpdef wake_all(self)
+    @cython.locals(got=bint)
+    cpdef wait_for_work(self, object wake, double timeout, list idle)
+    cpdef kill(self, Entry e)
+    @cython.locals(q=SignatureQueue)
+    cpdef unqueue(self, Entry e)
+    cpdef arm(self, Entry e)
+    cpdef set_timer(self, long long at_ns)
+    @cython.locals(now="long long", e=Entry, expired=bint, heap=list)
+    cpdef expire_due(self)
+    @cython.locals(state=int)
+    cpdef expire(self, Entry e)
+    cpdef stop_timer(self)
+    cpdef cancel(self, Entry entry)
+    cpdef cancel_group(self, object entries)
+    cpdef refuse(self, object entries)
+    cpdef deliver_batch(self, list entries, object results, long long compute_us)
+    cpdef maybe_idle(self)
+    cpdef start(self, object loop=*)
+
+
+cdef class Route:
+    cdef public object name, version, backend, contract, router, cache
+    cdef public DenseTensor dense
+    cdef public Admission batcher
+    cdef public Py_ssize_t holds, priority_levels, default_priority
+    cdef public long long default_timeout_ms, inline_max
+    cdef public bint off_loop, stateful
+    cpdef tuple policy(self, object desc)
+    cpdef bint prepares_off_loop(self, Py_ssize_t nbytes)
+    cpdef object prepare(self, object req, object desc, object payload)
+
+
+cdef class Dispatcher:
+    cdef public dict routes
+    cdef public bint ready, closing
+    cdef public Py_ssize_t max_payload
+    cdef public object observe, trace, pool
+
+    cpdef Route route(self, object name)
+    cpdef Route routed(self, object req)
+    cpdef tuple payload(self, object payload, Route route)
+    cpdef tuple validate(self, Route route, object req)
+    cpdef observed(self, Route route, object kind, str code, long long t0, Entry e=*)
+    @cython.locals(route=Route, entry=Entry, nbytes=Py_ssize_t, priority=int,
+                   timeout_ms="long long", t0="long long")
+    cpdef Entry admit(self, object req)
+    cpdef Entry admitted(self, Entry entry, Route route, object kind, long long t0)
+    cpdef cancelled(self, Entry entry)
+    cpdef finish(self, object req, Entry entry)
+    @cython.locals(late=list, i=Py_ssize_t, route=Route, items=_Items, nbytes=Py_ssize_t)
+    cpdef list many_prepare(self, object requests, list out, dict groups, long long t0)
+    cpdef _Items items_of(self, Route route, dict groups)
+    @cython.locals(items=_Items, k=Py_ssize_t)
+    cpdef list many_submit(self, dict groups, list out, long long t0)
+    @cython.locals(items=_Items, route=Route, entries=list, k=Py_ssize_t, i=Py_ssize_t, e=Entry)
+    cpdef many_respond(self, object requests, list submitted, list out, long long t0)
+
+
+cdef class _Items:
+    cdef public Route route
+    cdef public list index, kinds, specs
+    cdef public object group, entries
+    cpdef add(self, Py_ssize_t i, object kind, object prepared, object desc, int priority,
+              long long timeout_ms)
+
+
+cpdef respond(object req, Route route, Entry e)
