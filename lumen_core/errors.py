@@ -161,8 +161,12 @@ class ModelMissingError(RuntimeError):
     load) can show it without parsing the message.
     """
 
-    def __init__(self, message: str, command: str, stale: bool = False):
+    def __init__(self, message: str, command: str, stale: bool = False,
+                 package: Optional[str] = None):
         super().__init__(message)
         self.command = command
         #: prepared, but by an older lumen-core (an older revision of the recipe)
         self.stale = stale
+        #: the PyPI package the model is prepared from, when that package is not installed
+        #: (``lumen models prepare`` skips such a model unless it was asked for by name)
+        self.package = package

@@ -217,14 +217,19 @@ def embeddings_url(url: str) -> str:
 class Connection:
     """One keep-alive HTTP/1.1 connection that POSTs pre-built JSON bodies."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, api_key: Optional[str] = None):
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query
-        self._head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        auth = ""
+        if api_key is not None:
+            if not (api_key.isascii() and api_key.isprintable()):  # no header injection
+                raise ValueError("the API key must be printable ASCII")
+            auth = f"Authorization: Bearer {api_key}\r\n"
+        self._head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth}"
                       f"Content-Type: application/json\r\nAccept: application/json\r\n"
                       f"Content-Length: ").encode()
         self.reader: Optional[asyncio.StreamReader] = None
@@ -353,11 +358,13 @@ async def _closed_loop(call: Callable, n_items: int, concurrency: int, count: in
 
 async def bench_http(url: str, texts: Sequence[str], concurrency: int, count: int,
                      model: str = DEFAULT_TASK, warmup: int = 0, target: str = "",
-                     stream: Optional[TextIO] = None) -> BenchResult:
-    """Closed-loop load on an OpenAI-style embeddings URL; one text per request."""
+                     stream: Optional[TextIO] = None,
+                     api_key: Optional[str] = None) -> BenchResult:
+    """Closed-loop load on an OpenAI-style embeddings URL; one text per request (with
+    ``Authorization: Bearer api_key`` when given)."""
     url = embeddings_url(url)
     bodies = request_bodies(texts, model)
-    conns = [Connection(url) for _ in range(concurrency)]
+    conns = [Connection(url, api_key) for _ in range(concurrency)]
     label = f"{target or url} c={concurrency}"
 
     async def call(w: int, i: int) -> None:

@@ -35,7 +35,7 @@ from .errors import (
 from .prepare_pool import PreparePool
 from .request import InferRequest, InferResponse, new_infer_request
 from .scheduler import route_of
-from .tasks import backend_class, default_task_tables
+from .tasks import backend_class, default_task_table, default_task_tables
 from .tasks.base import TaskBackend
 from .versions import Lifecycle
 
@@ -159,9 +159,12 @@ class Runtime:
         return cls(parse_config(cfg, source=source))
 
     @classmethod
-    def default(cls, server: Optional[Mapping] = None) -> "Runtime":
-        """The built-in default tasks on the prepared models (``lumen models prepare``)."""
-        cfg: dict = {"tasks": default_task_tables()}
+    def default(cls, server: Optional[Mapping] = None, only: Optional[str] = None) -> "Runtime":
+        """The built-in default tasks on the prepared models (``lumen models prepare``); each
+        one that cannot be served here is left out with a warning line saying why.  ``only``:
+        that default task alone (why it cannot be served is then raised)."""
+        cfg: dict = {"tasks": default_task_tables() if only is None
+                     else [default_task_table(only)]}
         if server:
             cfg["server"] = dict(server)
         return cls.from_dict(cfg, source="<default tasks>")
@@ -519,6 +522,11 @@ class Runtime:
         """The versions ``task`` serves now, in version order (``lumen.model.version`` may pin
         any of them)."""
         return self._lifecycle.serving(task) or [self._task(task).version]
+
+    def request_options(self, task: str) -> Mapping:
+        """``{meta key: what it does}`` of the options ``task`` reads beyond the ``lumen.*``
+        keys of every task (``TaskBackend.request_options``)."""
+        return self._task(task).backend.request_options
 
     def contract(self, task: str) -> TensorContract:
         """The tensor contract of ``task`` (dtypes, layouts, shapes, preprocess ids)."""

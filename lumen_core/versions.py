@@ -317,6 +317,8 @@ class Lifecycle:
         #: seconds a changed file must stay unchanged before it is read (STABLE_QUIET_S)
         self.quiet_s = STABLE_QUIET_S
         self._config_state: Optional[tuple] = None
+        #: sha256 of the config file's content as last read (None: not read since the start)
+        self._config_hash: Optional[str] = None
 
     # -- loaded tasks ------------------------------------------------------------------------
     def forget(self) -> None:
@@ -358,12 +360,14 @@ class Lifecycle:
             self._install(tv)
 
     # -- reload ------------------------------------------------------------------------------
-    async def reload(self, name: Optional[str] = None) -> dict:
+    async def reload(self, name: Optional[str] = None, read_config: bool = True) -> dict:
         """Re-read the config file (when the runtime came from one) and the model files;
-        bring every task (or ``name``) to what they say.  Returns the admin view."""
+        bring every task (or ``name``) to what they say.  ``read_config`` False: the model
+        files only, against the running configs (versions loaded through the admin API
+        included).  Returns the admin view."""
         if name is not None:
             self._set(name)
-        cfg = await self._read_config()
+        cfg = await self._read_config() if read_config else None
         if cfg is not None:
             self._adopt_server(cfg)
             wanted = {tc.name: tc for tc in cfg.tasks}
@@ -406,10 +410,10 @@ class Lifecycle:
             st = file_state(src)
             if st != self._config_state:  # changed since the last read: let the writer finish
                 st = wait_stable(src, self.quiet_s)
-            return st, load_config(src)
+            return st, file_hash(src), load_config(src)
 
         try:
-            st, cfg = await asyncio.to_thread(read)
+            st, digest, cfg = await asyncio.to_thread(read)
         except ConfigError as exc:
             self.config_error = str(exc)
             self.config_failures += 1
@@ -417,7 +421,16 @@ class Lifecycle:
             return None
         self.config_error = None
         self._config_state = st
+        self._config_hash = digest
         return cfg
+
+    def _config_changed(self) -> bool:
+        """Whether the config file's content differs from what was last read (a touch, or an
+        editor's save of the same text, is no change).  Runs on a worker thread."""
+        try:
+            return file_hash(self.rt.config.source) != self._config_hash
+        except OSError:
+            return True
 
     async def reconcile(self, name: str, tc: Optional[TaskConfig]) -> None:
         """Bring task ``name`` to ``tc`` (None: remove it)."""
@@ -625,17 +638,33 @@ class Lifecycle:
         """Start watching the config file and every version's model file (idempotent)."""
         if self._watch is None or self._watch.done():
             self._seen = {p: file_state(p) for p in self.watched_paths()}
+            src = self.rt.config.source
+            if self._config_hash is None and src in self._seen:
+                self._config_hash = file_hash(src)  # the content the runtime started from
             self._watch = asyncio.ensure_future(self._watch_loop(interval_s))
         return self._watch
 
+    def changed_paths(self) -> set:
+        """Watched files whose state differs from the last look (a path new to the watch,
+        e.g. the model of a version the admin API loaded, is recorded, not a change)."""
+        now = {p: file_state(p) for p in self.watched_paths()}
+        changed = {p for p, st in now.items() if p in self._seen and self._seen[p] != st}
+        self._seen = now
+        return changed
+
     async def _watch_loop(self, interval_s: float) -> None:
+        """Reconcile on file changes only: a changed config file re-reads the config (which
+        then wins over admin API changes); a changed model file reloads against the running
+        configs, so a version loaded through the admin API stays until it is unloaded or the
+        config file changes."""
+        src = self.rt.config.source
         while True:
             await asyncio.sleep(interval_s)
-            now = {p: file_state(p) for p in self.watched_paths()}
-            if now != self._seen:
-                self._seen = now
+            changed = self.changed_paths()
+            if changed:
                 try:
-                    await self.reload()
+                    read = src in changed and await asyncio.to_thread(self._config_changed)
+                    await self.reload(read_config=read)
                 except Exception:  # noqa: BLE001 - the watcher must outlive any one reload
                     log.exception("lumen: reload after a file change failed")
                 self._seen = {p: file_state(p) for p in self.watched_paths()}

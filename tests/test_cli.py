@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import onnx_models as M
 import pytest
 import serve_support as S
 
-from lumen_core import cli, loadgen
+from lumen_core import cli, loadgen, models
 
 
 def run_cli(capsys, *argv: str) -> tuple:
@@ -324,3 +326,179 @@ def test_infer_vad_streams_a_wav_as_one_sequence(tmp_path, capsys, embed_server,
     _wav(bad, np.zeros(2000, np.int16), rate=48000, channels=2)
     rc, _, err = run_cli(capsys, "infer", "vad", str(bad))
     assert rc == cli.EXIT_USAGE and "16000 Hz mono" in err and "ffmpeg" in err
+
+
+# -- issue 26: a newcomer's second day, through the real `lumen` executable ----------------------
+#: the installed console script beside this interpreter (what a user's shell runs)
+LUMEN = str(pathlib.Path(sys.executable).with_name("lumen"))
+API_KEY = "issue26-key-0123"
+#: [CLS] hello [SEP] in the MiniLM (bert-base-uncased) vocabulary
+HELLO_IDS = [101, 7592, 102]
+
+
+def lumen(*argv: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """Run ``lumen ARGV`` in a subprocess; ``env`` adds to this process's environment (where
+    LUMEN_API_KEY is never set; a PYTHONPATH goes in front of the one there is)."""
+    full = {k: v for k, v in os.environ.items() if k != cli.API_KEY_ENV}
+    for k, v in env.items():
+        if k == "PYTHONPATH" and full.get(k):
+            v = v + os.pathsep + full[k]
+        full[k] = v
+    return subprocess.run([LUMEN, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=full)
+
+
+def shadow_module(root: pathlib.Path, name: str, body: str = "") -> str:
+    """A folder for PYTHONPATH holding a package ``name`` (``body`` its __init__) that hides
+    the installed one: the subprocess sees the package as a user without it would."""
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(body)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    """``text_embed`` alone behind an API key, plain HTTP (what `lumen infer --url` and
+    `lumen bench` talk to)."""
+    from lumen_core.runtime import Runtime
+    from lumen_core.tasks import default_task_table
+
+    with S.lumen_home_env(S.prepared_home(tmp_path_factory)):
+        srv = S.ServerThread(Runtime.from_dict({"server": {"api_keys": [API_KEY]},
+                                                "tasks": [default_task_table("text_embed")]}),
+                             grpc=False)
+    yield srv
+    srv.stop()
+
+
+def test_prepare_skips_a_model_whose_package_is_missing(tmp_path, tmp_path_factory):
+    """Row 3: without rapidocr, `lumen models prepare` still prepares (here: finds up to date)
+    every other model, text_embed_int8's included, lists the skipped one with its pip command
+    and exits 0; asked for by name, the missing package is an error (exit 2)."""
+    home = S.prepared_home(tmp_path_factory)
+    path = shadow_module(tmp_path / "site", "rapidocr")
+    r = lumen("models", "prepare", "--home", str(home), PYTHONPATH=path)
+    assert r.returncode == 0, r.stderr
+    prepared = dict(line.split("\t") for line in r.stdout.splitlines())
+    assert set(prepared) == {models.MINILM, models.SILERO_VAD, models.MINILM_INT8}
+    assert f"{models.OCR}: skipped, its source package 'rapidocr' is not installed" in r.stderr
+    assert f"  {models.OCR}: `pip install --no-deps rapidocr==3.10.0`" in r.stderr
+    assert f"then run `lumen models prepare --home {home}` again" in r.stderr
+    r = lumen("models", "prepare", models.OCR, "--home", str(home), PYTHONPATH=path)
+    assert r.returncode == cli.EXIT_USAGE and "Traceback" not in r.stderr
+    # the message reads as a sentence (it said "the ocr models comes from ...")
+    assert ("the PyPI package 'rapidocr', the source of the ocr models, is not installed"
+            in r.stderr), r.stderr
+    assert "pip install --no-deps rapidocr==3.10.0" in r.stderr
+
+
+def test_serve_says_why_each_default_task_is_left_out(tmp_path):
+    """Row 4: one warning line per default task left out, naming why and what to run: a
+    model never prepared (`lumen models prepare`), the [ocr] extra missing (its pip command)."""
+    path = shadow_module(tmp_path / "site", "cv2",
+                         "raise ModuleNotFoundError(\"No module named 'cv2'\", name='cv2')\n")
+    r = lumen("serve", "--http-port", "0", "--grpc-port", "0",
+              LUMEN_HOME=str(tmp_path / "empty"), PYTHONPATH=path)
+    assert r.returncode == cli.EXIT_USAGE and "no tasks to serve" in r.stderr
+    left = [ln for ln in r.stderr.splitlines() if "left out" in ln]
+    assert [ln.split("default task ")[1].split(" ")[0] for ln in left] == [
+        "'text_embed'", "'text_embed_int8'", "'vad'", "'ocr'"], r.stderr
+    for line in left[:3]:
+        assert "is not prepared" in line and "run `lumen models prepare`" in line, line
+    assert "[ocr] extra" in left[3] and 'pip install "lumen-core[ocr]"' in left[3], left[3]
+
+
+def test_infer_and_bench_send_an_api_key(keyed_server, tmp_path):
+    """Row 5: --api-key, else $LUMEN_API_KEY, on `lumen infer --url` and `lumen bench`."""
+    url = keyed_server.url
+    f = tmp_path / "a.txt"
+    f.write_text("hello")
+    r = lumen("infer", "text_embed", str(f), "--url", url)
+    assert r.returncode == cli.EXIT_USAGE and "API key" in r.stderr and "Traceback" not in r.stderr
+    for r in (lumen("infer", "text_embed", str(f), "--url", url, "--api-key", API_KEY),
+              lumen("infer", "text_embed", str(f), "--url", url, LUMEN_API_KEY=API_KEY)):
+        assert r.returncode == 0, r.stderr
+        assert len(json.loads(r.stdout)["outputs"]["embedding"]["data"]) == 384
+    bench = ("bench", "--url", url, "-c", "1", "-n", "2", "--warmup", "0", "--corpus-size", "2")
+    r = lumen(*bench)
+    assert r.returncode == cli.EXIT_USAGE and "401" in r.stderr
+    for r in (lumen(*bench, "--api-key", API_KEY), lumen(*bench, LUMEN_API_KEY=API_KEY)):
+        assert r.returncode == 0, r.stderr
+        assert loadgen.TABLE_HEADER in r.stdout
+
+
+def test_infer_npy_token_ids_take_layout_and_preprocess_id_from_the_contract(
+        keyed_server, tmp_path, tmp_path_factory):
+    """Row 9: `[1, 3]` int64 ids need no --layout or lumen.preprocess.id: the task's contract
+    has one signature for int64 of rank 2 (NL, bert_wordpiece_uncased_v1); over --url (asked
+    of GET /v1/tasks) and in process.  The embedding is that of the text the ids spell."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([HELLO_IDS], np.int64))
+    text = tmp_path / "hello.txt"
+    text.write_text("hello")
+    key = {"LUMEN_API_KEY": API_KEY}
+    want = json.loads(lumen("infer", "text_embed", str(text), "--url", keyed_server.url,
+                            **key).stdout)["outputs"]["embedding"]["data"]
+    remote = lumen("infer", "text_embed", str(ids), "--url", keyed_server.url, **key)
+    assert remote.returncode == 0, remote.stderr
+    local = lumen("infer", "text_embed", str(ids),
+                  LUMEN_HOME=str(S.prepared_home(tmp_path_factory)))
+    assert local.returncode == 0, local.stderr
+    for r in (remote, local):
+        np.testing.assert_allclose(json.loads(r.stdout)["outputs"]["embedding"]["data"], want,
+                                   atol=1e-5)
+
+
+def test_contract_choice_needs_one_choice():
+    sig = {"dtype": "int64", "layout": "NL", "shape": [1, [1, 256]], "preprocess_ids": ["a"]}
+    desc = {"tensor_signatures": [sig]}
+    assert cli.contract_choice(desc, "int64", 2) == ("NL", "a")
+    assert cli.contract_choice(desc, "fp32", 2) == (None, None)  # no int64: the server says
+    assert cli.contract_choice(desc, "int64", 3) == (None, None)
+    assert cli.contract_choice(desc, "int64", 2, "NC") == ("NC", None)
+    two = {"tensor_signatures": [sig, dict(sig, preprocess_ids=["a", "b"])]}
+    assert cli.contract_choice(two, "int64", 2) == ("NL", None)
+    assert cli.contract_choice(None, "int64", 2) == (None, None)
+
+
+def test_infer_into_a_closed_pipe_exits_quietly(tmp_path):
+    """Row 12: `lumen infer ... | head` whose reader is gone: no "[Errno 32] Broken pipe", no
+    "Exception ignored" at exit; the status of a process SIGPIPE ended."""
+    cfg = S.onnx_config(tmp_path, slow=False)
+    (tmp_path / "lumen.toml").write_text(S.to_toml(cfg))
+    np.save(tmp_path / "x.npy", S.mlp_input(3))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away before the reply is written
+    try:
+        proc = subprocess.run([LUMEN, "infer", "mlp", str(tmp_path / "x.npy"), "--config",
+                               str(tmp_path / "lumen.toml"), "--meta", "lumen.preprocess.id=none"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE, proc.stderr
+    for bad in ("Broken pipe", "Errno 32", "Exception ignored", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr
+
+
+def test_serve_names_every_busy_port(tmp_path):
+    """Row 12: with both ports busy, the one error line names HTTP's and gRPC's (it named
+    gRPC's only, so the next start failed again on HTTP's)."""
+    import socket
+
+    cfg = S.onnx_config(tmp_path, slow=False)
+    (tmp_path / "lumen.toml").write_text(S.to_toml(cfg))
+    holders = [socket.socket() for _ in range(2)]
+    try:
+        for s in holders:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+        http_port, grpc_port = (s.getsockname()[1] for s in holders)
+        r = lumen("serve", "--config", str(tmp_path / "lumen.toml"), "--http-port",
+                  str(http_port), "--grpc-port", str(grpc_port))
+    finally:
+        for s in holders:
+            s.close()
+    assert r.returncode == cli.EXIT_USAGE, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("lumen: error:")]
+    assert f"127.0.0.1:{http_port}" in line and "--http-port" in line, line
+    assert f"127.0.0.1:{grpc_port}" in line and "--grpc-port" in line, line

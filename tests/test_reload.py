@@ -326,3 +326,46 @@ def test_stateful_swap_keeps_open_sequences_on_their_version(tmp_path, monkeypat
             r = await rt.infer(TS.req(100, x, end=True))
             assert float(r.outputs["y"].reshape(-1)[0]) == 2.0
     asyncio.run(main())
+
+
+def test_watch_keeps_a_version_the_admin_api_loaded(tmp_path):
+    """Issue 26 row 6: under --watch, a version loaded through the admin API stays: the new
+    model path entering the watch is no file change (it used to reload the config ~1 tick
+    later and drop the version); its own file changing reloads it in place; a touch of the
+    config (same content) changes nothing; a real config change wins and drops it."""
+    v1, v2 = tmp_path / "v1.onnx", tmp_path / "v2.onnx"
+    _write_model(v1, 1.0, in_place=False)
+    _write_model(v2, 2.0, in_place=False)
+    cfg = tmp_path / "lumen.toml"
+    _toml(cfg, {"1": v1})
+    ticks = 0.02
+
+    async def until(rt, cond, what):
+        for _ in range(400):
+            if cond(rt.lifecycle("emb")):
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"timed out waiting for {what}: {rt.lifecycle('emb')}")
+
+    def versions(view):
+        return sorted(v["version"] for v in view["versions"])
+
+    async def main():
+        async with lc.Runtime.from_config(str(cfg)) as rt:
+            rt._lifecycle.quiet_s = QUIET_S
+            rt.watch(ticks)
+            await rt.load_version("emb", "2", str(v2))
+            await asyncio.sleep(10 * ticks)
+            assert versions(rt.lifecycle("emb")) == ["1", "2"]
+            assert (await rt.infer(_req())).meta["lumen.model.version"] == "2"
+            rev3 = _write_model(v2, 3.0, in_place=False)  # its file changes: reloaded, kept
+            await until(rt, lambda v: any(x["revision"] == rev3 for x in v["versions"]),
+                        "version 2's new revision")
+            assert versions(rt.lifecycle("emb")) == ["1", "2"]
+            assert float((await rt.infer(_req())).outputs["y"].reshape(-1)[0]) == 3.0
+            os.utime(cfg)  # touched, same content: no re-read
+            await asyncio.sleep(10 * ticks)
+            assert versions(rt.lifecycle("emb")) == ["1", "2"]
+            _toml(cfg, {"1": v1}, traffic={"1": 100})  # the config changes: it wins
+            await until(rt, lambda v: versions(v) == ["1"], "the config's versions")
+    asyncio.run(main())

@@ -58,7 +58,8 @@ def _build_wheel(out: pathlib.Path) -> pathlib.Path:
 def wheel(tmp_path_factory) -> pathlib.Path:
     given = os.environ.get("LUMEN_WHEEL")
     if given:
-        path = pathlib.Path(given)
+        # absolute: pip installs it from a temp folder (a relative DIST must still work)
+        path = pathlib.Path(given).resolve()
         assert path.is_file(), f"LUMEN_WHEEL={given!r} is not a file"
         return path
     return _build_wheel(tmp_path_factory.mktemp("dist"))

@@ -14,12 +14,13 @@ file, the preparer's revision, and the sha256 and size of every output.  ``prepa
 model whose manifest matches and whose outputs still hash-check, so it is cheap to run again.
 Backends call ``require_model`` when a task loads: it checks presence cheaply (sizes, not
 hashes) and raises :class:`~lumen_core.errors.ModelMissingError` naming the command that
-fixes it.
+fixes it.  ``prepare`` with no names prepares every model whose source package is installed
+and reports the others as skipped (with the pip command that brings each); a model asked for
+by name whose package is missing is an error.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import pathlib
 import shutil
@@ -40,8 +41,6 @@ from ._files import (
     write_manifest,
 )
 
-log = logging.getLogger(__name__)
-
 __all__ = [
     "MANIFEST_NAME",
     "MINILM",
@@ -54,8 +53,8 @@ __all__ = [
     "lumen_home",
     "model_dir",
     "models_dir",
+    "Prepared",
     "prepare",
-    "prepared_model",
     "read_manifest",
     "require_model",
 ]
@@ -130,18 +129,6 @@ def require_model(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path
     return directory
 
 
-def prepared_model(name: str, home: Optional[os.PathLike] = None) -> Optional[pathlib.Path]:
-    """:func:`require_model`, or None when the model is not prepared (the default tasks then
-    leave it out).  A model prepared by an older lumen-core is also None, with a warning that
-    says so and what to run: after an upgrade its task would otherwise vanish without a word."""
-    try:
-        return require_model(name, home)
-    except ModelMissingError as exc:
-        if exc.stale:
-            log.warning("%s; its default task is left out until then", exc)
-        return None
-
-
 def _home_hint(home: Optional[os.PathLike]) -> str:
     return f" --home {home}" if home is not None else ""
 
@@ -208,17 +195,29 @@ def _prepare_one(name: str, root: pathlib.Path, force: bool, say: ProgressFn) ->
     return directory
 
 
+class Prepared(dict):
+    """What :func:`prepare` did: ``{name: prepared directory}``, plus ``skipped``:
+    ``{name: ModelMissingError}`` of the models left out because their source package is not
+    installed (``error.command`` installs it; only when no names were asked for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: dict[str, ModelMissingError] = {}
+
+
 def prepare(
     names: Optional[Sequence[str]] = None,
     home: Optional[os.PathLike] = None,
     force: bool = False,
     progress: Optional[ProgressFn] = None,
-) -> dict[str, pathlib.Path]:
+) -> Prepared:
     """Prepare the embedded models (all by default); returns name -> prepared directory.
 
     Idempotent: a model whose manifest matches its installed source package and whose
     outputs hash-check is left alone unless ``force``.  ``progress`` gets one line per step.
-    Raises ``ModelMissingError`` (with the pip command) when a source package is missing.
+    With ``names`` None, a model whose source package is not installed is skipped (listed in
+    the result's ``skipped``, the others still prepared); a model asked for by name raises
+    ``ModelMissingError`` (with the pip command) instead.
     """
     wanted = list(DEFAULT_MODELS if names is None else names)
     for name in wanted:
@@ -226,5 +225,14 @@ def prepare(
     say: ProgressFn = progress or (lambda _msg: None)
     root = models_dir(home)
     root.mkdir(parents=True, exist_ok=True)
+    done = Prepared()
     with _exclusive(root):
-        return {name: _prepare_one(name, root, force, say) for name in wanted}
+        for name in wanted:
+            try:
+                done[name] = _prepare_one(name, root, force, say)
+            except ModelMissingError as exc:
+                if names is not None or exc.package is None:
+                    raise
+                say(f"{name}: skipped, its source package {exc.package!r} is not installed")
+                done.skipped[name] = exc
+    return done

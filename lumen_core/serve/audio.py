@@ -65,6 +65,8 @@ ACCEPTED = ("audio/wav (PCM16, mono, 16 kHz), audio/L16;rate=16000 (mono PCM16 l
 OUTPUT = "speech_prob"
 #: query / first-message flag asking for per-chunk probabilities
 PROBS_PARAM = "probabilities"
+#: the plain query options of the whole-file route, beside the task's own (``lumen.vad.*``)
+FILE_OPTIONS = {PROBS_PARAM: "true: the reply adds one speech probability per chunk"}
 
 
 def is_audio_mime(mime: str) -> bool:

@@ -28,6 +28,7 @@ tasks it asks the runtime's query API (``task_names``, ``describe``, ``token_ids
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import logging
 import re
@@ -42,7 +43,7 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
 from ..contract import EMBEDDING_TYPES as EMBEDDING_TYPE_DTYPES
-from ..contract import KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE
+from ..contract import KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE, RESERVED_PREFIX
 from ..errors import (
     InternalError,
     InvalidArgument,
@@ -85,8 +86,13 @@ OPT_NORMALIZE = "normalize"
 MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
 ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, POST /v1/tokenize, "
-               "GET /v1/tasks, /v1/admin/tasks, "
-               "/v1/models, /healthz, /readyz, /metrics")
+               "GET /v1/tasks, /v1/admin/tasks, /v1/models, /healthz, /readyz, /metrics, "
+               "the WebSocket /v1/stream/{task}, and the Open Inference Protocol under /v2 "
+               "(GET /v2, /v2/models/{task}, POST /v2/models/{task}/infer)")
+#: the error code of a 405 (a known path, another method); the Allow header names the methods
+METHOD_NOT_ALLOWED = "method_not_allowed"
+#: how alike an unknown query key and a task's option must be to be suggested (difflib ratio)
+OPTION_MATCH_CUTOFF = 0.75
 #: the one endpoint that never needs an API key (a liveness probe carries no secret)
 ALWAYS_OPEN = frozenset({"/healthz", "/v2/health/live"})
 #: a lone UTF-16 surrogate (JSON can carry one as \ud800): no encoding can represent it
@@ -116,7 +122,8 @@ def error_response(exc: LumenError) -> Response:
 
 async def routing_error(request: Request, exc: HTTPException) -> Response:
     """The router's own 404 / 405 in the JSON error shape every other error has (SPEC 6)."""
-    code = TaskNotFound.code if exc.status_code == 404 else InvalidArgument.code
+    code = {404: TaskNotFound.code, 405: METHOD_NOT_ALLOWED}.get(exc.status_code,
+                                                                InvalidArgument.code)
     path = request.url.path[:MAX_PATH_ECHO]
     msg = f"{exc.detail}: {request.method} {path}; {ROUTES_HINT}"
     return json_response({"error": {"code": code, "message": msg, "field": None}},
@@ -284,9 +291,13 @@ class HttpApp:
         self._check_open()
         task = request.path_params["task"]
         headers = request.headers
+        params = request.query_params
         if audio.wants_file(self.runtime, task, headers.get("content-type", ""),
-                            request.query_params):  # a whole audio file -> segments (audio.py)
+                            params):  # a whole audio file -> segments (audio.py)
+            self._check_options(task, params, audio.FILE_OPTIONS)
             return await audio.file_reply(self, request, task)
+        if params:
+            self._check_options(task, params)
         body = await self._read_body(request, "payload")
         meta = self.keys.scoped_meta(dict(request.query_params), request.state.key_scope)
         req = InferRequest(task, body, headers.get("content-type", ""), meta,
@@ -298,6 +309,18 @@ class HttpApp:
             return self._tensor_reply(resp, headers.get(OUTPUT_HEADER))
         return json_response(codec.response_json(resp),
                              headers={"X-Correlation-Id": resp.correlation_id})
+
+    def _check_options(self, task: str, params: Any, route_options: Optional[dict] = None) -> None:
+        """A plain (non-``lumen.*``) query key that ``task`` does not read is a 400 naming the
+        options it does read (a typo such as ``normalise`` would otherwise be ignored);
+        ``lumen.*`` keys are checked by the request contract."""
+        plain = [k for k in params if not k.startswith(RESERVED_PREFIX)]
+        if not plain or not self.runtime.has_task(task):  # an unknown task answers 404 later
+            return
+        known = {**self.runtime.request_options(task), **(route_options or {})}
+        for key in plain:
+            if key not in known:
+                raise unknown_option(task, key, known)
 
     @staticmethod
     def _tensor_reply(resp: Any, wanted: Optional[str]) -> Response:
@@ -594,6 +617,20 @@ class HttpApp:
 
 #: a task's option names (its error fields) -> the /v1/embeddings body fields that set them
 _OPTION_FIELDS = {KEY_EMBEDDING_DIMENSIONS: "dimensions", KEY_EMBEDDING_TYPE: "embedding_type"}
+
+
+def unknown_option(task: str, key: str, known: Any) -> InvalidArgument:
+    """The 400 for a query key ``task`` does not read: the closest option it does read (by
+    spelling, or by the last part of a ``lumen.*`` name: ``dimensions`` ->
+    ``lumen.embedding.dimensions``), then all of them."""
+    by_tail = {name.rsplit(".", 1)[-1]: name for name in sorted(known)}
+    close = difflib.get_close_matches(key, list(by_tail), n=1, cutoff=OPTION_MATCH_CUTOFF)
+    hint = f" (did you mean {by_tail[close[0]]!r}?)" if close else ""
+    options = ", ".join(sorted(known)) or "none"
+    return InvalidArgument(f"task {task!r} has no option {key[:MAX_PATH_ECHO]!r}{hint}; its "
+                           f"options are: {options}, and the lumen.* request keys of every "
+                           f"task (GET /v1/tasks lists each task's request_options)",
+                           key[:MAX_PATH_ECHO])
 
 
 def embeds(desc: dict) -> bool:

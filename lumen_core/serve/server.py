@@ -1,7 +1,8 @@
 """One process serving one runtime over HTTP (uvicorn) and gRPC, with a graceful stop.
 
 Start-up order: load + warm the runtime, install the metrics observer (so warm-up requests are
-not counted), bind gRPC, bind HTTP, then log one ``ready`` line.  Shutdown (SIGTERM / SIGINT /
+not counted), bind HTTP and gRPC (both are tried: a start-up error names every busy port),
+then log one ``ready`` line.  Shutdown (SIGTERM / SIGINT /
 :meth:`LumenServer.shutdown`) runs the other way round and never drops admitted work:
 
 1. mark HTTP and gRPC as draining: new inference calls get 503 / UNAVAILABLE, ``/readyz``
@@ -173,12 +174,28 @@ class LumenServer:
         rt = self.runtime
         rt.observer = self.observer
         max_payload = rt.config.server.max_payload_bytes
+        # both ports are tried before either failure is raised, so one message names every
+        # port that is busy (not one per restart)
+        busy: list = []
+        sock = None
+        try:
+            sock = bind_socket(self.host, self.http_port)
+        except OSError as exc:
+            busy.append(exc)
         if self.grpc_port is not None:
             self.grpc = GrpcServer(rt, self.observer, self.host, self.grpc_port, max_payload,
                                    keys=self.keys, tls=self.tls[2:] if self.tls else None)
-            await self.grpc.start()
+            try:
+                await self.grpc.start()
+            except OSError as exc:
+                busy.append(exc)
             self.grpc_port = self.grpc.port
-        sock = bind_socket(self.host, self.http_port)
+        if busy:
+            if sock is not None:
+                sock.close()
+            if len(busy) == 1:
+                raise busy[0]
+            raise OSError(busy[0].errno, "; and ".join(e.strerror or str(e) for e in busy))
         self.http_port = sock.getsockname()[1]
         limits = self.limits
         tls = ({"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]}

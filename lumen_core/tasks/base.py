@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -55,6 +55,14 @@ class TaskBackend(abc.ABC):
     accepts_text: bool = False
     #: the ``[tasks.options]`` keys this backend takes; any other key is a config error
     options_schema: tuple[Option, ...] = ()
+    #: the raw media types as a client writes them, parameters included (what ``/v1/tasks``
+    #: lists and a 415 names); empty: ``raw_mimes`` are accepted as they are
+    raw_mimes_written: tuple = ()
+    #: the request options this task reads beyond the ``lumen.*`` keys every task takes:
+    #: ``{meta key: what it does}``, plain names (``normalize``) and the task's own
+    #: ``lumen.*`` keys; the native HTTP route refuses any other plain key, so a typo is a
+    #: 400 instead of an option silently ignored
+    request_options: Mapping[str, str] = {}
 
     def __init__(self, config: TaskConfig):
         self.config = config
@@ -102,7 +110,7 @@ class TaskBackend(abc.ABC):
         base, params = mime_type(req.payload_mime)
         if base not in self.raw_mimes:
             raise UnsupportedMediaType(
-                f"task {self.name!r} accepts {', '.join(self.raw_mimes)} (or a tensor), "
+                f"task {self.name!r} accepts {', '.join(self.accepted_mimes())} (or a tensor), "
                 f"not {req.payload_mime!r}", "payload_mime")
         return self.prepare_raw(req, desc, payload, base, params)
 
@@ -123,9 +131,15 @@ class TaskBackend(abc.ABC):
         """
         return split_outputs(outputs, len(items))
 
+    def accepted_mimes(self) -> tuple:
+        """The raw media types as a client writes them (``raw_mimes_written``, else
+        ``raw_mimes``)."""
+        return self.raw_mimes_written or self.raw_mimes
+
     def describe(self) -> dict:
         return {"name": self.name, "backend": self.config.backend,
-                "raw_mimes": list(self.raw_mimes), "stateful": self.stateful,
+                "raw_mimes": list(self.accepted_mimes()), "stateful": self.stateful,
+                "request_options": dict(self.request_options),
                 **self.contract.describe()}
 
 

@@ -44,7 +44,7 @@ from ..descriptor import Descriptor
 from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import ConfigError, InternalError, ModelMissingError
-from ..models import OCR, prepared_model, require_model
+from ..models import OCR, require_model
 from ..models import rapidocr as R
 from ..request import InferRequest, new_infer_request
 from . import ocr_post as P
@@ -314,12 +314,10 @@ def _metadata(path: str) -> dict:
     return {p.key: p.value for p in model.metadata_props}
 
 
-def default_task_table() -> Optional[dict]:
-    """The built-in ``ocr`` task, or None when its models are not prepared (or the [ocr]
-    extra is missing)."""
-    if P._IMPORT_ERROR is not None:
-        return None
-    if prepared_model(OCR) is None:
-        return None
+def default_task_table() -> dict:
+    """The built-in ``ocr`` task; ModuleNotFoundError when the [ocr] extra is missing,
+    ModelMissingError when its models are not prepared."""
+    P.require_libs()
+    require_model(OCR)
     return {"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
             "options": {"det_instances": 1, "rec_instances": 1}}

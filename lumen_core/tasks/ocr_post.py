@@ -73,8 +73,9 @@ REC_MAX_WIDTH = 8192
 def require_libs() -> None:
     """Raise a clear error when the ``[ocr]`` extra (OpenCV, pyclipper) is missing."""
     if _IMPORT_ERROR is not None:
-        raise ImportError(f"the ocr task needs the [ocr] extra: pip install "
-                          f"'lumen-core[ocr]' ({_IMPORT_ERROR})")
+        raise ModuleNotFoundError(f"the ocr task needs the [ocr] extra (OpenCV, pyclipper): "
+                                  f"pip install \"lumen-core[ocr]\" ({_IMPORT_ERROR})",
+                                  name=getattr(_IMPORT_ERROR, "name", None))
 
 
 def _round32(x: float) -> int:

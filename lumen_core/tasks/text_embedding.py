@@ -70,6 +70,8 @@ from ..contract import (
     DTYPES,
     EMBEDDING_QUANT_RANGE,
     EMBEDDING_TYPES,
+    KEY_EMBEDDING_DIMENSIONS,
+    KEY_EMBEDDING_TYPE,
     RESP_TRUNCATED,
     TensorContract,
     TensorSpec,
@@ -83,7 +85,7 @@ from ..errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
-from ..models import MINILM, MINILM_INT8, MODEL_FILE, prepared_model, require_model
+from ..models import MINILM, MINILM_INT8, MODEL_FILE, require_model
 from ..models.minilm import (
     ATTENTION_MASK,
     EMBEDDING_DIM,
@@ -430,6 +432,16 @@ class TextEmbeddingBackend(TaskBackend):
     raw_mimes = (TEXT_MIME,)
     inline_prepare_max_bytes = INLINE_PREPARE_MAX_BYTES
     accepts_text = True
+    #: the native names of /v1/embeddings' options (README, "Embeddings")
+    request_options = {
+        KEY_EMBEDDING_DIMENSIONS: "keep the first D components, then L2-normalise again "
+                                  "(/v1/embeddings: dimensions)",
+        KEY_EMBEDDING_TYPE: f"the element type returned: {', '.join(EMBEDDING_TYPES)} "
+                            f"(/v1/embeddings: embedding_type)",
+        OPT_NORMALIZE: "false: the mean-pooled vector before L2 normalisation (default true)",
+        OPT_TRUNCATE: "false: a text over max_seq_length tokens is a 413 instead of cut "
+                      "(default true)",
+    }
     options_schema = (
         Option("tokenizer", str, None, "path of the model's tokenizer.json; default: the "
                                        "tokenizer.json beside the model"),
@@ -730,11 +742,10 @@ class TextEmbeddingBackend(TaskBackend):
 DEFAULT_INSTANCES = 2
 
 
-def default_task_table() -> Optional[dict]:
-    """The built-in ``text_embed`` task on the prepared all-MiniLM-L6-v2, or None when
-    ``lumen models prepare`` has not been run (``Runtime.default()`` then leaves it out)."""
-    if prepared_model(MINILM) is None:
-        return None
+def default_task_table() -> dict:
+    """The built-in ``text_embed`` task on the prepared all-MiniLM-L6-v2; ModelMissingError
+    (naming ``lumen models prepare``) when it is not prepared."""
+    require_model(MINILM)
     # Two instances (threads per instance default to cores // instances): on the 2-core
     # reference box two single-thread sessions ran the in-process corpus at 1.11x the offline
     # best (sorted batches of 32, 2 threads) against 0.99x for one 2-thread session
@@ -743,10 +754,9 @@ def default_task_table() -> Optional[dict]:
             "model_version": "1", "instances": DEFAULT_INSTANCES}
 
 
-def default_int8_task_table() -> Optional[dict]:
+def default_int8_task_table() -> dict:
     """The built-in ``text_embed_int8`` task on the prepared int8 all-MiniLM-L6-v2 (dynamic
-    quantisation, ``models/minilm_int8.py``), or None when it is not prepared."""
-    if prepared_model(MINILM_INT8) is None:
-        return None
+    quantisation, ``models/minilm_int8.py``); ModelMissingError when it is not prepared."""
+    require_model(MINILM_INT8)
     return {"name": INT8_TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM_INT8,
             "model_version": "1", "instances": DEFAULT_INSTANCES}

@@ -32,7 +32,6 @@ here on every request that carries one.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -51,7 +50,7 @@ from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..engine.state import ContextInput, check_model_io, sequence_plans
 from ..errors import ConfigError, InvalidArgument, UnsupportedMediaType
-from ..models import MODEL_FILE, SILERO_VAD, prepared_model, require_model
+from ..models import MODEL_FILE, SILERO_VAD, require_model
 from ..models.silero import (
     CHUNK_SAMPLES,
     CONTEXT_SAMPLES,
@@ -111,8 +110,10 @@ def default_sequence() -> SequenceConfig:
 
 class VadBackend(TaskBackend):
     raw_mimes = (MIME_L16, MIME_PCM)
+    raw_mimes_written = (MIME_L16_ACCEPTED, MIME_PCM_ACCEPTED)
     stateful = True
     options_schema = vad_segments.OPTION_SCHEMA
+    request_options = vad_segments.REQUEST_OPTIONS
 
     def __init__(self, config):
         super().__init__(config)
@@ -125,9 +126,9 @@ class VadBackend(TaskBackend):
         self.segment_options = vad_segments.options_from_config(self.options)
 
     def describe(self) -> dict:
-        """``raw_mimes`` are the media types routed here; ``accepts`` is exactly what each one
-        needs (parameters, bytes per request), ``default_mime`` what a raw payload without a
-        mime is read as (OIP BYTES without ``content_type``)."""
+        """``raw_mimes`` are the media types accepted as written; ``accepts`` is exactly what
+        each one needs (parameters, bytes per request), ``default_mime`` what a raw payload
+        without a mime is read as (OIP BYTES without ``content_type``)."""
         return {**super().describe(), "segments": self.segment_options.to_dict(),
                 "sample_rate": SAMPLE_RATE, "chunk_samples": CHUNK_SAMPLES,
                 "accepts": [
@@ -256,13 +257,12 @@ class VadBackend(TaskBackend):
 DEFAULT_INSTANCES = 2
 
 
-def default_task_table() -> Optional[dict]:
-    """The built-in ``vad`` task, or None when Silero VAD is not prepared.
+def default_task_table() -> dict:
+    """The built-in ``vad`` task; ModelMissingError when Silero VAD is not prepared.
 
     Its ``[tasks.sequence]`` holds policy only: the backend declares Silero's stateful inputs
     (:func:`default_sequence`)."""
-    if prepared_model(SILERO_VAD) is None:
-        return None
+    require_model(SILERO_VAD)
     return {
         "name": "vad",
         "backend": "vad",

@@ -33,6 +33,7 @@ from ..contract import (
     KEY_VAD_MIN_SPEECH_DURATION_MS,
     KEY_VAD_SPEECH_PAD_MS,
     KEY_VAD_THRESHOLD,
+    RESERVED_PREFIX,
     VAD_KEYS,
 )
 from ..errors import InvalidArgument
@@ -81,6 +82,16 @@ OPTION_SCHEMA = (
     Option("max_speech_duration_s", float, None,
            "the longest speech segment before it is split (absent: no limit)", lo=0.0),
 )
+
+
+#: the request keys of the vad task (its backend's ``request_options``): ``lumen.vad.<option>``
+#: overrides that ``[tasks.options]`` default for one request or stream
+REQUEST_OPTIONS = {
+    **{f"{RESERVED_PREFIX}vad.{o.name}": f"{o.doc} (overrides [tasks.options] {o.name})"
+       for o in OPTION_SCHEMA},
+    KEY_VAD_EVENTS: "true on the first request of a gRPC InferStream sequence: its replies "
+                    "carry the segment events each chunk settles",
+}
 
 
 def options_from_config(options: Mapping) -> SegmentOptions:

@@ -133,8 +133,9 @@ def test_require_model_names_the_command(tmp_path):
 def test_stale_default_model_is_left_out_with_a_warning(tmp_path, monkeypatch, caplog):
     """After an upgrade that bumps a recipe's revision, the default task of a model prepared
     by the older lumen-core is left out of the default runtime, and the log says why and what
-    to run (it used to vanish without a word); a model never prepared stays silent."""
-    from lumen_core.tasks import default_task_tables
+    to run (it used to vanish without a word); so does every other default task left out,
+    one line each (issue 26: a model never prepared was silent too)."""
+    from lumen_core.tasks import DEFAULT_TASK_PROVIDERS, default_task_tables
 
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
     directory = models.prepare([models.SILERO_VAD], home=tmp_path)[models.SILERO_VAD]
@@ -143,14 +144,14 @@ def test_stale_default_model_is_left_out_with_a_warning(tmp_path, monkeypatch, c
     manifest["revision"] = -1
     (directory / models.MANIFEST_NAME).write_text(json.dumps(manifest))
     caplog.clear()
-    with caplog.at_level("WARNING", logger="lumen_core.models"):
+    with caplog.at_level("WARNING", logger="lumen_core.tasks"):
         names = [t["name"] for t in default_task_tables()]
-        assert models.prepared_model(models.MINILM) is None  # not prepared: no warning
-    assert "vad" not in names
+    assert names == []
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1, warnings
-    assert "silero-vad" in warnings[0] and "older lumen-core" in warnings[0]
-    assert "lumen models prepare" in warnings[0] and "left out" in warnings[0]
+    assert len(warnings) == len(DEFAULT_TASK_PROVIDERS), warnings
+    (stale,) = [w for w in warnings if w.startswith("default task 'vad' left out")]
+    assert "silero-vad" in stale and "older lumen-core" in stale
+    assert "lumen models prepare" in stale
 
 
 @pytest.mark.parametrize(

@@ -335,3 +335,31 @@ def test_token_ids_route_takes_the_options(http, reference):
     r = embed(http, input=[101, 7592, 2088, 102], dimensions=16, encoding_format="float")
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json()["data"][0]["embedding"], cut(ref[2], 16), atol=TOL)
+
+
+# -- issue 26 row 8: a native option the task does not read is a 400, not ignored ---------------
+def test_unknown_native_options_are_a_400_naming_the_known_ones(http, srv):
+    r = native(http, "hello", normalise="false")  # a typo: it used to return the unit vector
+    assert r.status_code == 400 and err(r)["field"] == "normalise"
+    msg = err(r)["message"]
+    assert "did you mean 'normalize'?" in msg
+    for name in ("normalize", "truncate", "lumen.embedding.dimensions", "lumen.embedding.type"):
+        assert name in msg, msg
+    r = native(http, "hello", dimensions="8")  # OpenAI's body name is not the native one
+    assert r.status_code == 400 and "did you mean 'lumen.embedding.dimensions'?" in err(r)["message"]
+    r = native(http, "hello", **{"lumen.embedding.dimensions": "8"})
+    assert r.status_code == 200 and len(r.json()["outputs"]["embedding"]["data"]) == 8
+    # each task names its own: vad reads the lumen.vad.* keys, and no plain one
+    chunk = np.zeros(512, np.int16).tobytes()
+    r = http.post("/v1/infer/vad", content=chunk, params={"threshold": "0.3"},
+                  headers={"Content-Type": "audio/L16;rate=16000"})
+    assert r.status_code == 400 and "did you mean 'lumen.vad.threshold'?" in err(r)["message"]
+    # the names are published with each task
+    tasks = http.get("/v1/tasks").json()["tasks"]
+    assert set(tasks["text_embed"]["request_options"]) == {
+        "normalize", "truncate", "lumen.embedding.dimensions", "lumen.embedding.type"}
+    assert "lumen.vad.threshold" in tasks["vad"]["request_options"]
+    # an unknown task still answers 404 (the options of no task are not checked)
+    r = http.post("/v1/infer/nope?normalise=false", content=b"x",
+                  headers={"Content-Type": "text/plain"})
+    assert r.status_code == 404

@@ -234,8 +234,12 @@ def test_unknown_route_and_wrong_method_answer_the_json_error_shape(client):
     """SPEC 6: all HTTP errors are ``{"error": {...}}``, also the router's own 404 / 405."""
     r = client.get("/v2/nothing-here")
     assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+    # issue 26: the route list names the WebSocket and the Open Inference Protocol too
+    for route in ("/v1/stream/{task}", "/v2", "/v2/models/{task}/infer", "/v1/infer/{task}"):
+        assert route in error_of(r)["message"], error_of(r)["message"]
     r = client.get("/v1/embeddings")
-    assert r.status_code == 405 and error_of(r)["code"] == "invalid_argument"
+    # issue 26: a 405 is no bad argument; its own code, the methods in Allow
+    assert r.status_code == 405 and error_of(r)["code"] == "method_not_allowed"
     assert r.headers["allow"] == "POST"
 
 

@@ -365,7 +365,8 @@ def test_default_runtime_registers_text_embed_when_prepared(prepared_home, monke
     cfg = lc.Runtime.default().config
     assert TASK in [t.name for t in cfg.tasks]
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
-    assert te.default_task_table() is None
+    with pytest.raises(lc.ModelMissingError, match="lumen models prepare"):
+        te.default_task_table()
     assert TASK not in [t["name"] for t in default_task_tables()]
 
 

@@ -254,7 +254,7 @@ def test_describe_and_model_identity(model_path):
             return d, ok, ei.value
 
     d, ok, err = run(main())
-    assert d["stateful"] and set(d["raw_mimes"]) == {"audio/l16", "audio/pcm"}
+    assert d["stateful"] and d["raw_mimes"] == [vad.MIME_L16_ACCEPTED, vad.MIME_PCM_ACCEPTED]
     assert d["model_id"] == "silero-vad"
     assert d["tensor_signatures"] == [{"dtype": "fp32", "layout": "NL", "shape": [1, CHUNK],
                                        "preprocess_ids": [vad.PREPROCESS_ID]}]
@@ -264,7 +264,8 @@ def test_describe_and_model_identity(model_path):
 
 def test_default_runtime_serves_vad_when_prepared(home, monkeypatch, tmp_path, reference):
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))  # nothing prepared there
-    assert vad.default_task_table() is None
+    with pytest.raises(models.ModelMissingError, match="lumen models prepare"):
+        vad.default_task_table()
     monkeypatch.setenv("LUMEN_HOME", str(home))
     table = vad.default_task_table()
     assert table is not None and table["backend"] == "vad"
@@ -296,3 +297,28 @@ def test_missing_model_names_the_prepare_command(monkeypatch, tmp_path):
     with pytest.raises(Exception) as ei:
         run(main())
     assert "lumen models prepare" in str(ei.value)
+
+
+def test_listed_mimes_are_accepted_as_written(model_path):
+    """Issue 26 row 11: /v1/tasks and the 415 name the mimes as a client must write them
+    (``audio/L16;rate=16000``, ...), not the bare types that are refused without a rate."""
+    async def main():
+        async with lc.Runtime.from_dict(vad_config(model_path)) as rt:
+            listed = rt.describe("vad")["raw_mimes"]
+            for i, mime in enumerate(listed):  # each one works exactly as listed
+                width = 2 if "L16" in mime else 4
+                await rt.infer(lc.InferRequest(task="vad", payload=bytes(CHUNK * width),
+                                               payload_mime=mime,
+                                               meta={"lumen.sequence.id": f"w{i}",
+                                                     "lumen.sequence.start": "true",
+                                                     "lumen.sequence.end": "true"}))
+            with pytest.raises(lc.UnsupportedMediaType) as ei:
+                await rt.infer(lc.InferRequest(task="vad", payload=bytes(1024),
+                                               payload_mime="audio/flac",
+                                               meta={"lumen.sequence.id": "x",
+                                                     "lumen.sequence.start": "true"}))
+            return listed, ei.value.message
+
+    listed, message = run(main())
+    assert listed == ["audio/L16;rate=16000", "audio/pcm;rate=16000;format=f32le"]
+    assert f"accepts {', '.join(listed)} (or a tensor)" in message, message
