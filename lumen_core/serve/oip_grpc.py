@@ -9,8 +9,9 @@ REST one (:mod:`.oip_mapping`): a numeric input is a tensor-route request, a one
 the data, outputs go back as ``raw_output_contents``.  ``ModelStreamInfer`` answers each request of a stream in
 turn (an error is an ``error_message`` and the stream stays open), the transport for
 sequences; it shares ``lumen.v1.Inference``'s stream window (:func:`.streams.windowed_replies`:
-at most ``stream_window`` requests and ``stream_window_bytes`` of their tensor bytes admitted
-and unanswered per stream; the stream is not read further meanwhile) and in-flight counts.
+at most ``stream_window`` requests and ``stream_window_bytes`` of their tensor bytes and of
+their replies not yet sent, admitted and unanswered per stream; the stream is not read further
+meanwhile) and in-flight counts.
 
 Errors are gRPC statuses from Lumen's error table, with the ``lumen-error-code`` /
 ``lumen-error-field`` trailing metadata of the Lumen service.
