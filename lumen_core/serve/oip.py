@@ -56,7 +56,6 @@ from .oip_mapping import (
     P_BINARY_SIZE,
     P_SHM_BYTE_SIZE,
     P_SHM_REGION,
-    _datatype,
     _output_bytes,
     _shape,
     build_request,
@@ -65,6 +64,7 @@ from .oip_mapping import (
     bytes_tensor,
     check_inputs,
     check_model,
+    input_datatype,
     model_metadata,
     one_element_error,
     output_arrays,
@@ -197,7 +197,7 @@ class OipRoutes:
         if not isinstance(inp, dict):
             raise InvalidArgument("each input must be an object", "inputs")
         name = str(inp.get("name", ""))[:MAX_ECHO]
-        datatype = _datatype(inp.get("datatype"), name)
+        datatype = input_datatype(inp.get("datatype"), name)
         shape = _shape(inp.get("shape"), name)
         ip = inp.get("parameters") or {}
         if not isinstance(ip, dict):

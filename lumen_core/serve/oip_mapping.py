@@ -188,7 +188,7 @@ def _flag(key: str, value: Any) -> bool:
     raise InvalidArgument(f"parameter {key!r} must be true or false, got {value!r}", key)
 
 
-def _datatype(datatype: Any, name: str) -> str:
+def input_datatype(datatype: Any, name: str) -> str:
     """An input's ``datatype`` as sent: a string (which one, ``tensor_request`` checks)."""
     if not isinstance(datatype, str):
         raise InvalidArgument(f"input {name!r}: 'datatype' must be a string such as 'FP32' or "
