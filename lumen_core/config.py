@@ -80,6 +80,11 @@ class ServerConfig:
     api_key_file: str = ""
     #: of AUTH_OPTIONAL_ENDPOINTS, the ones served without a key when keys are on
     open_endpoints: tuple = ()
+    #: peers (IP addresses or networks, "*" for any) whose X-Forwarded-For / X-Forwarded-Proto
+    #: headers are believed: the address a reverse proxy forwards for becomes the client's (the
+    #: access log's ``client``).  Empty (the default): no forwarded header is believed, so a
+    #: client cannot forge its address, a local one included
+    forwarded_allow_ips: tuple = ()
     tls_cert_file: str = ""
     tls_key_file: str = ""
     #: Triton's system shared-memory extension on the /v2 (OIP) routes: local clients register
@@ -646,6 +651,22 @@ def _parse_api_keys(r: _Reader) -> tuple:
     return tuple(keys)
 
 
+def _parse_networks(r: _Reader, name: str) -> tuple:
+    """IP addresses or networks (``10.0.0.0/8``), or ``"*"`` for any."""
+    import ipaddress
+
+    items = _string_list(r, name)
+    for v in items:
+        if v == "*":
+            continue
+        try:
+            ipaddress.ip_network(v, strict=False)
+        except ValueError:
+            raise r.err(name, f"entries must be IP addresses, networks such as '10.0.0.0/8' or "
+                              f"'*', got {v!r}") from None
+    return tuple(items)
+
+
 def _server_path(r: _Reader, name: str, base_dir: Optional[str]) -> str:
     path = r.get(name, str, "")
     if path and base_dir and not os.path.isabs(path):
@@ -667,6 +688,7 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         api_keys=_parse_api_keys(srv),
         api_key_file=_server_path(srv, "api_key_file", base_dir),
         open_endpoints=tuple(_string_list(srv, "open_endpoints", AUTH_OPTIONAL_ENDPOINTS)),
+        forwarded_allow_ips=_parse_networks(srv, "forwarded_allow_ips"),
         tls_cert_file=_server_path(srv, "tls_cert_file", base_dir),
         tls_key_file=_server_path(srv, "tls_key_file", base_dir),
         system_shared_memory=srv.get("system_shared_memory", bool, False),

@@ -20,8 +20,21 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..contract import DTYPE_NAMES
+from ..errors import InvalidArgument
 
 _JSON_SEPARATORS = (",", ":")
+
+
+def loads(data: Any, what: str, field: str) -> Any:
+    """A client's JSON (a body, a header part, a WebSocket message) as Python; bad JSON, or
+    JSON nested past the decoder's recursion limit (it recurses once per level: 8,000
+    brackets), is an InvalidArgument naming ``what`` and ``field``, never a server fault."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{what} is not valid JSON: {exc}", field) from None
+    except RecursionError:
+        raise InvalidArgument(f"{what} is nested too deeply", field) from None
 
 
 #: lumen dtype name -> the Open Inference Protocol's (KServe v2 / Triton) datatype name

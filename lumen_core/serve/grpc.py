@@ -16,9 +16,10 @@ state its predecessor left).  The stream keeps no queue of its own: every reques
 against the task's queue limits as soon as it arrives, and one past ``max_queue_size`` gets an
 ``Overloaded`` (``resource_exhausted``) error message on the stream.  What the stream does
 bound is itself: at most :data:`STREAM_MAX_IN_FLIGHT` of its requests (and
-:data:`STREAM_MAX_IN_FLIGHT_BYTES` of their payload) are admitted and not yet answered, and no
-further message is read while that window is full, so a client that sends faster than the
-server answers is slowed by HTTP/2 flow control instead of growing the server's memory.
+:data:`STREAM_MAX_IN_FLIGHT_BYTES` of their payload and of their replies waiting to be sent)
+are admitted and not yet answered, and no further message is read while that window is full,
+so a client that sends faster than the server answers, or reads slower, is slowed by HTTP/2
+flow control instead of growing the server's memory.
 Responses carry the request's ``correlation_id`` and may interleave
 across sequences.
 """
@@ -58,8 +59,9 @@ RETRY_AFTER_KEY = "retry-after"
 #: not yet handed to gRPC); past it the stream is not read until one is answered.  Enough for
 #: one stream to fill batches of a few hundred interleaved sequences (one chunk each)
 STREAM_MAX_IN_FLIGHT = 256
-#: the most payload bytes of one stream in that state (one message is always admitted, however
-#: large: ``max_payload_bytes`` bounds it); with the count above it bounds a stream's memory
+#: the most bytes of one stream in that state: its requests' payloads and the replies ready and
+#: not yet sent (a slow reader's backlog; streams.StreamWindow); one message is always
+#: admitted, however large (``max_payload_bytes`` bounds it).  It bounds a stream's memory
 STREAM_MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 
 

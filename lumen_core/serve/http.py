@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import json
 import logging
 import re
 import time
@@ -162,8 +161,9 @@ class HttpApp:
             *OipRoutes(self).routes(),  # the Open Inference Protocol under /v2 (oip.py)
             *AdminRoutes(self).routes(),  # versions, reloads, traffic (admin.py)
             # live speech segments over a WebSocket (ws.py)
-            WebSocketRoute("/v1/stream/{task}",
-                           ws.StreamEndpoint(runtime, self.keys, lambda: self.draining)),
+            WebSocketRoute("/v1/stream/{task}", ws.StreamEndpoint(
+                runtime, self.keys, lambda: self.draining,
+                runtime.config.server.read_timeout_ms / 1000.0)),
         ], exception_handlers={HTTPException: routing_error})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -353,13 +353,7 @@ class HttpApp:
             raise UnsupportedMediaType(f"{route} takes a JSON body; send "
                                        f"'Content-Type: application/json', not {ctype!r}",
                                        "Content-Type")
-        body = await self._read_body(request, "body")
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"the body is not valid JSON: {exc}", "body") from None
-        except RecursionError:  # the decoder recurses once per nesting level
-            raise InvalidArgument("the body's JSON is nested too deeply", "body") from None
+        return codec.loads(await self._read_body(request, "body"), "the body", "body")
 
     def _embedding_tasks(self) -> dict:
         """``{task: its description}`` of the tasks that produce embeddings."""

@@ -24,6 +24,10 @@ request: ``client``, ``method``, ``path`` (no query string: it carries request m
 ``status``, ``task`` (the task in the path of ``/v1/infer/{task}`` and ``/v2/models/{task}/...``,
 or the ``model`` of ``/v1/embeddings``; ``-`` for other routes), ``bytes`` (response body), ``bytes_in`` (request body), ``ms`` (first byte in to last
 byte out) and ``correlation_id``.  Never a header or a body.
+
+uvicorn's own logger carries neither: :func:`guard_uvicorn_logs` (called by the server) drops
+the WebSocket library's DEBUG wire trace (headers and frames: API keys) and the query string
+of uvicorn's WebSocket lines.
 """
 from __future__ import annotations
 
@@ -181,6 +185,41 @@ def configure(level: str = "warning", fmt: str = "text", access: bool = False,
             lg.setLevel(lvl)
 
     return undo
+
+
+# ----------------------------------------------------------------------------- uvicorn's lines
+#: the logger uvicorn writes its own lines to, and hands the WebSocket library for its trace
+UVICORN_LOGGER = "uvicorn.error"
+#: how the WebSocket library's wire trace begins: a header or frame received / sent
+_WIRE_TRACE = ("< ", "> ")
+
+
+class UvicornLogFilter(logging.Filter):
+    """Keeps secrets and request options out of uvicorn's logger (:func:`guard_uvicorn_logs`).
+
+    - drops the WebSocket library's wire trace (DEBUG lines ``< authorization: Bearer ...``,
+      ``< TEXT '{"api_key": ...'``: every upgrade header and every frame's contents);
+    - cuts the query string off the path in uvicorn's WebSocket lines (``"WebSocket
+      /v1/stream/vad?..." [accepted]``), as the access log does for HTTP: it carries request
+      options, or a key a client put in the URL (which the endpoint refuses)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        if not isinstance(msg, str):
+            return True
+        if record.levelno <= logging.DEBUG and msg.startswith(_WIRE_TRACE):
+            return False
+        if "WebSocket %s" in msg and isinstance(record.args, tuple):
+            record.args = tuple(a.split("?", 1)[0] if isinstance(a, str) and a.startswith("/")
+                                else a for a in record.args)
+        return True
+
+
+def guard_uvicorn_logs() -> None:
+    """Put :class:`UvicornLogFilter` on uvicorn's logger (once; the server calls it)."""
+    logger = logging.getLogger(UVICORN_LOGGER)
+    if not any(isinstance(f, UvicornLogFilter) for f in logger.filters):
+        logger.addFilter(UvicornLogFilter())
 
 
 # ----------------------------------------------------------------------------- the ASGI layer

@@ -27,7 +27,6 @@ so never imports Starlette.
 """
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from typing import Any, Callable, Optional
@@ -49,6 +48,7 @@ from . import codec, shm
 from .oip_mapping import (
     HEADER_LENGTH,
     JSON,
+    MAX_BYTES_ELEMENTS,
     MAX_ECHO,
     OCTET_STREAM,
     P_BINARY,
@@ -64,7 +64,9 @@ from .oip_mapping import (
     bytes_tensor,
     check_inputs,
     check_model,
+    input_datatype,
     model_metadata,
+    one_element_error,
     output_arrays,
     response_parameters,
     server_metadata,
@@ -195,7 +197,7 @@ class OipRoutes:
         if not isinstance(inp, dict):
             raise InvalidArgument("each input must be an object", "inputs")
         name = str(inp.get("name", ""))[:MAX_ECHO]
-        datatype = inp.get("datatype")
+        datatype = input_datatype(inp.get("datatype"), name)
         shape = _shape(inp.get("shape"), name)
         ip = inp.get("parameters") or {}
         if not isinstance(ip, dict):
@@ -297,7 +299,10 @@ def _split_body(body: bytes, header_len: Optional[str]) -> tuple:
     """(the JSON object, the binary part as a memoryview)."""
     view = memoryview(body)
     if header_len is not None:
-        if not (header_len.isascii() and header_len.isdigit()) or int(header_len) > len(body):
+        # digits first, and no more of them than the body's length has (int() of thousands
+        # of digits is slow, and past 4,300 a ValueError)
+        if (not (header_len.isascii() and header_len.isdigit())
+                or len(header_len) > len(str(len(body))) or int(header_len) > len(body)):
             raise InvalidArgument(f"Inference-Header-Content-Length {header_len[:40]!r} is not "
                                   f"a length within the body ({len(body)} bytes)",
                                   "Inference-Header-Content-Length")
@@ -305,12 +310,7 @@ def _split_body(body: bytes, header_len: Optional[str]) -> tuple:
         head, binary = view[:n], view[n:]
     else:
         head, binary = view, view[:0]
-    try:
-        obj = json.loads(bytes(head))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"the request's JSON is not valid: {exc}", "body") from None
-    except RecursionError:
-        raise InvalidArgument("the request's JSON is nested too deeply", "body") from None
+    obj = codec.loads(bytes(head), "the request's JSON", "body")
     if not isinstance(obj, dict):
         raise InvalidArgument("the request must be a JSON object", "body")
     return obj, binary
@@ -343,28 +343,57 @@ def _input_data(inp: dict, name: str, datatype: Any, shape: tuple, ip: dict,
         raise InvalidArgument(f"input {name!r} has neither 'data' nor binary_data_size", "data")
     if datatype == codec.OIP_BYTES:
         flat = _flatten(data)
+        if len(flat) > MAX_BYTES_ELEMENTS:
+            raise one_element_error(name, f"{len(flat)} in 'data'")
         if not all(isinstance(x, str) for x in flat):
             raise InvalidArgument(f"input {name!r}: BYTES data in JSON are strings", "data")
         return flat
     dtype = codec.OIP_TO_DTYPE.get(datatype)
     if dtype is None:
         return b""  # tensor_request names the bad datatype
-    try:
-        arr = np.asarray(_flatten(data), dtype=DTYPES[dtype])
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidArgument(f"input {name!r}: 'data' must be {datatype} numbers", "data") from None
+    arr = _json_tensor(_flatten(data), name, datatype, DTYPES[dtype])
     if arr.size != math.prod(shape):
         raise InvalidArgument(f"input {name!r}: 'data' has {arr.size} elements, shape "
                               f"{list(shape)} needs {math.prod(shape)}", "data")
     return arr
 
 
+#: the JSON values each kind of numeric datatype takes: an integer datatype takes integers
+#: only (a float or a string is refused, never truncated or parsed into one), a float datatype
+#: numbers, BOOL booleans (``bool`` is an ``int`` to Python, so it is named apart)
+_JSON_TYPES = {"i": ({int}, "integers"), "u": ({int}, "integers"),
+               "f": ({int, float}, "numbers"), "b": ({bool}, "booleans")}
+
+
+def _json_tensor(flat: list, name: str, datatype: str, dtype: np.dtype) -> np.ndarray:
+    """JSON ``data`` (flattened) as an array of ``dtype``; the values must be of its kind and
+    in its range (OverflowError from numpy)."""
+    allowed, what = _JSON_TYPES[dtype.kind]
+    odd = set(map(type, flat)) - allowed
+    try:
+        if odd:
+            raise TypeError
+        return np.asarray(flat, dtype=dtype)
+    except (TypeError, ValueError, OverflowError):
+        got = f", got {', '.join(sorted(t.__name__ for t in odd))}" if odd else " in its range"
+        raise InvalidArgument(f"input {name!r}: 'data' must be {datatype} {what}{got}",
+                              "data") from None
+
+
 def _flatten(data: Any) -> list:
+    """Nested JSON arrays as one flat list, without recursion (nesting is the client's)."""
     if not isinstance(data, list):
         return [data]
     if not any(isinstance(x, list) for x in data):
         return data
     out: list = []
-    for x in data:
-        out.extend(_flatten(x))
+    stack = [iter(data)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
+            out.append(x)
+        else:
+            stack.pop()
     return out

@@ -9,8 +9,9 @@ REST one (:mod:`.oip_mapping`): a numeric input is a tensor-route request, a one
 the data, outputs go back as ``raw_output_contents``.  ``ModelStreamInfer`` answers each request of a stream in
 turn (an error is an ``error_message`` and the stream stays open), the transport for
 sequences; it shares ``lumen.v1.Inference``'s stream window (:func:`.streams.windowed_replies`:
-at most ``stream_window`` requests and ``stream_window_bytes`` of their tensor bytes admitted
-and unanswered per stream; the stream is not read further meanwhile) and in-flight counts.
+at most ``stream_window`` requests and ``stream_window_bytes`` of their tensor bytes and of
+their replies not yet sent, admitted and unanswered per stream; the stream is not read further
+meanwhile) and in-flight counts.
 
 Errors are gRPC statuses from Lumen's error table, with the ``lumen-error-code`` /
 ``lumen-error-field`` trailing metadata of the Lumen service.
@@ -38,6 +39,10 @@ log = logging.getLogger("lumen.oip.grpc")
 SERVICE = "inference.GRPCInferenceService"
 ERROR_CODE_KEY = "lumen-error-code"
 ERROR_FIELD_KEY = "lumen-error-field"
+#: the HTTP route whose ``open_endpoints`` entry also opens ``ServerReady``
+READY_ENDPOINT = "/v2/health/ready"
+
+
 def _message_bytes(msg: Any) -> int:
     """The tensor bytes a ModelInferRequest carries (what the stream window bounds)."""
     return sum(len(b) for b in msg.raw_input_contents) or msg.ByteSize()
@@ -150,14 +155,27 @@ class OipServicer:
     def _ready(self) -> bool:
         return not self.base.draining and bool(self.rt.ready)
 
+    async def _authenticate(self, context: Any, method: str) -> None:
+        """Abort the call UNAUTHENTICATED unless it carries a key (when keys are on)."""
+        try:
+            self.base._scope(context)
+        except LumenError as exc:
+            await self._abort(context, method, exc)
+
     # -- health and metadata --------------------------------------------------------------
+    # With API keys on, everything but liveness needs a key, as on HTTP: ModelReady would tell
+    # a caller without one which models exist; ServerReady is open when HTTP's
+    # /v2/health/ready is (``[server] open_endpoints``)
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if READY_ENDPOINT not in self.base.keys.open_endpoints:
+            await self._authenticate(context, "ServerReady")
         return pb.ServerReadyResponse(ready=self._ready())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await self._authenticate(context, "ModelReady")
         try:
             oip.check_model(self.rt, request.name, request.version)
         except LumenError:
@@ -165,6 +183,7 @@ class OipServicer:
         return pb.ModelReadyResponse(ready=self._ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await self._authenticate(context, "ServerMetadata")
         m = oip.server_metadata(self.version, self.shm.enabled)
         return pb.ServerMetadataResponse(name=m["name"], version=m["version"],
                                          extensions=m["extensions"])
@@ -268,7 +287,7 @@ class OipServicer:
                                   f"raw_input_contents", "raw_input_contents")
         values = getattr(inp.contents, field)
         if datatype == codec.OIP_BYTES:
-            return list(values)
+            return values  # build_request takes its one element (no list of millions made)
         if len(values) != math.prod(shape):
             raise InvalidArgument(f"input {name!r}: contents has {len(values)} elements, shape "
                                   f"{list(shape)} needs {math.prod(shape)}", "contents")

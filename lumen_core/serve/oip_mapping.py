@@ -63,6 +63,9 @@ _PROTOCOL_PARAMS = frozenset({P_BINARY_SIZE, P_BINARY, P_BINARY_OUTPUT, P_CONTEN
 _LEN = struct.Struct("<I")
 #: the most characters of a name quoted back in an error
 MAX_ECHO = 200
+#: the elements of a BYTES input: one text, image or audio clip per request (the runtime
+#: batches requests); an input carrying more is refused at the next one, before it is built
+MAX_BYTES_ELEMENTS = 1
 
 
 # --------------------------------------------------------------------------- metadata
@@ -185,6 +188,14 @@ def _flag(key: str, value: Any) -> bool:
     raise InvalidArgument(f"parameter {key!r} must be true or false, got {value!r}", key)
 
 
+def input_datatype(datatype: Any, name: str) -> str:
+    """An input's ``datatype`` as sent: a string (which one, ``tensor_request`` checks)."""
+    if not isinstance(datatype, str):
+        raise InvalidArgument(f"input {name!r}: 'datatype' must be a string such as 'FP32' or "
+                              f"'BYTES', got {type(datatype).__name__}", "datatype")
+    return datatype
+
+
 def _shape(shape: Any, name: str) -> tuple:
     if not isinstance(shape, (list, tuple)) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
@@ -258,13 +269,22 @@ def raw_request(rt: Any, task: str, name: str, element: Any, mime: Optional[str]
     return InferRequest(task, element, mime, meta, request_id)
 
 
-def bytes_elements(buf: Any, name: str) -> list:
+def one_element_error(name: str, got: str) -> InvalidArgument:
+    """The error for a BYTES input of other than one element (``got``: what it has)."""
+    return InvalidArgument(f"input {name!r}: a BYTES input carries one element (one text, "
+                           f"image or audio clip per request), got {got}", "shape")
+
+
+def bytes_elements(buf: Any, name: str, limit: int = MAX_BYTES_ELEMENTS) -> list:
     """The elements of a BYTES tensor in the binary encoding (each a little-endian uint32
-    length, then that many bytes), as memoryviews of ``buf``."""
+    length, then that many bytes), as memoryviews of ``buf``; InvalidArgument at element
+    ``limit + 1``, so a buffer of millions of empty elements costs nothing to refuse."""
     view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
-    out = []
+    out: list = []
     pos, end = 0, len(view)
     while pos < end:
+        if len(out) == limit:
+            raise one_element_error(name, f"more than {limit} in {end} bytes")
         if end - pos < _LEN.size:
             raise InvalidArgument(f"input {name!r}: BYTES data ends inside an element's "
                                   f"4-byte length", "binary_data_size")
@@ -286,9 +306,7 @@ def build_request(rt: Any, task: str, name: str, datatype: str, shape: tuple, da
     meta = scoped(request_meta(params, inp_params))
     if datatype == codec.OIP_BYTES:
         if len(data) != 1 or math.prod(shape) != 1:
-            raise InvalidArgument(f"input {name!r}: a BYTES input carries one element (one "
-                                  f"text, image or audio clip per request), got "
-                                  f"{len(data)} for shape {list(shape)}", "shape")
+            raise one_element_error(name, f"{len(data)} for shape {str(list(shape))[:MAX_ECHO]}")
         mime = (inp_params or {}).get(P_CONTENT_TYPE) or (params or {}).get(P_CONTENT_TYPE)
         if mime is not None and not isinstance(mime, str):
             raise InvalidArgument("'content_type' must be a string such as 'text/plain'",

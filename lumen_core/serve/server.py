@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import signal
 import socket
@@ -30,7 +31,7 @@ from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
 from .limits import HttpLimits, protocol_class
-from .logs import RequestContext, note_task
+from .logs import RequestContext, guard_uvicorn_logs, note_task
 from .metrics import PrometheusObserver
 
 log = logging.getLogger("lumen.serve")
@@ -57,9 +58,14 @@ class _Uvicorn(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket (port 0 picks a free one; the caller reads the real port).
 
-    A port that cannot be bound is one ``OSError`` line naming host:port and the flag."""
+    A port that cannot be bound is one ``OSError`` line naming host:port and the flag.
+
+    The socket is made with ``IPPROTO_TCP`` named: asyncio turns Nagle's algorithm off
+    (``TCP_NODELAY``) only on accepted sockets whose protocol says TCP, and without it every
+    reply on a keep-alive connection (head and body written apart) waited ~40 ms for the
+    client's delayed ACK (uvloop sets it either way)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -72,6 +78,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
                                  f"--http-port ([server] http_port; 0 picks a free one)") from None
     sock.setblocking(False)
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine only: ``127.0.0.0/8``, ``::1``,
+    ``localhost``.  ``0.0.0.0`` / ``::`` (every interface) and other names are not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _package_version() -> str:
@@ -132,6 +149,7 @@ class LumenServer:
                  access_log: bool = False, watch_s: Optional[float] = None):
         server_cfg = runtime.config.server
         self.keys = ApiKeys.from_config(server_cfg, api_keys)
+        guard_uvicorn_logs()  # no key or query string in uvicorn's lines, at any level
         self.tls = read_tls(server_cfg, tls_cert, tls_key)
         self.limits = HttpLimits.from_config(server_cfg)
         self.version = _package_version()
@@ -198,6 +216,7 @@ class LumenServer:
             raise OSError(busy[0].errno, "; and ".join(e.strerror or str(e) for e in busy))
         self.http_port = sock.getsockname()[1]
         limits = self.limits
+        forwarded = rt.config.server.forwarded_allow_ips
         tls = ({"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]}
                if self.tls is not None else {})
         # log_config=None: uvicorn installs no handlers or formats of its own, so its lines
@@ -208,7 +227,13 @@ class LumenServer:
                                 timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
                                 server_header=False, date_header=False,
                                 http=protocol_class(limits),
-                                h11_max_incomplete_event_size=limits.max_header_bytes, **tls)
+                                h11_max_incomplete_event_size=limits.max_header_bytes,
+                                # a WebSocket message is bounded as a request body is
+                                ws_max_size=max_payload,
+                                # X-Forwarded-For believed only from the configured proxies
+                                # (uvicorn's default believes 127.0.0.1: any local client)
+                                proxy_headers=bool(forwarded),
+                                forwarded_allow_ips=list(forwarded) or None, **tls)
         self._uvicorn = _Uvicorn(config)
         self._serve_task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -223,6 +248,11 @@ class LumenServer:
         log.info("lumen ready: tasks %s on %s://%s:%d%s%s (lumen-core %s)",
                  ", ".join(rt.task_names()), scheme, self.host, self.http_port, grpc_txt, auth_txt,
                  self.version)
+        if not self.keys.enabled and not is_loopback(self.host):
+            log.warning("no API keys on %s, which is not a loopback address: anyone who can "
+                        "reach it can run inference and use the admin API (/v1/admin: load, "
+                        "unload, traffic); set [server] api_keys or api_key_file (or "
+                        "--api-key), or bind 127.0.0.1", self.host)
 
     def shutdown(self) -> "asyncio.Task":
         """Begin the graceful stop (idempotent); returns the task that performs it."""

@@ -2,14 +2,15 @@
 Open Inference Protocol's ``ModelStreamInfer``): one window rule, one reading loop.
 
 A stream's requests run concurrently (so a client can pipeline), but each stream is bounded by
-its own :class:`StreamWindow` (requests and payload bytes admitted and not yet answered): while
-it is full the stream is not read further, so a fast writer is slowed by HTTP/2 flow control
-instead of filling the server's memory.
+its own :class:`StreamWindow` (requests admitted and not yet answered, their payload bytes and
+their replies' bytes): while it is full the stream is not read further, so a fast writer is
+slowed by HTTP/2 flow control instead of filling the server's memory, and a slow reader leaves
+at most the window's bytes of replies waiting for it.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 
 def call_metadata(context: Any) -> dict:
@@ -20,42 +21,76 @@ def call_metadata(context: Any) -> dict:
 class StreamWindow:
     """The requests of one stream admitted and not yet answered, bounded in count and bytes.
 
-    ``acquire`` waits while the window is full; one request is always let in when the window
-    is empty, so a message larger than the byte budget still runs (alone)."""
+    The bytes are the requests' (``nbytes``, what the server's in-flight counts take) plus
+    their replies' (``reply_bytes``): a reply ready and not yet handed to gRPC (a reader slower
+    than the model) is held here, and counts at its real size; until its own reply is ready,
+    a request is charged the largest reply seen on the stream so far, and before any reply
+    was seen only one request is let in.  So a stream whose replies dwarf its requests (a
+    small input, a large output) is held to the budget too, not to ``max_requests`` of its
+    replies.  ``acquire`` waits while the window is full; one request is always let in when
+    the window is empty, so a message larger than the byte budget still runs (alone)."""
 
-    __slots__ = ("max_requests", "max_bytes", "requests", "nbytes", "_freed")
+    __slots__ = ("max_requests", "max_bytes", "requests", "nbytes", "reply_bytes",
+                 "reply_guess", "_freed")
 
     def __init__(self, max_requests: int, max_bytes: int):
         self.max_requests = max_requests
         self.max_bytes = max_bytes
         self.requests = 0
         self.nbytes = 0
+        self.reply_bytes = 0
+        #: the largest reply seen on the stream (None: none yet)
+        self.reply_guess: Optional[int] = None
         self._freed = asyncio.Event()
 
     def _full(self, nbytes: int) -> bool:
-        return self.requests > 0 and (self.requests >= self.max_requests
-                                      or self.nbytes + nbytes > self.max_bytes)
+        if self.requests == 0:
+            return False
+        guess = self.reply_guess
+        return (guess is None or self.requests >= self.max_requests
+                or self.nbytes + self.reply_bytes + nbytes + guess > self.max_bytes)
 
-    async def acquire(self, nbytes: int) -> None:
+    async def acquire(self, nbytes: int) -> int:
+        """Wait for room for a request of ``nbytes``; returns what its reply is charged until
+        it is ready (pass it to :meth:`reply_ready`)."""
         while self._full(nbytes):
             self._freed.clear()
             await self._freed.wait()
+        guess = self.reply_guess or 0
         self.requests += 1
         self.nbytes += nbytes
+        self.reply_bytes += guess
+        return guess
 
-    def release(self, nbytes: int) -> None:
+    def reply_ready(self, charged: int, reply_nbytes: int) -> None:
+        """A request's reply is ready (``charged``: what :meth:`acquire` returned): it is held
+        at its real size from now until :meth:`release`."""
+        self.reply_bytes += reply_nbytes - charged
+        if self.reply_guess is None or reply_nbytes > self.reply_guess:
+            self.reply_guess = reply_nbytes
+        self._freed.set()
+
+    def release(self, nbytes: int, reply_nbytes: int = 0) -> None:
         self.requests -= 1
         self.nbytes -= nbytes
+        self.reply_bytes -= reply_nbytes
         self._freed.set()
+
+
+def message_bytes(msg: Any) -> int:
+    """The serialized size of a protobuf message (a reply, for the window's byte budget)."""
+    return msg.ByteSize()
 
 
 async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
                            size_of: Callable[[Any], int], handle: Callable[[Any], Awaitable],
                            admitted: Callable[[int], None],
-                           answered: Callable[[int], None]) -> AsyncIterator:
+                           answered: Callable[[int], None],
+                           reply_size: Callable[[Any], int] = message_bytes) -> AsyncIterator:
     """The engine of a bidirectional stream (both gRPC services): read a message only while
     ``window`` has room for it, run ``handle(msg)`` for each concurrently, yield the replies as
-    they finish; ``admitted(nbytes)`` / ``answered(nbytes)`` keep the server's in-flight counts
+    they finish (a reply waiting to be taken counts against the window at ``reply_size(reply)``
+    bytes); ``admitted(nbytes)`` / ``answered(nbytes)`` keep the server's in-flight counts
     (a reply is answered once handed on; what is left in ``window`` when the generator ends was
     admitted and never answered: the caller takes it off its counts).  ``handle`` must answer
     every request itself (errors as replies).  Leaving early (the caller went away, the stream broke)
@@ -64,23 +99,27 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
     Tasks start in creation order and ``Runtime.infer`` admits a request before it first
     suspends, so a stream's requests reach their batcher in arrival order (sequences rely on
     it)."""
-    replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes); None: no more
+    replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes, reply bytes); None: no more
     running: set = set()
 
-    def finished(nbytes: int, task: asyncio.Task) -> None:
+    def finished(nbytes: int, charged: int, task: asyncio.Task) -> None:
         running.discard(task)
         if not task.cancelled():
-            replies.put_nowait((task.result(), nbytes))
+            reply = task.result()
+            held = reply_size(reply)
+            window.reply_ready(charged, held)
+            replies.put_nowait((reply, nbytes, held))
 
     async def read() -> None:
         try:
             async for msg in requests:
                 nbytes = size_of(msg)
-                await window.acquire(nbytes)  # backpressure: no read while the window is full
+                # backpressure: no read while the window is full
+                charged = await window.acquire(nbytes)
                 admitted(nbytes)
                 task = asyncio.ensure_future(handle(msg))
                 running.add(task)
-                task.add_done_callback(lambda t, n=nbytes: finished(n, t))
+                task.add_done_callback(lambda t, n=nbytes, c=charged: finished(n, c, t))
             if running:
                 await asyncio.wait(set(running))
         finally:
@@ -95,7 +134,7 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
             try:
                 yield item[0]
             finally:
-                window.release(item[1])  # handed to gRPC, or the call is over
+                window.release(item[1], item[2])  # handed to gRPC, or the call is over
                 answered(item[1])
         await reader  # surfaces a broken request stream as the call's error
     finally:

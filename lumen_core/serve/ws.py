@@ -19,20 +19,33 @@ Protocol (one stream per socket, run as one sequence of the task, :class:`.audio
 
 Backpressure: frames are read one at a time and each is run before the next is read, so a
 client sending faster than the model is slowed by TCP flow control (uvicorn stops reading the
-socket while a received frame waits for the app, so a stream holds at most about one frame of
-at most ``ws_max_size`` bytes, plus its chunk requests); nothing is buffered without bound.  API keys apply: ``Authorization: Bearer KEY`` on the upgrade, or
-``"api_key"`` in the first text message.
+socket while a received frame waits for the app, so a stream holds at most about one frame,
+plus its chunk requests); nothing is buffered without bound.  A message (frame) over ``[server]
+max_payload_bytes`` closes the socket 1009 (uvicorn's ``ws_max_size``, set by the server).
+
+API keys apply: ``Authorization: Bearer KEY`` on the upgrade, or ``"api_key"`` in the first
+text message, within ``read_timeout_ms`` of the upgrade (else 4401); a key in the URL
+(``?api_key=``) is refused, 4401.  Authentication comes before anything else (the task too).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Callable, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ..errors import InternalError, InvalidArgument, LumenError, TaskNotFound, Unavailable
-from . import audio
+from ..config import DEFAULT_READ_TIMEOUT_MS
+from ..errors import (
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    TaskNotFound,
+    Unauthenticated,
+    Unavailable,
+)
+from . import audio, codec
 from .auth import ApiKeys, unscope_error
 
 log = logging.getLogger("lumen.ws")
@@ -43,6 +56,10 @@ NORMAL_CLOSE = 1000
 #: the most characters of a control (text) message
 MAX_TEXT_CHARS = 16 * 1024
 END_EVENTS = ("end", "eof", "close")
+#: the first message's key (never in the URL: URLs are logged)
+API_KEY = "api_key"
+_KEY_HINT = ("send 'Authorization: Bearer <key>' on the upgrade or {\"api_key\": \"<key>\"} "
+             "as the first message")
 
 
 def _dumps(obj: Any) -> str:
@@ -53,22 +70,40 @@ def _control(text: str) -> dict:
     if len(text) > MAX_TEXT_CHARS:
         raise InvalidArgument(f"a text message holds at most {MAX_TEXT_CHARS} characters",
                               "message")
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"a text message must be a JSON object: {exc}", "message") from None
+    obj = codec.loads(text, "a text message", "message")
     if not isinstance(obj, dict):
         raise InvalidArgument("a text message must be a JSON object", "message")
     return obj
 
 
-class StreamEndpoint:
-    """The WebSocket route of one HTTP app (its runtime, API keys and drain flag)."""
+async def _first_message(websocket: WebSocket, timeout_s: Optional[float]) -> tuple:
+    """(the first message, its control object when it is text, else None), waiting at most
+    ``timeout_s`` (None: no limit) for it; WebSocketDisconnect when the client left."""
+    try:
+        msg = await asyncio.wait_for(websocket.receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise Unauthenticated(f"no API key arrived within {timeout_s:g} s "
+                              f"(server.read_timeout_ms); {_KEY_HINT}", API_KEY) from None
+    if msg["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(msg.get("code", NORMAL_CLOSE))
+    text = msg.get("text")
+    return msg, (_control(text) if text is not None else None)
 
-    def __init__(self, runtime: Any, keys: ApiKeys, draining: Callable[[], bool]):
+
+class StreamEndpoint:
+    """The WebSocket route of one HTTP app (its runtime, API keys and drain flag).
+
+    ``auth_timeout_s`` (``[server] read_timeout_ms``): with API keys on, a socket that has not
+    sent its key (on the upgrade, or in the first message) within it is closed 4401, so silent
+    sockets cannot hold the server's connections; a socket is authenticated before anything
+    else is looked at (an unknown task is 4401 for a caller without a key, not 4404)."""
+
+    def __init__(self, runtime: Any, keys: ApiKeys, draining: Callable[[], bool],
+                 auth_timeout_s: float = DEFAULT_READ_TIMEOUT_MS / 1000.0):
         self.runtime = runtime
         self.keys = keys
         self.draining = draining
+        self.auth_timeout_s = auth_timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.handle(WebSocket(scope, receive, send))
@@ -78,6 +113,8 @@ class StreamEndpoint:
         stream: Optional[audio.SegmentStream] = None
         scope = None
         try:
+            params = dict(websocket.query_params)
+            scope, msg, first = await self._authenticate(websocket, params)
             if self.draining():
                 raise Unavailable("the server is shutting down; not accepting new streams")
             task = websocket.path_params["task"]
@@ -87,23 +124,12 @@ class StreamEndpoint:
                     raise InvalidArgument(f"task {task!r} does not produce speech segments",
                                           "task")
                 raise TaskNotFound(f"unknown task {task!r}", "task")
-            params = dict(websocket.query_params)
-            first: Optional[dict] = None
-            header = websocket.headers.get("authorization")
-            if self.keys.enabled and header:
-                scope = self.keys.check(header)
-            msg = await websocket.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            if msg.get("text") is not None:
-                ctl = _control(msg["text"])
-                params.update({k: v for k, v in ctl.items() if k not in ("event",)})
+            if msg is None:
+                msg, first = await _first_message(websocket, None)
+            if first is not None:
+                first.pop(API_KEY, None)
+                params.update({k: v for k, v in first.items() if k != "event"})
                 msg = None  # consumed
-                first = ctl
-            if self.keys.enabled and not header:
-                key = params.pop("api_key", None) if first is not None else None
-                scope = self.keys.check(f"Bearer {key}" if key else None)
-            params.pop("api_key", None)
             meta = {k: str(v) for k, v in params.items() if isinstance(k, str)}
             audio.check_keys(meta)
             options = audio.segment_options(meta, audio.task_options(desc))
@@ -143,6 +169,26 @@ class StreamEndpoint:
         finally:
             if stream is not None and not stream.closed:
                 await stream.abort()
+
+    async def _authenticate(self, websocket: WebSocket, params: dict) -> tuple:
+        """(the key's scope, the first message and its control object when it was read for
+        the key, else None, None); Unauthenticated for a missing, wrong or late key, or one in
+        the URL.  ``api_key`` is taken out of ``params``."""
+        keys = self.keys
+        in_url = params.pop(API_KEY, None) is not None
+        if not keys.enabled:
+            return None, None, None
+        if in_url:
+            raise Unauthenticated(f"an API key in the URL is refused (URLs are written to "
+                                  f"logs); {_KEY_HINT}", API_KEY)
+        header = websocket.headers.get("authorization")
+        if header:
+            return keys.check(header), None, None
+        msg, first = await _first_message(websocket, self.auth_timeout_s)
+        key = first.pop(API_KEY, None) if first is not None else None
+        if not key:
+            raise Unauthenticated(f"this server needs an API key: {_KEY_HINT}", API_KEY)
+        return keys.check(f"Bearer {key}"), msg, first
 
     async def _finish(self, websocket: WebSocket, stream: audio.SegmentStream) -> None:
         for ev in await stream.close():

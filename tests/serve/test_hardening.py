@@ -239,3 +239,34 @@ def test_rejected_tensor_requests_are_counted_as_tensor(server):
                  if name == "lumen_requests_total" and ("route", "tensor") in labels
                  and ("code", "invalid_argument") in labels)
     assert tensor >= 1
+
+
+def test_accepted_connections_send_without_nagle_delay():
+    """Found while fuzzing issue 25's surfaces: the listening socket was made without naming
+    TCP, so asyncio (not uvloop) left Nagle's algorithm on for accepted connections and each
+    keep-alive reply waited ~40 ms for the client's delayed ACK.  Accepted sockets now have
+    TCP_NODELAY."""
+    import asyncio
+
+    from lumen_core.serve.server import bind_socket
+
+    async def accepted_nodelay() -> int:
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                got.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        listener = bind_socket("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+            value = await asyncio.wait_for(got, S.WAIT_S)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

@@ -217,6 +217,7 @@ def test_bad_content_length_digits_in_process():
         class config:
             class server:
                 max_payload_bytes = S.MAX_PAYLOAD
+                read_timeout_ms = 1000
 
     app = HttpApp(_NoRuntime())
 

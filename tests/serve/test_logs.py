@@ -220,3 +220,68 @@ def test_lumen_serve_json_logs_end_to_end(tmp_path):
     assert len(access) == 1 and access[0]["correlation_id"] == CID
     assert access[0]["status"] == 200 and access[0]["task"] == "mlp"
     assert any(o["message"] == "lumen stopped" for o in objs)
+
+
+FORGED = "203.0.113.9"
+
+
+def test_forwarded_headers_are_believed_only_from_configured_proxies(server, log_stream,
+                                                                     tmp_path):
+    """Issue 25, also seen: uvicorn believed X-Forwarded-For from 127.0.0.1, so any local
+    client could forge the access log's address; now only ``[server] forwarded_allow_ips``."""
+    fwd = {"X-Forwarded-For": FORGED}
+    r = httpx.get(f"{server.url}/v1/tasks", headers={**fwd, "X-Correlation-Id": "fwd-1"},
+                  timeout=10)
+    assert r.status_code == 200
+    assert _access(log_stream, "fwd-1")["client"] == "127.0.0.1"
+    cfg = S.onnx_config(tmp_path, slow=False, forwarded_allow_ips=["127.0.0.1"])
+    proxied = S.ServerThread(Runtime.from_dict(cfg), grpc=False, access_log=True)
+    try:
+        httpx.get(f"{proxied.url}/v1/tasks", headers={**fwd, "X-Correlation-Id": "fwd-2"},
+                  timeout=10)
+        assert _access(log_stream, "fwd-2")["client"] == FORGED
+    finally:
+        proxied.stop()
+
+
+def test_forwarded_allow_ips_must_be_addresses():
+    from lumen_core.config import parse_config
+    from lumen_core.errors import ConfigError
+
+    ok = parse_config({"server": {"forwarded_allow_ips": ["10.0.0.0/8", "::1", "*"]}})
+    assert ok.server.forwarded_allow_ips == ("10.0.0.0/8", "::1", "*")
+    assert parse_config({}).server.forwarded_allow_ips == ()
+    with pytest.raises(ConfigError, match="forwarded_allow_ips"):
+        parse_config({"server": {"forwarded_allow_ips": ["proxy.local"]}})
+
+
+def test_no_keys_on_a_public_address_is_a_warning_at_start(tmp_path, caplog):
+    """Issue 25, also seen: without keys the admin API is open; fine on loopback, said at
+    start when the server listens elsewhere (and not when keys are set)."""
+    import asyncio
+
+    from lumen_core.serve.server import LumenServer, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.1.2.3")
+    cfg = S.onnx_config(tmp_path, slow=False)
+    del cfg["tasks"][1:]
+
+    async def warnings(host: str, **server) -> list:
+        caplog.clear()
+        rt = Runtime.from_dict({**cfg, "server": {**cfg["server"], **server}})
+        srv = LumenServer(rt, host=host, http_port=0, grpc_port=None)
+        await srv.start()
+        await srv.shutdown()
+        return [r.getMessage() for r in caplog.records
+                if r.name == "lumen.serve" and r.levelno == logging.WARNING]
+
+    async def go() -> tuple:
+        return (await warnings("127.0.0.1"), await warnings("0.0.0.0"),
+                await warnings("0.0.0.0", api_keys=["k-0123456789"]))
+
+    with caplog.at_level(logging.INFO, logger="lumen.serve"):
+        loopback, public, keyed = asyncio.run(go())
+    assert loopback == [] and keyed == []
+    (line,) = public
+    assert "0.0.0.0" in line and "admin API" in line and "api_keys" in line

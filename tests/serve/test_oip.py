@@ -281,13 +281,31 @@ def test_api_keys_on_the_oip_routes(tmp_path):
             authed.infer("mlp", [inp])
         req = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[x.tobytes()])
         req.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+        md = [("authorization", f"Bearer {key}")]
         with grpc.insecure_channel(srv.grpc_target) as ch:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
             with pytest.raises(grpc.RpcError) as e:
                 stub.ModelInfer(req)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            out = stub.ModelInfer(req, metadata=[("authorization", f"Bearer {key}")])
+            out = stub.ModelInfer(req, metadata=md)
             assert out.model_name == "mlp"
+            # issue 25 row 6: readiness and metadata need the key too (ModelReady would tell
+            # who has no key which models exist); liveness stays open, as on HTTP
+            assert stub.ServerLive(service_pb2.ServerLiveRequest()).live
+            for call, msg in ((stub.ServerReady, service_pb2.ServerReadyRequest()),
+                              (stub.ModelReady, service_pb2.ModelReadyRequest(name="mlp")),
+                              (stub.ModelReady, service_pb2.ModelReadyRequest(name="nope")),
+                              (stub.ServerMetadata, service_pb2.ServerMetadataRequest())):
+                for metadata in (None, [("authorization", "Bearer wrong-key")]):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call(msg, metadata=metadata)
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, call
+            assert stub.ServerReady(service_pb2.ServerReadyRequest(), metadata=md).ready
+            assert stub.ModelReady(service_pb2.ModelReadyRequest(name="mlp"), metadata=md).ready
+            assert not stub.ModelReady(service_pb2.ModelReadyRequest(name="nope"),
+                                       metadata=md).ready
+            assert stub.ServerMetadata(service_pb2.ServerMetadataRequest(),
+                                       metadata=md).name == "lumen-core"
         anon.close()
         authed.close()
     finally:
@@ -308,3 +326,93 @@ def test_compressed_requests(server, client):
         assert r.status_code == 413 and "decompressed" in r.json()["error"]
         r = c.post("/v2/models/mlp/infer", content=b"{}", headers={"Content-Encoding": "br"})
         assert r.status_code == 415
+
+
+# -- hostile clients, round 2 (issue 25) --------------------------------------------------------
+#: BYTES elements of a refused input: far more than one, few enough for a quick test
+MANY_ELEMENTS = 128 * 1024
+#: the most Python memory the refusal of MANY_ELEMENTS may allocate (a view per element: 20 MB)
+REFUSAL_PEAK_BYTES = 64 * 1024
+
+
+def _post_infer(server, task: str, inp: dict, binary: bytes = b"", **headers):
+    head = json.dumps({"inputs": [inp]}).encode()
+    if binary:
+        headers["Inference-Header-Content-Length"] = str(len(head))
+    return httpx.post(f"{server.url}/v2/models/{task}/infer", content=head + binary,
+                      headers=headers, timeout=30)
+
+
+def test_many_bytes_elements_are_refused_without_building_them(server):
+    """Row 1: a BYTES input of many empty elements is refused at the second element (a 400
+    naming the one-element rule), not after a view of each was built on the event loop."""
+    import tracemalloc
+
+    from lumen_core.errors import InvalidArgument
+    from lumen_core.serve.oip_mapping import bytes_elements
+
+    binary = memoryview(b"\0\0\0\0" * MANY_ELEMENTS)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidArgument, match="one element"):
+            bytes_elements(binary, "raw")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < REFUSAL_PEAK_BYTES
+    assert len(bytes_elements(b"\x02\0\0\0hi", "raw")) == 1
+    for shape in ([1], [MANY_ELEMENTS]):
+        inp = {"name": "raw", "datatype": "BYTES", "shape": shape,
+               "parameters": {"binary_data_size": len(binary)}}
+        r = _post_infer(server, "text_embed", inp, bytes(binary))
+        assert r.status_code == 400 and "one element" in r.json()["error"], r.text
+
+
+def test_a_huge_inference_header_length_is_a_400(server):
+    """Row 3: Inference-Header-Content-Length of 5,000 digits (past Python's int digit limit)."""
+    r = httpx.post(f"{server.url}/v2/models/mlp/infer", content=b"{}", timeout=30,
+                   headers={"Inference-Header-Content-Length": "9" * 5000})
+    assert r.status_code == 400, r.text
+    assert "Inference-Header-Content-Length" in r.json()["error"]
+
+
+@pytest.mark.parametrize("datatype", [["FP32"], {"FP32": 1}, 32, True],
+                         ids=["list", "object", "number", "bool"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_a_datatype_that_is_not_a_string_is_a_400(server, datatype, binary):
+    """Row 4: ``datatype`` as a list or an object was a 500 "unhashable type"."""
+    x = S.mlp_input()
+    inp = {"name": "x", "datatype": datatype, "shape": list(x.shape)}
+    if binary:
+        inp["parameters"] = {"binary_data_size": x.nbytes}
+        r = _post_infer(server, "mlp", inp, x.tobytes())
+    else:
+        inp["data"] = x.reshape(-1).tolist()
+        r = _post_infer(server, "mlp", inp)
+    assert r.status_code == 400, r.text
+    assert "datatype" in r.json()["error"]
+
+
+@pytest.mark.parametrize("task,datatype,data", [
+    ("text_embed", "INT64", [101.7, 7592.2, 2088.0, 102.9]),
+    ("text_embed", "INT64", ["101", "7592", "2088", "102"]),
+    ("text_embed", "INT64", [True, 7592, 2088, 102]),
+    ("text_embed", "INT64", [101, 7592, 2088, 2 ** 64]),
+    ("mlp", "FP32", ["1.5"] * S.D_IN),
+    ("mlp", "FP32", [True] * S.D_IN),
+], ids=["int64-floats", "int64-strings", "int64-bool", "int64-too-big", "fp32-strings",
+        "fp32-bools"])
+def test_json_data_of_the_wrong_kind_is_a_400_not_converted(server, task, datatype, data):
+    """Row 5: INT64 data given as floats or strings was silently truncated into token ids."""
+    inp = {"name": "x", "datatype": datatype, "shape": [1, len(data)], "data": data}
+    r = _post_infer(server, task, inp)
+    assert r.status_code == 400, r.text
+    assert "'data' must be" in r.json()["error"]
+
+
+def test_json_data_of_the_right_kind_still_converts(server):
+    ids = [101, 7592, 2088, 102]
+    inp = {"name": "x", "datatype": "INT64", "shape": [1, 4], "data": ids}
+    assert _post_infer(server, "text_embed", inp).status_code == 200
+    inp = {"name": "x", "datatype": "FP32", "shape": [1, S.D_IN], "data": [1] * S.D_IN}
+    assert _post_infer(server, "mlp", inp).status_code == 200  # integers are FP32 numbers

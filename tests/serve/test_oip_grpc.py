@@ -254,3 +254,41 @@ def test_oversized_message_is_payload_too_large(server):
             service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(e.value.trailing_metadata())["lumen-error-code"] == "payload_too_large"
+
+
+#: BYTES elements of a refused input: far more than one, few enough for a quick test
+MANY_ELEMENTS = 128 * 1024
+#: the most Python memory (all threads: the server runs in this process) refusing them may
+#: take: the message and a copy of its bytes, 1.6 MB (a view per element was 27 MB, a list
+#: of the typed elements 6.7 MB)
+REFUSAL_PEAK_BYTES = 4 << 20
+
+
+@pytest.mark.parametrize("how", ["raw", "typed"])
+def test_many_bytes_elements_are_refused_without_building_them(server, how):
+    """Issue 25 row 2: ``ModelInfer`` with a BYTES input of many empty elements (in
+    raw_input_contents, or typed bytes_contents) is refused at once: INVALID_ARGUMENT naming
+    the one-element rule, with no per-element object made."""
+    import tracemalloc
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="text_embed")
+    t = req.inputs.add(name="raw", datatype="BYTES", shape=[1])
+    if how == "raw":
+        req.raw_input_contents.append(b"\0\0\0\0" * MANY_ELEMENTS)
+    else:
+        t.contents.bytes_contents.extend([b"ab"] * MANY_ELEMENTS)
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        tracemalloc.start()
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfer(req, timeout=STREAM_TIMEOUT_S)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one element" in e.value.details()
+    assert peak < REFUSAL_PEAK_BYTES

@@ -29,24 +29,35 @@ async def _source(msgs, read):
         yield m
 
 
+def _no_bytes(reply) -> int:
+    """The size of a test's reply (an int): nothing against the byte budget."""
+    return 0
+
+
 def test_window_bounds_requests_and_bytes_and_every_reply_comes():
     async def main():
-        counts, read, gate = _Counts(), [], asyncio.Event()
+        counts, read, gate, first_gate = _Counts(), [], asyncio.Event(), asyncio.Event()
 
         async def handle(msg):
-            await gate.wait()
+            await (gate if msg["id"] else first_gate).wait()
             return msg["id"]
 
         window = StreamWindow(max_requests=8, max_bytes=100)
         msgs = [{"id": i, "n": 30} for i in range(20)]  # 3 fit the byte budget at a time
         gen = windowed_replies(_source(msgs, read), window, lambda m: m["n"], handle,
-                               counts.admitted, counts.answered)
-        first = asyncio.ensure_future(gen.__anext__())
+                               counts.admitted, counts.answered, _no_bytes)
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.02)
+        # until a first reply tells the size of replies, one request at a time
+        assert counts.requests == 1 and len(read) == 2
+        first_gate.set()
+        first = await pending
         await asyncio.sleep(0.05)
-        # 3 admitted (90 bytes); the 4th was read and waits for room; nothing more is read
+        # 3 admitted (90 bytes: the first's room is free once the reader asks for the next
+        # reply); the 4th was read and waits for room; nothing more is read
         assert counts.requests == 3 and len(read) == 4
         gate.set()
-        got = [await first] + [r async for r in gen]
+        got = [first] + [r async for r in gen]
         assert sorted(got) == list(range(20))
         assert counts.peak_bytes <= 100 and counts.peak_requests <= 3
         assert counts.requests == 0 and counts.nbytes == 0
@@ -65,7 +76,8 @@ def test_a_message_larger_than_the_byte_budget_runs_alone():
         window = StreamWindow(max_requests=8, max_bytes=10)
         msgs = [{"id": i, "n": 50} for i in range(5)]
         got = [r async for r in windowed_replies(_source(msgs, []), window, lambda m: m["n"],
-                                                  handle, counts.admitted, counts.answered)]
+                                                  handle, counts.admitted, counts.answered,
+                                                  _no_bytes)]
         assert sorted(got) == list(range(5)) and counts.peak_requests == 1
 
     asyncio.run(main())
@@ -87,7 +99,8 @@ def test_closing_early_cancels_what_runs_and_leaves_the_unanswered_in_the_window
 
         window = StreamWindow(max_requests=4, max_bytes=1 << 20)
         gen = windowed_replies(_source([{"id": i, "n": 1} for i in range(10)], []), window,
-                               lambda m: m["n"], handle, counts.admitted, counts.answered)
+                               lambda m: m["n"], handle, counts.admitted, counts.answered,
+                               _no_bytes)
         assert await gen.__anext__() == 0
         await asyncio.sleep(0.02)
         await gen.aclose()  # the caller went away
@@ -95,5 +108,33 @@ def test_closing_early_cancels_what_runs_and_leaves_the_unanswered_in_the_window
         assert sorted(cancelled) == sorted(i for i in started if i != 0) and cancelled
         # admitted and never answered: the caller takes these off its own counts
         assert window.requests == counts.requests == len(cancelled)
+
+    asyncio.run(main())
+
+
+def test_replies_waiting_for_a_slow_reader_are_held_within_the_byte_budget():
+    """Issue 25: ``ModelStreamInfer`` with a reader slower than the model grew the server by
+    270 MB: a window of 256 small requests whose 1 MiB replies all waited to be sent.  A
+    reply ready and not yet handed on counts against the byte budget (and, until a request's
+    own reply is ready, the largest reply seen so far stands for it), so a stream whose replies
+    dwarf its requests is held to the budget too; nothing is read meanwhile."""
+    async def main():
+        counts, read = _Counts(), []
+
+        async def handle(msg):
+            return b"r" * msg["reply"]
+
+        window = StreamWindow(max_requests=64, max_bytes=100)
+        msgs = [{"id": i, "n": 1, "reply": 30} for i in range(40)]
+        gen = windowed_replies(_source(msgs, read), window, lambda m: m["n"], handle,
+                               counts.admitted, counts.answered, reply_size=len)
+        got = [await gen.__anext__()]  # the reader takes one reply, then is slow
+        await asyncio.sleep(0.05)
+        assert window.nbytes + window.reply_bytes <= window.max_bytes
+        assert len(read) <= 5 and counts.requests <= 4  # not the 40 the count would allow
+        got += [r async for r in gen]
+        assert got == [b"r" * 30] * 40
+        assert window.requests == window.nbytes == window.reply_bytes == 0
+        assert counts.requests == counts.nbytes == 0
 
     asyncio.run(main())

@@ -25,6 +25,13 @@ NAME = "vad_speech_1.wav"
 TOLERANCE_MS = 32.0
 KEY = "ws-secret-key"
 CLIENTS = 32
+#: the keyed server's read timeout: an unauthenticated socket is closed after it
+AUTH_TIMEOUT_MS = 300
+#: the keyed server's max_payload_bytes (frames up to 1 s of PCM16 fit)
+MAX_PAYLOAD = 64 * 1024
+#: seconds a test waits for a refusal (well past AUTH_TIMEOUT_MS)
+REFUSAL_WAIT_S = 5.0
+SILENT_SOCKETS = 4
 
 
 def vad_task(home) -> dict:
@@ -166,27 +173,112 @@ def test_errors_are_an_event_and_a_close_code(server):
         assert got == code
 
 
-def test_api_keys_by_header_or_first_message(home, pcm):
-    srv = ServerThread(lc.Runtime.from_dict({"tasks": [vad_task(home)]}), grpc=False,
-                       api_keys=[KEY])
-    try:
-        async def go():
-            url = ws_url(srv)
-            async with websockets.connect(url) as ws:
-                await ws.send(bytes(1024))
-                msg = json.loads(await ws.recv())
-                with pytest.raises(websockets.ConnectionClosed):
-                    await ws.recv()
-                assert msg["error"]["code"] == "unauthenticated" and ws.close_code == 4401
-            ev, code = await stream(url, pcm[:64000], 0,
-                                    additional_headers={"Authorization": f"Bearer {KEY}"})
-            assert code == 1000 and ev[-1]["event"] == "done"
-            ev, code = await stream(url, pcm[:64000], 0, first={"api_key": KEY})
-            assert code == 1000 and ev[-1]["event"] == "done"
+@pytest.fixture(scope="module")
+def keyed(home):
+    """A server with an API key, a short read timeout and a small payload limit."""
+    cfg = {"server": {"api_keys": [KEY], "read_timeout_ms": AUTH_TIMEOUT_MS,
+                      "max_payload_bytes": MAX_PAYLOAD}, "tasks": [vad_task(home)]}
+    srv = ServerThread(lc.Runtime.from_dict(cfg))
+    yield srv
+    srv.stop()
 
-        asyncio.run(go())
-    finally:
-        srv.stop()
+
+async def refused(url: str, first=None, **kw) -> tuple:
+    """(the error event, the close code) of a stream the server ends with an error."""
+    async with websockets.connect(url, **kw) as ws:
+        if first is not None:
+            try:
+                await ws.send(first if isinstance(first, (str, bytes)) else json.dumps(first))
+            except websockets.ConnectionClosed:
+                pass  # refused before the first message
+        msg = json.loads(await asyncio.wait_for(ws.recv(), REFUSAL_WAIT_S))
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), REFUSAL_WAIT_S)
+        assert msg["event"] == "error", msg
+        return msg["error"], ws.close_code
+
+
+def test_api_keys_by_header_or_first_message(keyed, pcm):
+    async def go():
+        url = ws_url(keyed)
+        err, code = await refused(url, bytes(1024))
+        assert err["code"] == "unauthenticated" and code == 4401
+        ev, code = await stream(url, pcm[:64000], 0,
+                                additional_headers={"Authorization": f"Bearer {KEY}"})
+        assert code == 1000 and ev[-1]["event"] == "done"
+        ev, code = await stream(url, pcm[:64000], 0, first={"api_key": KEY})
+        assert code == 1000 and ev[-1]["event"] == "done"
+
+    asyncio.run(go())
+
+
+def test_without_a_key_an_unknown_task_is_4401_not_4404(keyed):
+    """Issue 26 row 7: task names cannot be probed without a key (authenticate, then look up)."""
+    async def go():
+        url = ws_url(keyed, "/v1/stream/nope")
+        for first in (bytes(1024), {"api_key": "wrong"}, {"event": "end"}):
+            err, code = await refused(url, first)
+            assert (err["code"], code) == ("unauthenticated", 4401), first
+        err, code = await refused(url, bytes(8),
+                                  additional_headers={"Authorization": f"Bearer {KEY}"})
+        assert (err["code"], code) == ("not_found", 4404)
+        err, code = await refused(url, {"api_key": KEY})
+        assert (err["code"], code) == ("not_found", 4404)
+
+    asyncio.run(go())
+
+
+def test_a_silent_unauthenticated_socket_is_closed_within_the_read_timeout(keyed):
+    """Issue 25 row 9: with keys on, a socket that never authenticates is closed 4401 within
+    read_timeout_ms (20 such sockets held every connection of max_connections=20)."""
+    async def go():
+        socks = [await websockets.connect(ws_url(keyed)) for _ in range(SILENT_SOCKETS)]
+        t0 = time.monotonic()
+        out = []
+        for ws in socks:
+            msg = json.loads(await asyncio.wait_for(ws.recv(), REFUSAL_WAIT_S))
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), REFUSAL_WAIT_S)
+            out.append((msg["error"]["code"], ws.close_code, "read_timeout_ms" in
+                        msg["error"]["message"]))
+        return out, time.monotonic() - t0
+
+    out, took = asyncio.run(go())
+    assert out == [("unauthenticated", 4401, True)] * SILENT_SOCKETS
+    assert took < REFUSAL_WAIT_S
+
+
+def test_a_key_in_the_url_is_refused(keyed):
+    """Issue 25 row 8: ``?api_key=`` (URLs are logged, by us and by every proxy on the way)."""
+    async def go():
+        err, code = await refused(ws_url(keyed) + f"?api_key={KEY}", {"event": "end"})
+        assert (err["code"], code, err["field"]) == ("unauthenticated", 4401, "api_key")
+        assert KEY not in err["message"]
+
+    asyncio.run(go())
+
+
+def test_a_frame_over_max_payload_bytes_is_refused(keyed, pcm):
+    """Issue 25, also seen: frames up to 16 MiB were accepted whatever max_payload_bytes said;
+    now a frame over it closes the socket 1009 (message too big)."""
+    async def go():
+        auth = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(ws_url(keyed), additional_headers=auth) as ws:
+            await ws.send(pcm[:MAX_PAYLOAD])  # at the limit: served
+            await ws.send(pcm[:MAX_PAYLOAD + 2])
+            with pytest.raises(websockets.ConnectionClosed) as e:
+                while True:
+                    await asyncio.wait_for(ws.recv(), REFUSAL_WAIT_S)
+            return e.value.rcvd.code if e.value.rcvd else None
+
+    assert asyncio.run(go()) == 1009
+
+
+def test_a_deeply_nested_control_message_is_4400(server):
+    """Issue 25 row 10: 8,000 nested brackets were a 4500 ``internal`` and a traceback."""
+    for text in ("[" * 8000 + "]" * 8000, '{"a":' * 8000 + "1" + "}" * 8000):
+        err, code = asyncio.run(refused(ws_url(server), text))
+        assert (err["code"], code) == ("invalid_argument", 4400)
 
 
 def test_a_fast_client_is_paced_by_the_model_not_buffered(server, pcm):
@@ -269,3 +361,49 @@ def test_a_stream_paused_past_the_idle_timeout_goes_on(home, pcm):
         assert len(events[-1]["segments"]) >= 2
     finally:
         srv.stop()
+
+
+def test_keys_never_reach_the_log_even_at_debug(keyed, pcm):
+    """Issue 25 rows 7 and 8: at ``--log-level debug`` the WebSocket library traced each
+    upgrade header (``< authorization: Bearer <key>``) and frame (``< TEXT '{"api_key": ...``)
+    into uvicorn's logger, and uvicorn's INFO line of a socket carried its URL's query string
+    (``?api_key=<key>``).  The key is in no line; the lines themselves still are."""
+    import io
+    import logging
+
+    import grpc
+
+    from lumen_core.serve import logs
+    from lumen_core.serve.proto import lumen_pb2, lumen_pb2_grpc
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    buf = io.StringIO()
+    undo = logs.configure("debug", "text", access=True, stream=buf)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    client_log = logging.getLogger("websockets.client")  # the test's own client: not the server
+    levels = uvicorn_log.level, client_log.level
+    uvicorn_log.setLevel(logging.DEBUG)  # what `lumen serve --log-level debug` sets
+    client_log.setLevel(logging.INFO)
+    try:
+        async def go():
+            url = ws_url(keyed)
+            ev, _ = await stream(url, pcm[:3200], 0, additional_headers=auth)
+            assert ev[-1]["event"] == "done"
+            ev, _ = await stream(url, pcm[:3200], 0, first={"api_key": KEY})
+            assert ev[-1]["event"] == "done"
+            await refused(url + f"?api_key={KEY}&probabilities=true", {"event": "end"})
+
+        asyncio.run(go())
+        assert httpx.get(f"{keyed.url}/v1/tasks", headers=auth, timeout=10).status_code == 200
+        with grpc.insecure_channel(keyed.grpc_target) as ch:
+            with pytest.raises(grpc.RpcError):  # an empty request: refused after the key
+                lumen_pb2_grpc.InferenceStub(ch).Infer(
+                    lumen_pb2.InferRequest(task="vad"), metadata=[("authorization", auth[
+                        "Authorization"])], timeout=10)
+    finally:
+        uvicorn_log.setLevel(levels[0])
+        client_log.setLevel(levels[1])
+        undo()
+    text = buf.getvalue()
+    assert '"WebSocket /v1/stream/vad" [accepted]' in text  # uvicorn's lines, without the query
+    assert KEY not in text
