@@ -198,8 +198,9 @@ class Runtime:
                               f"unknown backend {tc.backend!r} (known: {', '.join(sorted(BACKENDS))})") from None
         backend = cls(tc)
         spec = backend.load()
-        if hasattr(backend, "steps"):  # an ensemble: one batcher per step (batching/pipeline.py)
-            return self._load_pipeline(tc, backend)
+        steps = backend.steps()
+        if steps is not None:  # an ensemble: one batcher per step (batching/pipeline.py)
+            return self._load_pipeline(tc, backend, steps)
         instances = make_instances(spec, tc.name, tc.device, tc.instances, tc.intra_op_threads,
                                    tc.allow_spinning)
         runners = [BatchRunner(inst, backend.postprocess) for inst in instances]
@@ -232,7 +233,7 @@ class Runtime:
             task.cache = cache
         return task
 
-    def _load_pipeline(self, tc: TaskConfig, backend: TaskBackend) -> Task:
+    def _load_pipeline(self, tc: TaskConfig, backend: TaskBackend, steps: list) -> Task:
         """An ensemble task: each step its own engine instances and dynamic batcher; step
         batches reach the observer as ``<task>.<step>``."""
         instances: list = []
@@ -248,7 +249,7 @@ class Runtime:
             if type(obs) is not Observer:
                 obs.batch(f"{tc.name}.{step}", n, compute_us)
 
-        batcher = build_pipeline(tc.name, tc.batching, backend.steps(), backend.flow,
+        batcher = build_pipeline(tc.name, tc.batching, steps, backend.flow,
                                  make_runners, on_batch)
         trace = self._dispatch.trace
         if trace is not None:  # request spans per ocr request, batch spans per step
@@ -552,11 +553,12 @@ class Runtime:
             load["pending"] += b.pending
             load["in_flight"] += b.in_flight
             load["padding_ratio"] = max(load["padding_ratio"], t.padding_ratio)
-            if hasattr(b, "step_stats") and t is self.tasks.get(t.name):
-                load["steps"] = b.step_stats()  # an ensemble: per-step batches, items, times
-            if t.backend.stateful:
-                load["active_sequences"] = load.get("active_sequences", 0) + b.active_sequences
-                load["backlog"] = load.get("backlog", 0) + b.backlog
+            for key, value in b.counters().items():  # the batcher's own (Batcher.counters)
+                if isinstance(value, dict):  # an ensemble's per-step table: the head's
+                    if t is self.tasks.get(t.name):
+                        load[key] = value
+                else:
+                    load[key] = load.get(key, 0) + value
         return out
 
     def cache_stats(self) -> dict:

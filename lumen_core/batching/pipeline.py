@@ -224,6 +224,10 @@ class Pipeline(QueuePolicy):
     def step_stats(self) -> dict:
         return {name: s.stats.as_dict() for name, s in self.steps.items()}
 
+    def counters(self) -> dict:
+        """Per-step batches, items, queue and compute times (``Batcher.counters``)."""
+        return {"steps": self.step_stats()}
+
     # -- admission (loop thread): ``pending`` counts the flows -------------------------------
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Any:
         """Admit one request; its ``waiter`` resolves with the flow's result or error."""

@@ -35,7 +35,7 @@ task wake-up, not N.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
 from .runner import CompletionQueue, Worker
@@ -51,6 +51,37 @@ answer = _sched.answer
 OVERLOAD_RETRY_AFTER_S = _sched.OVERLOAD_RETRY_AFTER_S
 #: the deadline error's field
 DEADLINE_FIELD = _sched.DEADLINE_FIELD
+
+
+class Batcher(Protocol):
+    """A task's batcher as the runtime and the request path use it (every batcher is a
+    :class:`QueuePolicy`; ``scheduler.Route.batcher`` is typed as its compiled base)."""
+
+    name: str
+    pending: int
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def submit(self, item: Any, desc: Any = None, priority: int = 1,
+               timeout_ms: int = 0) -> Any: ...
+
+    def submit_many(self, specs: Sequence[tuple]) -> tuple: ...
+
+    def cancel(self, entry: Any) -> None: ...
+
+    def cancel_group(self, entries: Sequence[Any]) -> None: ...
+
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def counters(self) -> dict:
+        """Load figures of this kind of batcher beyond ``pending`` / ``in_flight``: numbers
+        (summed over a task's versions) or, for an ensemble, a per-step table."""
+        ...
 
 
 class QueuePolicy(_sched.Admission):
@@ -106,6 +137,10 @@ class QueuePolicy(_sched.Admission):
         """Under the lock: every entry still queued."""
         raise NotImplementedError
 
+    def counters(self) -> dict:
+        """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
+        return {}
+
     # -- draining ---------------------------------------------------------------------------
     async def drain(self) -> None:
         """Stop admitting, then wait until every queued and running request has finished."""
@@ -118,5 +153,5 @@ class QueuePolicy(_sched.Admission):
             await self.idle_event.wait()
 
 
-__all__ = ["DEADLINE_FIELD", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
+__all__ = ["Batcher", "DEADLINE_FIELD", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
            "Entry", "Group", "QueuePolicy", "answer"]

@@ -196,6 +196,10 @@ class SequenceBatcher(QueuePolicy):
         """Sequences waiting for a free slot."""
         return len(self._backlog)
 
+    def counters(self) -> dict:
+        """Sequences holding a slot and those waiting for one (``Batcher.counters``)."""
+        return {"active_sequences": self.active_sequences, "backlog": self.backlog}
+
     def holds_sequence(self, sid: str) -> bool:
         """True while sequence ``sid`` is open here (a draining version keeps its sequences
         until they end or idle out: lumen_core/versions.py)."""

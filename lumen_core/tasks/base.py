@@ -90,6 +90,11 @@ class TaskBackend(abc.ABC):
         """Requests the runtime pushes through the whole path at start-up."""
         return []
 
+    def steps(self) -> Optional[list]:
+        """An ensemble's steps (``batching.pipeline.StepSpec``s; its ``flow`` coroutine runs a
+        request through them), or None for a single model (the default)."""
+        return None
+
     def batching_options(self) -> dict:
         """Extra keyword arguments for the task's ``DynamicBatcher`` (e.g. ``max_batch_tokens``
         for ragged inputs); read once at load."""
