@@ -16,7 +16,15 @@ twins and the pure-Python ones (``LUMEN_NO_EXTENSIONS=1``) in child processes, o
 other, so the rounds interleave; every figure is the median over rounds with its spread.
 
     python bench/bench_null.py [--rounds 3] [--requests 65536] [--callers 256] [--uvloop]
+    python bench/bench_null.py --stages           # the per-stage split of one request
     python bench/bench_null.py --child            # one round of the running implementation
+
+It uses only the public API (``Runtime.infer`` / ``infer_many``), so the same script measures
+an older tree in the same session: ``PYTHONPATH=<old checkout, extensions built in place>
+python bench/bench_null.py``.  Where the CPU goes: ``py-spy record --threads -r 500 -f raw
+-o out.txt -- python bench/bench_null.py --child`` (``--native`` with ``LUMEN_DEBUG_BUILD=1
+python setup.py build_ext --inplace`` shows the compiled frames), or ``perf record -e
+cpu-clock`` on a build with symbols.
 """
 from __future__ import annotations
 
@@ -141,6 +149,52 @@ def child(a: argparse.Namespace) -> dict:
     return res
 
 
+STAGE_REPS = 50_000
+
+
+async def stages(path: str) -> dict:
+    """Single-caller split of one request (microseconds each, best of 3 x STAGE_REPS)."""
+    import lumen_core as lc
+    from lumen_core import native
+
+    cfg = {"tasks": [{"name": "null", "backend": "onnx", "model": path, "intra_op_threads": 1,
+                      "batching": {"max_batch_size": BATCH, "max_queue_delay_us": 0}}]}
+    x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
+    req = lc.new_infer_request("null").for_tensor_array(x, "NC", "none").build()
+    loop = asyncio.get_running_loop()
+    out: dict = {}
+
+    def timed(name: str, fn) -> None:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter_ns()
+            for _ in range(STAGE_REPS):
+                fn()
+            best = min(best, (time.perf_counter_ns() - t0) / STAGE_REPS / 1000)
+        out[name] = best
+
+    async with lc.Runtime.from_dict(cfg) as rt:
+        route = rt.tasks["null"]
+        payload = memoryview(req.payload)
+        desc = native.descriptor.parse_meta(req.meta, payload.nbytes, route.contract)
+        item = route.prepare(req, desc, payload)
+        rows = native.scheduler.Rows({"y": np.zeros((BATCH, D), np.float32)}, BATCH)
+        timed("empty call (the loop's own cost)", lambda: None)
+        timed("payload memoryview", lambda: memoryview(req.payload))
+        timed("parse_meta", lambda: native.descriptor.parse_meta(req.meta, payload.nbytes,
+                                                                 route.contract))
+        timed("prepare (dense tensor, C)", lambda: route.prepare(req, desc, payload))
+        timed("queue entry + future", lambda: native.scheduler.Entry(
+            item, asyncio.Future(loop=loop), 1, 0))
+        timed("response", lambda: native.messages.respond(req, rows, 3, BATCH, 0, 0, 0, "1"))
+        n = 5000
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            await rt.infer(req)
+        out["whole infer, one caller (wall)"] = (time.perf_counter_ns() - t0) / n / 1000
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -148,10 +202,21 @@ def main() -> None:
     ap.add_argument("--callers", type=int, default=256)
     ap.add_argument("--uvloop", action="store_true")
     ap.add_argument("--impls", default="c,py", help="which twins: c, py or both")
+    ap.add_argument("--stages", action="store_true", help="the per-stage split of one request")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a)))
+        return
+    if a.stages:
+        import onnx_models as M
+
+        from lumen_core import native
+
+        path = M.matmul(os.path.join(tempfile.mkdtemp(), "null.onnx"), D)
+        print(f"extensions {native.using_extensions()}")
+        for k, v in asyncio.run(stages(path)).items():
+            print(f"  {k:34s} {v:7.3f} us")
         return
     impls = a.impls.split(",")
     runs: dict = {impl: [] for impl in impls}
