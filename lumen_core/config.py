@@ -32,6 +32,10 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 DEFAULT_READ_TIMEOUT_MS = 10_000
 DEFAULT_MAX_CONNECTIONS = 1000
+#: [server] shm_max_regions: system shared-memory regions registered at once (one file
+#: descriptor each; serve/shm.py also keeps them within a share of ``ulimit -n``)
+DEFAULT_SHM_MAX_REGIONS = 256
+MAX_SHM_REGIONS = 65536
 #: endpoints that may be opened to callers without an API key (/healthz always is)
 AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics", "/v2/health/ready")
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -85,6 +89,8 @@ class ServerConfig:
     #: Triton's system shared-memory extension on the /v2 (OIP) routes: local clients register
     #: POSIX shm regions and name them instead of sending bytes (off by default)
     system_shared_memory: bool = False
+    #: regions registered at once, over all API keys (each holds one file descriptor)
+    shm_max_regions: int = DEFAULT_SHM_MAX_REGIONS
     #: OpenTelemetry spans per request and per batch (``tracing.py``; also ``LUMEN_TRACING=1``)
     tracing: bool = False
 
@@ -670,6 +676,8 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         tls_cert_file=_server_path(srv, "tls_cert_file", base_dir),
         tls_key_file=_server_path(srv, "tls_key_file", base_dir),
         system_shared_memory=srv.get("system_shared_memory", bool, False),
+        shm_max_regions=srv.get("shm_max_regions", int, DEFAULT_SHM_MAX_REGIONS, lo=1,
+                                hi=MAX_SHM_REGIONS),
         tracing=srv.get("tracing", bool, False),
     )
     if bool(server.tls_cert_file) != bool(server.tls_key_file):
