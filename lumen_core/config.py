@@ -36,6 +36,8 @@ DEFAULT_MAX_CONNECTIONS = 1000
 #: descriptor each; serve/shm.py also keeps them within a share of ``ulimit -n``)
 DEFAULT_SHM_MAX_REGIONS = 256
 MAX_SHM_REGIONS = 65536
+#: [server] admin_max_model_bytes: the largest model file an admin load may name
+DEFAULT_ADMIN_MAX_MODEL_BYTES = 4 << 30
 #: endpoints that may be opened to callers without an API key (/healthz always is)
 AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics", "/v2/health/ready")
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -82,6 +84,13 @@ class ServerConfig:
     #: ``#`` comments) is read when the server starts and its keys added to these
     api_keys: tuple = ()
     api_key_file: str = ""
+    #: keys of the admin API (``/v1/admin``), apart from the inference keys: with any key
+    #: configured, the admin API takes only these (an inference key gets 403)
+    admin_api_keys: tuple = ()
+    #: the folder admin loads may name model files under (empty: the config file's folder)
+    model_root: str = ""
+    #: the largest model file an admin load may name
+    admin_max_model_bytes: int = DEFAULT_ADMIN_MAX_MODEL_BYTES
     #: of AUTH_OPTIONAL_ENDPOINTS, the ones served without a key when keys are on
     open_endpoints: tuple = ()
     tls_cert_file: str = ""
@@ -95,9 +104,11 @@ class ServerConfig:
     tracing: bool = False
 
     def __repr__(self) -> str:  # never print the keys
+        secret = ("api_keys", "admin_api_keys")
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                           if f.name != "api_keys")
-        return f"ServerConfig({fields}, api_keys=<{len(self.api_keys)} keys>)"
+                           if f.name not in secret)
+        return (f"ServerConfig({fields}, api_keys=<{len(self.api_keys)} keys>, "
+                f"admin_api_keys=<{len(self.admin_api_keys)} keys>)")
 
 
 @dataclass
@@ -642,13 +653,13 @@ def _string_list(r: _Reader, name: str, choices: Optional[tuple] = None) -> list
     return items
 
 
-def _parse_api_keys(r: _Reader) -> tuple:
-    keys = _string_list(r, "api_keys")
+def _parse_api_keys(r: _Reader, name: str = "api_keys") -> tuple:
+    keys = _string_list(r, name)
     for i, k in enumerate(keys):
         if k != k.strip() or not k.isprintable() or not k.isascii():
             # a key is a header value: no whitespace at the ends, printable ASCII (never echoed)
-            raise r.err("api_keys", f"entry {i} must be printable ASCII without surrounding "
-                                    f"whitespace")
+            raise r.err(name, f"entry {i} must be printable ASCII without surrounding "
+                              f"whitespace")
     return tuple(keys)
 
 
@@ -672,6 +683,10 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         max_connections=srv.get("max_connections", int, DEFAULT_MAX_CONNECTIONS, lo=1),
         api_keys=_parse_api_keys(srv),
         api_key_file=_server_path(srv, "api_key_file", base_dir),
+        admin_api_keys=_parse_api_keys(srv, "admin_api_keys"),
+        model_root=_server_path(srv, "model_root", base_dir),
+        admin_max_model_bytes=srv.get("admin_max_model_bytes", int,
+                                      DEFAULT_ADMIN_MAX_MODEL_BYTES, lo=1),
         open_endpoints=tuple(_string_list(srv, "open_endpoints", AUTH_OPTIONAL_ENDPOINTS)),
         tls_cert_file=_server_path(srv, "tls_cert_file", base_dir),
         tls_key_file=_server_path(srv, "tls_key_file", base_dir),
@@ -680,6 +695,9 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
                                 hi=MAX_SHM_REGIONS),
         tracing=srv.get("tracing", bool, False),
     )
+    if set(server.admin_api_keys) & set(server.api_keys):
+        raise srv.err("admin_api_keys", "a key may not be both an inference key (api_keys) and "
+                                        "an admin key; give the admin API keys of its own")
     if bool(server.tls_cert_file) != bool(server.tls_key_file):
         missing = "tls_key_file" if server.tls_cert_file else "tls_cert_file"
         raise srv.err(missing, "TLS needs both tls_cert_file and tls_key_file")
@@ -695,6 +713,18 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         tasks.append(tc)
     root.finish()
     return LumenConfig(server=server, tasks=tasks, source=source)
+
+
+def model_root(cfg: LumenConfig) -> str:
+    """The folder admin loads may name model files under: ``[server] model_root``, else the
+    folder of the config file the runtime came from ("" when it came from no file: then an
+    admin load may name no path)."""
+    if cfg.server.model_root:
+        return cfg.server.model_root
+    src = cfg.source
+    if src and not src.startswith("<") and os.path.isfile(src):
+        return os.path.dirname(os.path.abspath(src))
+    return ""
 
 
 def read_toml(path: str) -> dict:

@@ -31,6 +31,7 @@ from .http import HttpApp
 from .limits import HttpLimits, protocol_class
 from .logs import RequestContext, note_task
 from .metrics import PrometheusObserver
+from .shm import is_loopback
 
 log = logging.getLogger("lumen.serve")
 
@@ -206,6 +207,10 @@ class LumenServer:
         log.info("lumen ready: tasks %s on %s://%s:%d%s%s (lumen-core %s)",
                  ", ".join(rt.task_names()), scheme, self.host, self.http_port, grpc_txt, auth_txt,
                  self.version)
+        if not self.keys.admin_enabled and not (self.host == "localhost"
+                                                or is_loopback(self.host)):
+            log.warning("lumen: the admin API (/v1/admin: model loads, traffic) is open to "
+                        "anyone who reaches %s; set [server] admin_api_keys", self.host)
 
     def shutdown(self) -> "asyncio.Task":
         """Begin the graceful stop (idempotent); returns the task that performs it."""
