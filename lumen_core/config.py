@@ -591,6 +591,26 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     return cfg
 
 
+#: the largest traffic weight (weights are relative: this leaves a split of any number of
+#: versions summable, and finite, in a float)
+MAX_TRAFFIC_WEIGHT = 1e12
+
+
+def traffic_weight(w: Any) -> float:
+    """A traffic weight as a float; ValueError (the problem, to follow a key) when it is not a
+    number in ``0..MAX_TRAFFIC_WEIGHT`` (a bool, NaN, an integer too large for a float)."""
+    ok = not isinstance(w, bool) and isinstance(w, (int, float))
+    if ok and isinstance(w, int) and w > MAX_TRAFFIC_WEIGHT:
+        ok = False  # before float(): a 400-digit integer does not convert
+    if ok and 0.0 <= float(w) <= MAX_TRAFFIC_WEIGHT:
+        return float(w)
+    if isinstance(w, int) and not isinstance(w, bool) and w.bit_length() > 64:
+        got = f"an integer of {w.bit_length()} bits"  # str() of a huge int is refused
+    else:
+        got = repr(w)[:40]
+    raise ValueError(f"must be a number >= 0 and <= {MAX_TRAFFIC_WEIGHT:g}, got {got}")
+
+
 def _parse_versions(r: _Reader, cfg: TaskConfig, base_dir: Optional[str]) -> None:
     """``[[tasks.versions]]`` and ``[tasks.traffic]`` into ``cfg`` (SPEC section 6)."""
     tables = r.get("versions", list, [])
@@ -615,13 +635,13 @@ def _parse_versions(r: _Reader, cfg: TaskConfig, base_dir: Optional[str]) -> Non
             raise ConfigError(r.source, f"{r.key('traffic')}.{label}",
                               f"names no version of task {cfg.name!r} (versions: "
                               f"{', '.join(labels)})")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not math.isfinite(weight) or weight < 0:
-            raise ConfigError(r.source, f"{r.key('traffic')}.{label}",
-                              f"must be a number >= 0, got {weight!r}")
+        try:
+            traffic_weight(weight)
+        except ValueError as exc:
+            raise ConfigError(r.source, f"{r.key('traffic')}.{label}", str(exc)) from None
     if traffic and not any(traffic.values()):
         raise r.err("traffic", "gives every version weight 0; give one a positive weight")
-    cfg.traffic = {str(k): float(v) for k, v in traffic.items()}
+    cfg.traffic = {str(k): traffic_weight(v) for k, v in traffic.items()}
 
 
 #: bounds of [tasks.cache] (1 TiB, 30 days)

@@ -25,14 +25,23 @@ import logging
 import os
 import random
 import stat as stat_mod
+import sys
 import threading
 import time
 from bisect import bisect_right
 from collections import deque
 from typing import Any, Iterable, Mapping, Optional
 
-from .config import LumenConfig, TaskConfig, VersionConfig, load_config, parse_config, task_versions
-from .contract import KEY_MODEL_VERSION, KEY_ROUTE_KEY, KEY_SEQUENCE_ID
+from .config import (
+    LumenConfig,
+    TaskConfig,
+    VersionConfig,
+    load_config,
+    parse_config,
+    task_versions,
+    traffic_weight,
+)
+from .contract import KEY_MODEL_VERSION, KEY_ROUTE_KEY, KEY_SEQUENCE_ID, MAX_META_VALUE_CHARS
 from .errors import (
     ConfigError,
     InvalidArgument,
@@ -60,8 +69,11 @@ DRAIN_POLL_S = 0.005
 #: lifecycle events kept per task for the admin API
 MAX_EVENTS = 64
 _POINTS = float(1 << 64)
-#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts empty)
+#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts
+#: empty), and the bytes their strings may take in all; past either, a key's version is
+#: computed from its hash every time (the same answer, a little more work)
 MAX_STICKY_KEYS = 65536
+MAX_STICKY_BYTES = 16 << 20
 #: the most characters of a requested model path quoted back in an error
 MAX_PATH_ECHO = 200
 _random = random.random
@@ -186,7 +198,8 @@ def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
 
 def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
     """``weights`` as ``{version: float}``, or InvalidArgument (field ``traffic``) naming what
-    is wrong: a version that does not serve, a weight that is not a number >= 0, no weight."""
+    is wrong: a version that does not serve, a weight that is not a number in
+    ``0..MAX_TRAFFIC_WEIGHT``, no weight."""
     serving = sorted(serving, key=version_key)
     if not isinstance(weights, Mapping) or not weights:
         raise InvalidArgument(f"traffic of task {task!r} must be a non-empty object "
@@ -196,11 +209,10 @@ def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
         if v not in serving:
             raise InvalidArgument(f"task {task!r} has no loaded version {v!r} (loaded: "
                                   f"{', '.join(serving)}); load it first", "traffic")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 \
-                or w == float("inf"):
-            raise InvalidArgument(f"traffic weight of version {v!r} must be a number >= 0, "
-                                  f"got {w!r}", "traffic")
-        out[str(v)] = float(w)
+        try:
+            out[str(v)] = traffic_weight(w)
+        except ValueError as exc:
+            raise InvalidArgument(f"traffic weight of version {v!r} {exc}", "traffic") from None
     if not any(out.values()):
         raise InvalidArgument(f"traffic of task {task!r} gives every version weight 0; give "
                               f"one a positive weight", "traffic")
@@ -217,7 +229,8 @@ class Router:
     sequence id is its key), or a random one.
     """
 
-    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky")
+    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky",
+                 "sticky_bytes")
 
     def __init__(self, name: str, serving: Mapping, split: Mapping,
                  sequences: Iterable[Any] = ()):
@@ -234,6 +247,8 @@ class Router:
         self.total = total
         self.sequences = tuple(sequences)
         self._sticky: dict = {}  # route key -> its version's task, under this split
+        #: bytes of the remembered keys' strings (bounded by MAX_STICKY_BYTES)
+        self.sticky_bytes = 0
 
     def __call__(self, meta: Any) -> Any:
         try:
@@ -258,11 +273,16 @@ class Router:
             return tasks[0]
         key = get(KEY_ROUTE_KEY) or sid
         if type(key) is str and key:
+            if len(key) > MAX_META_VALUE_CHARS:
+                return tasks[0]  # parse_meta refuses the request: nothing hashed or kept
             t = self._sticky.get(key)
             if t is None:
                 t = self._pick(route_point(key))
-                if len(self._sticky) < MAX_STICKY_KEYS:
+                size = sys.getsizeof(key)
+                if len(self._sticky) < MAX_STICKY_KEYS \
+                        and self.sticky_bytes + size <= MAX_STICKY_BYTES:
                     self._sticky[key] = t
+                    self.sticky_bytes += size
             return t
         return self._pick(_random())
 

@@ -115,7 +115,7 @@ def test_list_traffic_pin_unload_load(server):
     r = httpx.put(f"{url}/v1/admin/tasks/emb/traffic", json={"2": 1}, headers=ADMIN, timeout=10)
     assert r.status_code == 200 and r.json()["default_version"] == "2"
     assert _served(_infer(url)) == ("2", 2.0)
-    for body in ({"9": 1}, {"1": -1}, []):
+    for body in ({"9": 1}, {"1": -1}, [], {"1": 10 ** 400}, {"1": 1e308, "2": 1e308}):
         r = httpx.put(f"{url}/v1/admin/tasks/emb/traffic", json=body, headers=ADMIN, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["field"] == "traffic", body
 
