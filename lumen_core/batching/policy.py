@@ -61,6 +61,14 @@ Group = _sched.Group
 answer = _sched.answer
 
 
+def group_too_large(task: str, n: int, max_queue_size: int) -> InvalidArgument:
+    """The error of a call of ``n`` inputs that the task's whole queue cannot hold: never
+    admitted, so not retryable (a 400, not a 429)."""
+    return InvalidArgument(f"{n} inputs in one call exceed task {task!r}'s queue "
+                           f"(batching.max_queue_size = {max_queue_size}); send at most "
+                           f"{max_queue_size} per call or raise max_queue_size", "input")
+
+
 class QueuePolicy:
     """Admission, deadlines, cancellation, delivery and draining for one batcher.
 
@@ -152,11 +160,7 @@ class QueuePolicy:
         if self._closed:
             raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
         if n > self.max_queue_size:
-            # a group larger than the whole queue can never be admitted: not retryable
-            raise InvalidArgument(f"{n} inputs in one call exceed task {self.name!r}'s queue "
-                                  f"(batching.max_queue_size = {self.max_queue_size}); send at "
-                                  f"most {self.max_queue_size} per call or raise max_queue_size",
-                                  "input")
+            raise group_too_large(self.name, n, self.max_queue_size)
         if self._pending + n > self.max_queue_size:
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
                              f"retry later", None, OVERLOAD_RETRY_AFTER_S)

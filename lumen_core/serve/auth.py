@@ -16,7 +16,9 @@ call ``authorization: Bearer KEY`` metadata; anything else is ``401`` / ``UNAUTH
   transports prefix ``lumen.sequence.id`` with it before the runtime sees the request
   (:meth:`ApiKeys.scoped_meta`), so a sequence belongs to the key that started it: another
   client cannot continue or end it, even knowing its id.  The client keeps seeing its own id
-  (:func:`unscope_error` takes the prefix out of error messages).
+  (:func:`unscope_error` takes the prefix out of error messages).  The scope is also the
+  call's tenant for the response cache (``cache.TENANT``): a key never gets, or learns of,
+  another key's cached answers.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import hmac
 import secrets
 from typing import Any, Iterable, Optional
 
+from ..cache import TENANT
 from ..contract import KEY_SEQUENCE_ID, MAX_SEQUENCE_ID_CHARS
 from ..errors import InvalidArgument, LumenError, PermissionDenied, Unauthenticated
 
@@ -86,12 +89,15 @@ class ApiKeys:
 
     def check(self, authorization: Optional[str]) -> Optional[str]:
         """The scope of the key in an ``Authorization`` value (``None`` when keys are off);
-        Unauthenticated when it carries none of the keys."""
+        Unauthenticated when it carries none of the keys.  The scope is also made the tenant
+        of the call being served (``cache.TENANT``, in this context only), so the response
+        cache keeps each key's answers to that key."""
         if not self._digests:
             return None
         found = _find(self._digests, _token(authorization))
         if found < 0:
             raise Unauthenticated("the API key is not valid", "authorization")
+        TENANT.set(self._scopes[found])
         return self._scopes[found]
 
     def check_admin(self, authorization: Optional[str]) -> None:
