@@ -201,11 +201,14 @@ def test_tokenize_of_long_degenerate_texts(backend, full, text, truncate):
         assert backend.tokenize([text], truncate) == [want]
 
 
+MB4 = MB16 // 4
+
+
 @pytest.mark.parametrize("make", [
-    lambda: "word " * (MB16 // 5), lambda: "a" * MB16, lambda: " " * MB16,
-    lambda: "e\u0301" * (MB16 // 3), lambda: _punct(MB16), lambda: "한" * (MB16 // 3),
+    lambda: "word " * (MB4 // 5), lambda: "a" * MB4, lambda: " " * MB4,
+    lambda: "e\u0301" * (MB4 // 3), lambda: _punct(MB4), lambda: "한" * (MB4 // 3),
 ], ids=["words", "one-word", "spaces", "nfd", "punctuation", "hangul"])
-def test_tokenize_of_16mb_reaches_the_tokenizer_bounded(tok_path, make):
+def test_tokenize_of_4mb_reaches_the_tokenizer_bounded(tok_path, make):
     """truncate=true costs what max_seq_length needs, as the embedding path does (4 MB of
     "word " took 6 s of CPU and 650 MB, one 8 MB word 2.26 GB); truncate=false is bounded by
     MAX_TOKENIZE_TOKENS, refused from a prefix once it is known to be over."""
