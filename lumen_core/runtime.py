@@ -612,6 +612,12 @@ class Runtime:
         (never the last one).  Returns the task's :meth:`lifecycle`."""
         return await self._lifecycle.unload_version(task, version)
 
+    def stop_loading(self) -> None:
+        """Give up model-file reads in progress (a reload, an admin load) and start no new
+        load: the first step of a server's shutdown, so that it never waits for one.
+        ``stop()`` does it too; a later ``start()`` loads again."""
+        self._lifecycle.stop_loading()
+
     def lifecycle(self, task: Optional[str] = None) -> dict:
         """Each task's versions (state ``loading|ready|draining|failed``, model, revision =
         sha256 of the model file, error), its traffic split and load failures."""

@@ -731,8 +731,13 @@ class Lifecycle:
                     log.exception("lumen: reload after a file change failed")
                 self._seen = {p: file_state(p) for p in self.watched_paths()}
 
-    async def stop(self) -> None:
+    def stop_loading(self) -> None:
+        """Model-file reads in progress give up (Unavailable) and no new load starts: a
+        shutdown never waits for a reload or an admin load reading a big file."""
         self._stop.set()
+
+    async def stop(self) -> None:
+        self.stop_loading()
         if self._watch is not None:
             self._watch.cancel()
             try:

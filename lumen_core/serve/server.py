@@ -221,6 +221,7 @@ class LumenServer:
     async def _shutdown(self) -> None:
         log.info("lumen shutting down: draining in-flight requests")
         self.http.draining = True
+        self.runtime.stop_loading()  # a model load in progress answers now, never held for
         grpc_stop = (asyncio.ensure_future(self.grpc.stop(self.grace_s))
                      if self.grpc is not None else None)
         if self._uvicorn is not None:
