@@ -12,7 +12,12 @@ A byte-bounded LRU of finished responses.  The key is everything that decides a 
   returns (``SCHEDULING_KEYS``), are left out.  Spelling variants (``truncate=1`` vs
   ``truncate=true``) are different keys: a miss, never a wrong answer;
 * a 128-bit BLAKE2b digest of the payload bytes (a ``str`` payload hashed as UTF-8 with a
-  tag, so it never collides with a bytes payload of another mime).
+  tag, so it never collides with a bytes payload of another mime);
+* the *tenant* asking (:data:`TENANT`: the API key's scope, which the transports set when they
+  authenticate a call): a response computed for one key is never served to another, nor
+  shared with another's identical request while it runs, so neither a ``hit`` nor the time
+  of an answer tells a key what another key sent.  In process, or with no keys, there is
+  one tenant.
 
 A hit skips preprocessing and the batcher; its response meta carries ``lumen.cache=hit``
 (``miss`` on the request that computed it, ``coalesced`` on requests that waited for an
@@ -30,6 +35,7 @@ a runtime without one runs exactly the uncached code.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import time
 from collections import OrderedDict
@@ -48,6 +54,10 @@ from .contract import (
 from .errors import DeadlineExceeded
 from .request import InferResponse, ResponseStats
 
+#: the tenant of the request being served in this context (an API key's scope; None: no keys,
+#: or a caller in process): part of every cache key
+TENANT: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("lumen_tenant",
+                                                                      default=None)
 #: request meta that never changes a response's content, only its scheduling
 SCHEDULING_KEYS = frozenset({KEY_PRIORITY, KEY_TIMEOUT_MS, KEY_SEQUENCE_ID, KEY_SEQUENCE_START,
                              KEY_SEQUENCE_END})
@@ -125,12 +135,13 @@ class ResponseCache:
 
     # -- keys -------------------------------------------------------------------------------
     def key(self, version: str, payload_mime: str, meta: Any, payload: Any) -> tuple:
-        """The cache key of a request served by model version ``version``.  Each option value
-        goes in with its type: ``False == 0`` and ``True == 1`` in Python, and an in-process
-        caller's ``{"normalize": 0}`` (a 400) must not hit the entry of ``{"normalize": False}``."""
+        """The cache key of a request served by model version ``version`` for the tenant of
+        this context.  Each option value goes in with its type: ``False == 0`` and ``True ==
+        1`` in Python, and an in-process caller's ``{"normalize": 0}`` (a 400) must not hit the
+        entry of ``{"normalize": False}``."""
         opts = tuple(sorted((k, type(v).__name__, v) for k, v in meta.items()
                             if k not in SCHEDULING_KEYS)) if meta else ()
-        return (self.task, version, payload_mime, opts, payload_digest(payload))
+        return (self.task, version, payload_mime, opts, payload_digest(payload), TENANT.get())
 
     # -- the LRU ----------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -32,6 +32,12 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 DEFAULT_READ_TIMEOUT_MS = 10_000
 DEFAULT_MAX_CONNECTIONS = 1000
+#: [server] shm_max_regions: system shared-memory regions registered at once (one file
+#: descriptor each; serve/shm.py also keeps them within a share of ``ulimit -n``)
+DEFAULT_SHM_MAX_REGIONS = 256
+MAX_SHM_REGIONS = 65536
+#: [server] admin_max_model_bytes: the largest model file an admin load may name
+DEFAULT_ADMIN_MAX_MODEL_BYTES = 4 << 30
 #: endpoints that may be opened to callers without an API key (/healthz always is)
 AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics", "/v2/health/ready")
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -78,6 +84,13 @@ class ServerConfig:
     #: ``#`` comments) is read when the server starts and its keys added to these
     api_keys: tuple = ()
     api_key_file: str = ""
+    #: keys of the admin API (``/v1/admin``), apart from the inference keys: with any key
+    #: configured, the admin API takes only these (an inference key gets 403)
+    admin_api_keys: tuple = ()
+    #: the folder admin loads may name model files under (empty: the config file's folder)
+    model_root: str = ""
+    #: the largest model file an admin load may name
+    admin_max_model_bytes: int = DEFAULT_ADMIN_MAX_MODEL_BYTES
     #: of AUTH_OPTIONAL_ENDPOINTS, the ones served without a key when keys are on
     open_endpoints: tuple = ()
     #: peers (IP addresses or networks, "*" for any) whose X-Forwarded-For / X-Forwarded-Proto
@@ -90,13 +103,17 @@ class ServerConfig:
     #: Triton's system shared-memory extension on the /v2 (OIP) routes: local clients register
     #: POSIX shm regions and name them instead of sending bytes (off by default)
     system_shared_memory: bool = False
+    #: regions registered at once, over all API keys (each holds one file descriptor)
+    shm_max_regions: int = DEFAULT_SHM_MAX_REGIONS
     #: OpenTelemetry spans per request and per batch (``tracing.py``; also ``LUMEN_TRACING=1``)
     tracing: bool = False
 
     def __repr__(self) -> str:  # never print the keys
+        secret = ("api_keys", "admin_api_keys")
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                           if f.name != "api_keys")
-        return f"ServerConfig({fields}, api_keys=<{len(self.api_keys)} keys>)"
+                           if f.name not in secret)
+        return (f"ServerConfig({fields}, api_keys=<{len(self.api_keys)} keys>, "
+                f"admin_api_keys=<{len(self.admin_api_keys)} keys>)")
 
 
 @dataclass
@@ -579,6 +596,26 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     return cfg
 
 
+#: the largest traffic weight (weights are relative: this leaves a split of any number of
+#: versions summable, and finite, in a float)
+MAX_TRAFFIC_WEIGHT = 1e12
+
+
+def traffic_weight(w: Any) -> float:
+    """A traffic weight as a float; ValueError (the problem, to follow a key) when it is not a
+    number in ``0..MAX_TRAFFIC_WEIGHT`` (a bool, NaN, an integer too large for a float)."""
+    ok = not isinstance(w, bool) and isinstance(w, (int, float))
+    if ok and isinstance(w, int) and w > MAX_TRAFFIC_WEIGHT:
+        ok = False  # before float(): a 400-digit integer does not convert
+    if ok and 0.0 <= float(w) <= MAX_TRAFFIC_WEIGHT:
+        return float(w)
+    if isinstance(w, int) and not isinstance(w, bool) and w.bit_length() > 64:
+        got = f"an integer of {w.bit_length()} bits"  # str() of a huge int is refused
+    else:
+        got = repr(w)[:40]
+    raise ValueError(f"must be a number >= 0 and <= {MAX_TRAFFIC_WEIGHT:g}, got {got}")
+
+
 def _parse_versions(r: _Reader, cfg: TaskConfig, base_dir: Optional[str]) -> None:
     """``[[tasks.versions]]`` and ``[tasks.traffic]`` into ``cfg`` (SPEC section 6)."""
     tables = r.get("versions", list, [])
@@ -603,13 +640,13 @@ def _parse_versions(r: _Reader, cfg: TaskConfig, base_dir: Optional[str]) -> Non
             raise ConfigError(r.source, f"{r.key('traffic')}.{label}",
                               f"names no version of task {cfg.name!r} (versions: "
                               f"{', '.join(labels)})")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not math.isfinite(weight) or weight < 0:
-            raise ConfigError(r.source, f"{r.key('traffic')}.{label}",
-                              f"must be a number >= 0, got {weight!r}")
+        try:
+            traffic_weight(weight)
+        except ValueError as exc:
+            raise ConfigError(r.source, f"{r.key('traffic')}.{label}", str(exc)) from None
     if traffic and not any(traffic.values()):
         raise r.err("traffic", "gives every version weight 0; give one a positive weight")
-    cfg.traffic = {str(k): float(v) for k, v in traffic.items()}
+    cfg.traffic = {str(k): traffic_weight(v) for k, v in traffic.items()}
 
 
 #: bounds of [tasks.cache] (1 TiB, 30 days)
@@ -641,13 +678,13 @@ def _string_list(r: _Reader, name: str, choices: Optional[tuple] = None) -> list
     return items
 
 
-def _parse_api_keys(r: _Reader) -> tuple:
-    keys = _string_list(r, "api_keys")
+def _parse_api_keys(r: _Reader, name: str = "api_keys") -> tuple:
+    keys = _string_list(r, name)
     for i, k in enumerate(keys):
         if k != k.strip() or not k.isprintable() or not k.isascii():
             # a key is a header value: no whitespace at the ends, printable ASCII (never echoed)
-            raise r.err("api_keys", f"entry {i} must be printable ASCII without surrounding "
-                                    f"whitespace")
+            raise r.err(name, f"entry {i} must be printable ASCII without surrounding "
+                              f"whitespace")
     return tuple(keys)
 
 
@@ -687,13 +724,22 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         max_connections=srv.get("max_connections", int, DEFAULT_MAX_CONNECTIONS, lo=1),
         api_keys=_parse_api_keys(srv),
         api_key_file=_server_path(srv, "api_key_file", base_dir),
+        admin_api_keys=_parse_api_keys(srv, "admin_api_keys"),
+        model_root=_server_path(srv, "model_root", base_dir),
+        admin_max_model_bytes=srv.get("admin_max_model_bytes", int,
+                                      DEFAULT_ADMIN_MAX_MODEL_BYTES, lo=1),
         open_endpoints=tuple(_string_list(srv, "open_endpoints", AUTH_OPTIONAL_ENDPOINTS)),
         forwarded_allow_ips=_parse_networks(srv, "forwarded_allow_ips"),
         tls_cert_file=_server_path(srv, "tls_cert_file", base_dir),
         tls_key_file=_server_path(srv, "tls_key_file", base_dir),
         system_shared_memory=srv.get("system_shared_memory", bool, False),
+        shm_max_regions=srv.get("shm_max_regions", int, DEFAULT_SHM_MAX_REGIONS, lo=1,
+                                hi=MAX_SHM_REGIONS),
         tracing=srv.get("tracing", bool, False),
     )
+    if set(server.admin_api_keys) & set(server.api_keys):
+        raise srv.err("admin_api_keys", "a key may not be both an inference key (api_keys) and "
+                                        "an admin key; give the admin API keys of its own")
     if bool(server.tls_cert_file) != bool(server.tls_key_file):
         missing = "tls_key_file" if server.tls_cert_file else "tls_cert_file"
         raise srv.err(missing, "TLS needs both tls_cert_file and tls_key_file")
@@ -709,6 +755,18 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         tasks.append(tc)
     root.finish()
     return LumenConfig(server=server, tasks=tasks, source=source)
+
+
+def model_root(cfg: LumenConfig) -> str:
+    """The folder admin loads may name model files under: ``[server] model_root``, else the
+    folder of the config file the runtime came from ("" when it came from no file: then an
+    admin load may name no path)."""
+    if cfg.server.model_root:
+        return cfg.server.model_root
+    src = cfg.source
+    if src and not src.startswith("<") and os.path.isfile(src):
+        return os.path.dirname(os.path.abspath(src))
+    return ""
 
 
 def read_toml(path: str) -> dict:

@@ -113,6 +113,15 @@ class Unauthenticated(LumenError):
     grpc_status = "UNAUTHENTICATED"
 
 
+class PermissionDenied(LumenError):
+    """A caller who may not do this (``403`` / ``PERMISSION_DENIED``): a non-admin key on the
+    admin API, a peer that is not local on the shared-memory extension."""
+
+    code = "permission_denied"
+    http_status = 403
+    grpc_status = "PERMISSION_DENIED"
+
+
 ERROR_CLASSES = (
     InvalidArgument,
     TaskNotFound,
@@ -124,6 +133,7 @@ ERROR_CLASSES = (
     Cancelled,
     InternalError,
     Unauthenticated,
+    PermissionDenied,
 )
 
 #: code -> class, HTTP status, gRPC status name (``grpc.StatusCode[name]``)

@@ -8,6 +8,7 @@ For synchronous callers, ``with rt:`` runs the same thing on a private event-loo
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import threading
@@ -19,6 +20,7 @@ import numpy as np
 from . import native, tracing
 from .batching.dynamic import DynamicBatcher
 from .batching.pipeline import build_pipeline
+from .batching.policy import group_too_large
 from .batching.runner import BatchRunner
 from .batching.sequence import SequenceBatcher
 from .cache import MISS, ResponseCache
@@ -383,6 +385,17 @@ class Runtime:
             return await many(requests)
         out: list = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if getattr(r, "task", None) not in caches]
+        # more items of a task than its queue holds: the uncached path's 400 (each item is its
+        # own request here, so the queue alone would answer a 429 no retry can pass)
+        counts = collections.Counter(requests[i].task for i in cached)
+        for name, n in counts.items():
+            head = self.tasks.get(name)
+            if head is not None and n > head.batcher.max_queue_size:
+                err = group_too_large(name, n, head.batcher.max_queue_size)
+                for i in cached:
+                    if requests[i].task == name:
+                        out[i] = err
+        cached = [i for i in cached if out[i] is None]
 
         async def one(i: int) -> None:
             try:
@@ -429,6 +442,12 @@ class Runtime:
         """Take ``version`` out of ``task``'s traffic, let it finish what it holds, unload it
         (never the last one).  Returns the task's :meth:`lifecycle`."""
         return await self._lifecycle.unload_version(task, version)
+
+    def stop_loading(self) -> None:
+        """Give up model-file reads in progress (a reload, an admin load) and start no new
+        load: the first step of a server's shutdown, so that it never waits for one.
+        ``stop()`` does it too; a later ``start()`` loads again."""
+        self._lifecycle.stop_loading()
 
     def lifecycle(self, task: Optional[str] = None) -> dict:
         """Each task's versions (state ``loading|ready|draining|failed``, model, revision =

@@ -55,7 +55,7 @@ log = logging.getLogger("lumen.batching")
 
 #: the twin API (``lumen_core._scheduler`` exports the same names)
 __all__ = ["Admission", "DenseTensor", "Dispatcher", "Entry", "Group", "Prepared", "Route",
-           "Rows", "SignatureQueue", "answer", "deliver", "route_of"]
+           "Rows", "SignatureQueue", "answer", "deliver", "group_too_large", "route_of"]
 
 #: entry states: queued -> running (taken into a batch, under the batcher's lock) -> done
 QUEUED, RUNNING, DONE = 0, 1, 2
@@ -305,6 +305,14 @@ class SignatureQueue:
 
 
 # ------------------------------------------------------------------------------ admission
+def group_too_large(task: str, n: int, max_queue_size: int) -> InvalidArgument:
+    """The error of a call of ``n`` inputs that the task's whole queue cannot hold: never
+    admitted, so not retryable (a 400, not a 429)."""
+    return InvalidArgument(f"{n} inputs in one call exceed task {task!r}'s queue "
+                           f"(batching.max_queue_size = {max_queue_size}); send at most "
+                           f"{max_queue_size} per call or raise max_queue_size", "input")
+
+
 class Admission:
     """A batcher's admission state and the policy every request meets on the loop thread:
     admission (``max_queue_size``), the signature queues of a dynamic batcher, waking an idle
@@ -355,11 +363,7 @@ class Admission:
         if self.closed:
             raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
         if n > self.max_queue_size:
-            # a group larger than the whole queue can never be admitted: not retryable
-            raise InvalidArgument(f"{n} inputs in one call exceed task {self.name!r}'s queue "
-                                  f"(batching.max_queue_size = {self.max_queue_size}); send at "
-                                  f"most {self.max_queue_size} per call or raise max_queue_size",
-                                  "input")
+            raise group_too_large(self.name, n, self.max_queue_size)
         if self.pending + n > self.max_queue_size:
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
                              f"retry later", None, OVERLOAD_RETRY_AFTER_S)

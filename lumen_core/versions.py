@@ -24,14 +24,32 @@ import hashlib
 import logging
 import os
 import random
+import stat as stat_mod
+import sys
+import threading
 import time
 from bisect import bisect_right
 from collections import deque
 from typing import Any, Iterable, Mapping, Optional
 
-from .config import LumenConfig, TaskConfig, VersionConfig, load_config, parse_config, task_versions
-from .contract import KEY_MODEL_VERSION, KEY_ROUTE_KEY, KEY_SEQUENCE_ID
-from .errors import ConfigError, InvalidArgument, TaskNotFound
+from .config import (
+    LumenConfig,
+    TaskConfig,
+    VersionConfig,
+    load_config,
+    parse_config,
+    task_versions,
+    traffic_weight,
+)
+from .contract import KEY_MODEL_VERSION, KEY_ROUTE_KEY, KEY_SEQUENCE_ID, MAX_META_VALUE_CHARS
+from .errors import (
+    ConfigError,
+    InvalidArgument,
+    PayloadTooLarge,
+    PermissionDenied,
+    TaskNotFound,
+    Unavailable,
+)
 
 log = logging.getLogger("lumen.lifecycle")
 
@@ -51,8 +69,13 @@ DRAIN_POLL_S = 0.005
 #: lifecycle events kept per task for the admin API
 MAX_EVENTS = 64
 _POINTS = float(1 << 64)
-#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts empty)
+#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts
+#: empty), and the bytes their strings may take in all; past either, a key's version is
+#: computed from its hash every time (the same answer, a little more work)
 MAX_STICKY_KEYS = 65536
+MAX_STICKY_BYTES = 16 << 20
+#: the most characters of a requested model path quoted back in an error
+MAX_PATH_ECHO = 200
 _random = random.random
 
 
@@ -77,39 +100,87 @@ def file_state(path: str) -> Optional[tuple]:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def file_hash(path: str) -> str:
-    """sha256 of the file's content (the revision a version is loaded from)."""
+class Stopped(Exception):
+    """The runtime stopped while a worker thread was still reading a model file."""
+
+
+def file_hash(path: str, stop: Optional[threading.Event] = None) -> str:
+    """sha256 of the file's content (the revision a version is loaded from); Stopped as soon
+    as ``stop`` is set (a shutdown never waits for a big file to be read)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(HASH_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                raise Stopped(path)
             h.update(chunk)
     return h.hexdigest()
 
 
 def wait_stable(path: str, quiet_s: float = STABLE_QUIET_S,
-                max_wait_s: float = STABLE_MAX_WAIT_S) -> Optional[tuple]:
+                max_wait_s: float = STABLE_MAX_WAIT_S,
+                stop: Optional[threading.Event] = None) -> Optional[tuple]:
     """Block until ``path`` keeps its state for ``quiet_s`` (a writer has finished); its state
-    then (None: it does not exist).  Runs on a worker thread."""
+    then (None: it does not exist).  Runs on a worker thread; Stopped when ``stop`` is set."""
     t_end = time.monotonic() + max_wait_s
     st = file_state(path)
     while True:
-        time.sleep(quiet_s)
+        if stop is not None and stop.wait(quiet_s):
+            raise Stopped(path)
+        if stop is None:
+            time.sleep(quiet_s)
         now = file_state(path)
         if now == st or time.monotonic() >= t_end:
             return now
         st = now
 
 
-def stable_revision(path: str, quiet_s: float = STABLE_QUIET_S) -> tuple:
+def stable_revision(path: str, quiet_s: float = STABLE_QUIET_S,
+                    stop: Optional[threading.Event] = None) -> tuple:
     """(state, sha256) of ``path`` once its writer has finished; (None, "") when it does not
     exist or cannot be read.  One worker-thread hop for the whole check."""
-    st = wait_stable(path, quiet_s)
+    st = wait_stable(path, quiet_s, stop=stop)
     if st is None:
         return None, ""
     try:
-        return st, file_hash(path)
+        return st, file_hash(path, stop)
     except OSError:
         return st, ""
+
+
+def confine_model(path: str, root: str, max_bytes: int, field: str = "model") -> str:
+    """The model file an admin load names, checked before anything reads it; the real path.
+
+    A relative ``path`` is taken under ``root`` (``[server] model_root``, or the config file's
+    folder); the real path (symlinks followed) must lie under the real ``root``, and nothing
+    is looked up for a path outside it, so the answer tells nothing about what exists there.
+    Under the root it must be an existing regular file (or a model directory) of at most
+    ``max_bytes`` (``[server] admin_max_model_bytes``): a device (``/dev/zero``), a FIFO or a
+    socket is refused at once, never read."""
+    if "\x00" in path:
+        raise InvalidArgument("a model path holds no NUL character", field)
+    if not root:
+        raise PermissionDenied("this server takes no model path over the admin API: set "
+                               "[server] model_root (or serve from a config file: its folder "
+                               "is the root), or load the versions its config names", field)
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, path))
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise PermissionDenied(f"model {path[:MAX_PATH_ECHO]!r} is not under the model root "
+                               f"{root} ([server] model_root); admin loads name files there",
+                               field)
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        raise InvalidArgument(f"model {path[:MAX_PATH_ECHO]!r}: {exc.strerror or exc} (under "
+                              f"the model root {root})", field) from None
+    if stat_mod.S_ISDIR(st.st_mode):
+        return real  # a model directory (the ocr backend's): its backend opens named files
+    if not stat_mod.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"model {path[:MAX_PATH_ECHO]!r} is not a regular file", field)
+    if st.st_size > max_bytes:
+        raise PayloadTooLarge(f"model {path[:MAX_PATH_ECHO]!r} is {st.st_size} bytes; the limit "
+                              f"is {max_bytes} ([server] admin_max_model_bytes)", field)
+    return real
 
 
 def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
@@ -127,7 +198,8 @@ def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
 
 def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
     """``weights`` as ``{version: float}``, or InvalidArgument (field ``traffic``) naming what
-    is wrong: a version that does not serve, a weight that is not a number >= 0, no weight."""
+    is wrong: a version that does not serve, a weight that is not a number in
+    ``0..MAX_TRAFFIC_WEIGHT``, no weight."""
     serving = sorted(serving, key=version_key)
     if not isinstance(weights, Mapping) or not weights:
         raise InvalidArgument(f"traffic of task {task!r} must be a non-empty object "
@@ -137,11 +209,10 @@ def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
         if v not in serving:
             raise InvalidArgument(f"task {task!r} has no loaded version {v!r} (loaded: "
                                   f"{', '.join(serving)}); load it first", "traffic")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 \
-                or w == float("inf"):
-            raise InvalidArgument(f"traffic weight of version {v!r} must be a number >= 0, "
-                                  f"got {w!r}", "traffic")
-        out[str(v)] = float(w)
+        try:
+            out[str(v)] = traffic_weight(w)
+        except ValueError as exc:
+            raise InvalidArgument(f"traffic weight of version {v!r} {exc}", "traffic") from None
     if not any(out.values()):
         raise InvalidArgument(f"traffic of task {task!r} gives every version weight 0; give "
                               f"one a positive weight", "traffic")
@@ -158,7 +229,8 @@ class Router:
     sequence id is its key), or a random one.
     """
 
-    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky")
+    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky",
+                 "sticky_bytes")
 
     def __init__(self, name: str, serving: Mapping, split: Mapping,
                  sequences: Iterable[Any] = ()):
@@ -175,6 +247,8 @@ class Router:
         self.total = total
         self.sequences = tuple(sequences)
         self._sticky: dict = {}  # route key -> its version's task, under this split
+        #: bytes of the remembered keys' strings (bounded by MAX_STICKY_BYTES)
+        self.sticky_bytes = 0
 
     def __call__(self, meta: Any) -> Any:
         try:
@@ -199,11 +273,16 @@ class Router:
             return tasks[0]
         key = get(KEY_ROUTE_KEY) or sid
         if type(key) is str and key:
+            if len(key) > MAX_META_VALUE_CHARS:
+                return tasks[0]  # parse_meta refuses the request: nothing hashed or kept
             t = self._sticky.get(key)
             if t is None:
                 t = self._pick(route_point(key))
-                if len(self._sticky) < MAX_STICKY_KEYS:
+                size = sys.getsizeof(key)
+                if len(self._sticky) < MAX_STICKY_KEYS \
+                        and self.sticky_bytes + size <= MAX_STICKY_BYTES:
                     self._sticky[key] = t
+                    self.sticky_bytes += size
             return t
         return self._pick(_random())
 
@@ -319,6 +398,8 @@ class Lifecycle:
         self._config_state: Optional[tuple] = None
         #: sha256 of the config file's content as last read (None: not read since the start)
         self._config_hash: Optional[str] = None
+        #: set by stop(): a worker thread reading a model file gives up (Stopped)
+        self._stop = threading.Event()
 
     # -- loaded tasks ------------------------------------------------------------------------
     def forget(self) -> None:
@@ -350,12 +431,13 @@ class Lifecycle:
     # -- start -------------------------------------------------------------------------------
     async def start(self, configs: Iterable[TaskConfig]) -> None:
         """Load every version of every task; the first failure raises (nothing serves yet)."""
+        self._stop.clear()
         for tc in configs:
             tv = self.sets[tc.name] = TaskVersions(tc.name, tc)
             for vtc in task_versions(tc):
                 stat, rev = None, ""
                 if vtc.model and file_state(vtc.model) is not None:
-                    stat, rev = await asyncio.to_thread(stable_revision, vtc.model, 0.0)
+                    stat, rev = await self._revision(vtc.model, 0.0)
                 await self._bring_up(tv, vtc, rev, stat, strict=True)
             self._install(tv)
 
@@ -478,7 +560,7 @@ class Lifecycle:
                     return None  # nothing changed since it loaded (or since it failed)
         rev = ""
         if stat is not None:
-            stat, rev = await asyncio.to_thread(stable_revision, vtc.model, self.quiet_s)
+            stat, rev = await self._revision(vtc.model, self.quiet_s)
         if not force:
             for known in (cur, failed):
                 if known is not None and known.revision == rev \
@@ -488,6 +570,14 @@ class Lifecycle:
         inst = await self._bring_up(tv, vtc, rev, stat)
         return cur if inst is not None else None
 
+    async def _revision(self, path: str, quiet_s: float) -> tuple:
+        """``stable_revision`` of ``path`` on a worker thread that gives up when the runtime
+        stops (Unavailable then)."""
+        try:
+            return await asyncio.to_thread(stable_revision, path, quiet_s, self._stop)
+        except Stopped:
+            raise Unavailable(f"the runtime stopped while reading {path}") from None
+
     async def _bring_up(self, tv: TaskVersions, vtc: TaskConfig, rev: str,
                         stat: Optional[tuple], strict: bool = False) -> Optional[Instance]:
         """Load, start and warm one instance beside whatever serves; None when it failed."""
@@ -496,6 +586,8 @@ class Lifecycle:
         tv.loading.append(inst)
         tv.event("loading", inst)
         try:
+            if self._stop.is_set():
+                raise Unavailable("the runtime is shutting down")
             task = await asyncio.to_thread(rt.load_task, vtc)
             try:
                 task.batcher.start(rt.loop)
@@ -567,7 +659,10 @@ class Lifecycle:
             vtc = next((v for v in task_versions(tv.config) if v.model_version == version), None)
             if model is not None:
                 base = vtc or task_versions(tv.config)[0]
-                vtc = dataclasses.replace(base, model=model, model_version=version)
+                # its errors name the request that gave the path, not a config key
+                vtc = dataclasses.replace(base, model=model, model_version=version,
+                                          source=f"load of task {name!r} version {version!r}",
+                                          key="request")
                 tv.config = _with_version(tv.config, version, model)
             if vtc is None:
                 raise InvalidArgument(f"task {name!r} has no version {version!r} in its config "
@@ -669,7 +764,13 @@ class Lifecycle:
                     log.exception("lumen: reload after a file change failed")
                 self._seen = {p: file_state(p) for p in self.watched_paths()}
 
+    def stop_loading(self) -> None:
+        """Model-file reads in progress give up (Unavailable) and no new load starts: a
+        shutdown never waits for a reload or an admin load reading a big file."""
+        self._stop.set()
+
     async def stop(self) -> None:
+        self.stop_loading()
         if self._watch is not None:
             self._watch.cancel()
             try:

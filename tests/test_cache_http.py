@@ -74,6 +74,44 @@ def test_native_route_marks_hits_and_truncate_separates(srv):
         assert "lumen.cache" not in r4.json()["meta"]
 
 
+def test_a_cached_answer_is_never_shared_across_api_keys(tmp_path):
+    """Key B sending what key A sent gets a computation of its own, never A's cached answer
+    (and no 'hit' that tells B what A asked)."""
+    cfg = S.onnx_config(tmp_path, slow=False, api_keys=["key-a", "key-b"])
+    cfg["tasks"] = [{**t, "cache": {"max_bytes": 1 << 20}} for t in cfg["tasks"]
+                    if t["name"] == "mlp"]
+    server = S.ServerThread(Runtime.from_dict(cfg), grpc=True)
+    x = S.mlp_input(9)
+
+    def native(key: str) -> str:
+        r = httpx.post(f"{server.url}/v1/infer/mlp", content=x.tobytes(),
+                       params=S.tensor_meta(x.shape),
+                       headers={"Authorization": f"Bearer {key}",
+                                "Content-Type": "application/octet-stream"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["meta"]["lumen.cache"]
+
+    def oip_grpc(key: str) -> str:
+        import tritonclient.grpc as grpcclient
+
+        c = grpcclient.InferenceServerClient(server.grpc_target)
+        try:
+            inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            res = c.infer("mlp", [inp], headers={"authorization": f"Bearer {key}"})
+            return res.get_response().parameters["lumen.cache"].string_param
+        finally:
+            c.close()
+
+    try:
+        assert native("key-a") == "miss" and native("key-a") == "hit"
+        assert native("key-b") == "miss" and native("key-b") == "hit"
+        assert oip_grpc("key-a") == "hit"  # the same key over gRPC: its own entry
+        assert server.runtime.cache_stats()["mlp"]["entries"] == 2
+    finally:
+        server.stop()
+
+
 def test_stateful_task_refuses_a_cache(prepared_home):
     async def main(rt):
         async with rt:

@@ -175,3 +175,49 @@ def test_versions_and_splits_key_on_the_serving_version(tmp_path):
             # one computation per version it reached, every other answer from the cache
             assert rt.cache_stats()["mlp"]["misses"] == 2 + len(seen)
     asyncio.run(main())
+
+
+def test_a_call_larger_than_the_queue_is_400_as_uncached(tmp_path):
+    """infer_many with more items of a cached task than its queue holds: the same 400 naming
+    max_queue_size as the uncached task gives, not a 429 that no retry can pass."""
+    cfg = _cfg(tmp_path, {"max_bytes": 1 << 20})
+    for t in cfg["tasks"]:
+        t["batching"] = {"max_queue_size": 8}
+    rt = Runtime.from_dict(cfg)
+
+    async def main():
+        async with rt:
+            for task in ("plain", "mlp"):
+                out = await rt.infer_many([_req(task, _x(i)) for i in range(9)])
+                codes = {getattr(r, "code", "ok") for r in out}
+                assert codes == {"invalid_argument"}, (task, codes)
+                assert "max_queue_size = 8" in out[0].message
+            # within the queue: served (and the uncached items of the call too)
+            out = await rt.infer_many([_req("mlp", _x(i)) for i in range(8)] + [_req("plain", _x(0))])
+            assert all(not isinstance(r, LumenError) for r in out)
+    asyncio.run(main())
+
+
+def test_cache_entries_belong_to_their_tenant(tmp_path):
+    """A response cached for one tenant (an API key's scope, set by the transports) is never
+    served to another, nor shared while it runs: no membership oracle."""
+    from lumen_core.cache import TENANT
+
+    rt = Runtime.from_dict(_cfg(tmp_path, {"max_bytes": 1 << 20}))
+
+    async def as_tenant(tenant, req):
+        TENANT.set(tenant)  # this task's context only
+        return await rt.infer(req)
+
+    async def main():
+        async with rt:
+            x = _x(6)
+            a = await asyncio.create_task(as_tenant("a", _req("mlp", x)))
+            b = await asyncio.create_task(as_tenant("b", _req("mlp", x)))
+            assert a.meta[RESP_CACHE] == MISS and b.meta[RESP_CACHE] == MISS
+            again = await asyncio.create_task(as_tenant("a", _req("mlp", x)))
+            assert again.meta[RESP_CACHE] == HIT
+            both = await asyncio.gather(as_tenant("c", _req("mlp", _x(7))),
+                                        as_tenant("d", _req("mlp", _x(7))))
+            assert [r.meta[RESP_CACHE] for r in both] == [MISS, MISS]  # never coalesced
+    asyncio.run(main())

@@ -250,3 +250,34 @@ def test_start_up_errors_have_one_home():
 
 def test_version_comes_from_the_installed_distribution():
     assert lc.__version__ == importlib.metadata.version(lc.DISTRIBUTION)
+
+
+# --------------------------------------------------------------------------- [server] bounds
+@pytest.mark.parametrize("key, value, problem", [
+    ("shm_max_regions", 0, "integer >= 1"),
+    ("shm_max_regions", 1 << 20, "integer <= 65536"),
+    ("admin_max_model_bytes", 0, "integer >= 1"),
+    ("admin_api_keys", [" padded "], "printable ASCII"),
+    ("admin_api_keys", "k", "array"),
+    ("model_root", 3, "string"),
+])
+def test_server_bounds_are_checked_and_named(key, value, problem):
+    from lumen_core.config import parse_config
+
+    with pytest.raises(errors.ConfigError) as ei:
+        parse_config({"server": {key: value}}, source="lumen.toml")
+    assert f"lumen.toml: server.{key}:" in str(ei.value) and problem in str(ei.value)
+
+
+def test_model_root_defaults_to_the_config_folder(tmp_path):
+    from lumen_core.config import load_config, model_root, parse_config
+
+    (tmp_path / "models").mkdir()
+    cfg = tmp_path / "lumen.toml"
+    cfg.write_text('[server]\nmodel_root = "models"\nadmin_api_keys = ["a"]\n')
+    loaded = load_config(str(cfg))
+    assert model_root(loaded) == str(tmp_path / "models")
+    assert "admin_api_keys=<1 keys>" in repr(loaded.server) and "'a'" not in repr(loaded.server)
+    cfg.write_text("[server]\n")
+    assert model_root(load_config(str(cfg))) == str(tmp_path)
+    assert model_root(parse_config({})) == ""  # no file: no root, admin loads name no path

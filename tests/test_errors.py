@@ -23,6 +23,9 @@ SPEC_TABLE = [
     ("internal", lc.InternalError, 500, "INTERNAL"),
     # API keys (issue 12 item 9): beyond the SPEC's table, same wire rules
     ("unauthenticated", lc.Unauthenticated, 401, "UNAUTHENTICATED"),
+    # a caller who may not (issue 25: a non-admin key on the admin API, a remote peer on
+    # shared memory)
+    ("permission_denied", lc.PermissionDenied, 403, "PERMISSION_DENIED"),
 ]
 
 

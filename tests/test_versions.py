@@ -10,7 +10,9 @@ import onnx_models as M
 import pytest
 
 import lumen_core as lc
-from lumen_core.config import parse_config, task_versions
+from lumen_core import versions
+from lumen_core.config import MAX_TRAFFIC_WEIGHT, parse_config, task_versions
+from lumen_core.contract import MAX_META_VALUE_CHARS
 from lumen_core.errors import ConfigError
 from lumen_core.versions import Router, check_traffic, effective_split, route_point, version_key
 
@@ -85,6 +87,38 @@ def test_split_helpers():
         with pytest.raises(lc.InvalidArgument) as ei:
             check_traffic("emb", bad, ["1", "2"])
         assert ei.value.field == "traffic" and what in ei.value.message
+
+
+def test_traffic_weights_that_overflow_are_400(tmp_path):
+    """A weight too large for a float, or weights whose sum overflows, are refused (the HTTP
+    traffic route and the config alike), never a 500 or a split that sends all to one."""
+    for bad in ({"1": 10 ** 400}, {"1": 1e308, "2": 1e308},
+                {"1": MAX_TRAFFIC_WEIGHT * 2}):
+        with pytest.raises(lc.InvalidArgument) as ei:
+            check_traffic("emb", bad, ["1", "2"])
+        assert ei.value.field == "traffic" and "weight" in ei.value.message
+    base = {"name": "emb", "backend": "onnx",
+            "versions": [{"version": "1", "model": "a.onnx"}, {"version": "2", "model": "b.onnx"}]}
+    for bad in ({"1": 10 ** 400}, {"1": 1e308, "2": 1e308}):
+        with pytest.raises(ConfigError, match="traffic"):
+            parse_config({"tasks": [{**base, "traffic": bad}]}, source="lumen.toml")
+    assert check_traffic("emb", {"1": 3, "2": 1}, ["1", "2"]) == {"1": 3.0, "2": 1.0}
+
+
+def test_refused_route_keys_are_not_remembered_and_the_memo_is_bounded(monkeypatch):
+    a, b = object(), object()
+    r = Router("emb", {"1": a, "2": b}, {"1": 50.0, "2": 50.0})
+    long_key = "k" * (MAX_META_VALUE_CHARS + 1)  # the request will be refused: never kept
+    for i in range(20):
+        r({"lumen.route.key": f"{i}{long_key}"})
+    assert r.sticky_bytes == 0
+    monkeypatch.setattr(versions, "MAX_STICKY_BYTES", 64 * 1024)
+    for i in range(2000):
+        assert r({"lumen.route.key": f"{i:04d}" + "x" * 1000}) in (a, b)
+    assert 0 < r.sticky_bytes <= 64 * 1024
+    # a key the memo no longer takes still lands where its point says
+    k = "9999" + "x" * 1000
+    assert r({"lumen.route.key": k}) is r({"lumen.route.key": k})
 
 
 def test_router_picks_by_point_and_pin():

@@ -51,6 +51,8 @@ answer = _sched.answer
 OVERLOAD_RETRY_AFTER_S = _sched.OVERLOAD_RETRY_AFTER_S
 #: the deadline error's field
 DEADLINE_FIELD = _sched.DEADLINE_FIELD
+#: the error of a call that the task's whole queue cannot hold (a 400, never a 429)
+group_too_large = _sched.group_too_large
 
 
 class Batcher(Protocol):
@@ -153,5 +155,5 @@ class QueuePolicy(_sched.Admission):
             await self.idle_event.wait()
 
 
-__all__ = ["Batcher", "DEADLINE_FIELD", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
+__all__ = ["Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
            "Entry", "Group", "QueuePolicy", "answer"]

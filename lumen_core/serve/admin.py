@@ -1,6 +1,7 @@
 """The admin API (SPEC section 6, model lifecycle): versions, reloads and traffic over HTTP.
 
-Routes (behind the API key when keys are configured, like every route but ``/healthz``)::
+Routes (behind an admin key, ``[server] admin_api_keys``, whenever any key is configured:
+inference keys get 403; with no key at all they are open, as every route is)::
 
     GET  /v1/admin/tasks                                   every task: versions (state
                                                            loading|ready|draining|failed, model,
@@ -8,7 +9,9 @@ Routes (behind the API key when keys are configured, like every route but ``/hea
                                                            load failures, recent events
     GET  /v1/admin/tasks/{task}                            one task
     POST /v1/admin/tasks/{task}/reload                     re-read config + model files
-    POST /v1/admin/tasks/{task}/versions/{version}/load    optional JSON {"model": path}
+    POST /v1/admin/tasks/{task}/versions/{version}/load    optional JSON {"model": path}: a
+                                                           file under [server] model_root
+                                                           (default: the config's folder)
     POST /v1/admin/tasks/{task}/versions/{version}/unload
     PUT  /v1/admin/tasks/{task}/traffic                    JSON {version: weight}
 
@@ -24,7 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..config import model_root
 from ..errors import InvalidArgument
+from ..versions import confine_model
 from . import codec
 
 PREFIX = "/v1/admin/tasks"
@@ -40,7 +45,9 @@ class AdminRoutes:
         self.rt = app.runtime
 
     def routes(self) -> list:
-        ep = self.app._endpoint
+        def ep(name: str, fn: Any) -> Any:
+            return self.app._endpoint(name, fn, admin=True)
+
         task = PREFIX + "/{task}"
         version = task + "/versions/{version}"
         return [Route(PREFIX, ep(PREFIX, self.list_tasks), methods=["GET"]),
@@ -77,6 +84,9 @@ class AdminRoutes:
             if model is not None and (not isinstance(model, str) or not model):
                 raise InvalidArgument("'model' must be the path of the version's model file",
                                       "model")
+            if model is not None:  # confined to the model root, checked before any read
+                cfg = self.rt.config
+                model = confine_model(model, model_root(cfg), cfg.server.admin_max_model_bytes)
         return self._reply(await self.rt.load_version(p["task"], p["version"], model))
 
     async def unload(self, request: Request) -> Response:

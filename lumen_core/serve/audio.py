@@ -9,19 +9,19 @@ the per-chunk probabilities into speech segments with silero-vad's semantics
 A task qualifies when its description carries ``"segments"`` (the task's segment defaults,
 which ``lumen.vad.*`` keys override per request).  Input formats:
 
-- ``audio/wav`` (``audio/x-wav``, ``audio/wave``): PCM16 mono 16 kHz, read with ``wave``;
+- ``audio/wav`` (``audio/x-wav``, ``audio/wave``): PCM16 mono 16 kHz (``WAVE_FORMAT_PCM`` or
+  ``WAVE_FORMAT_EXTENSIBLE`` with the PCM sub-format), its RIFF chunks walked by
+  :func:`read_wav`: the header's sizes are checked against the body, never trusted over it;
 - ``audio/L16;rate=16000`` (mono): raw PCM16 little-endian, any length;
 - ``audio/pcm;format=f32le;rate=16000``: raw float32 little-endian (streams).
 
 A trailing partial chunk is zero-padded (as silero's ``get_speech_timestamps`` pads it); the
-segments use the true length.  A file longer than :data:`MAX_FILE_SECONDS` is refused before
-any of it runs.
+segments use the true length.  A file longer than :data:`MAX_FILE_SECONDS`, or a body over
+``[server] max_payload_bytes``, is refused (413) before any of it runs.
 """
 from __future__ import annotations
 
-import io
 import uuid
-import wave
 from typing import Any, Optional
 
 import numpy as np
@@ -55,6 +55,14 @@ MAX_FILE_SAMPLES = MAX_FILE_SECONDS * SAMPLE_RATE
 WAV_HEADER_SLACK = 64 * 1024
 #: chunk requests of one stream queued at once (bounds its share of the task's queue)
 WINDOW_CHUNKS = 64
+#: WAVE format tags: PCM, and WAVE_FORMAT_EXTENSIBLE (its sub-format GUID starts with the tag)
+WAVE_FORMAT_PCM = 0x0001
+WAVE_FORMAT_EXTENSIBLE = 0xFFFE
+#: the smallest ``fmt `` chunk (PCM), and the extensible one that names its sub-format
+FMT_MIN_BYTES = 16
+FMT_EXTENSIBLE_BYTES = 40
+RIFF_HEADER_BYTES = 12
+CHUNK_HEADER_BYTES = 8
 WAV_MIMES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
 MIME_L16 = "audio/l16"
 MIME_PCM = "audio/pcm"
@@ -111,9 +119,19 @@ def stream_format(mime: str, field: str = "Content-Type") -> int:
 
 
 def max_file_bytes(mime: str) -> int:
+    """The largest body of a file of the longest length (``MAX_FILE_SECONDS``)."""
     base = mime_type(mime)[0]
     width = 4 if base == MIME_PCM else 2
     return MAX_FILE_SAMPLES * width + (WAV_HEADER_SLACK if base in WAV_MIMES else 0)
+
+
+def file_limit(mime: str, max_payload: int) -> tuple:
+    """(bytes, what sets it): a whole file is bounded by ``MAX_FILE_SECONDS`` and by
+    ``[server] max_payload_bytes``, whichever is smaller."""
+    longest = max_file_bytes(mime)
+    if max_payload < longest:
+        return max_payload, "server.max_payload_bytes"
+    return longest, f"{MAX_FILE_SECONDS} s, MAX_FILE_SECONDS"
 
 
 def too_long(samples: int) -> PayloadTooLarge:
@@ -121,28 +139,89 @@ def too_long(samples: int) -> PayloadTooLarge:
                            f"{MAX_FILE_SECONDS} s (MAX_FILE_SECONDS)", "payload")
 
 
+def _bad_wav(problem: str) -> InvalidArgument:
+    return InvalidArgument(f"not a readable WAV file: {problem}", "payload")
+
+
+def _chunks(mv: memoryview, pos: int):
+    """``(id, start, declared size)`` of each RIFF chunk from ``pos`` on; a chunk header cut
+    short ends the walk (trailing padding)."""
+    while pos + CHUNK_HEADER_BYTES <= len(mv):
+        cid = bytes(mv[pos:pos + 4])
+        size = int.from_bytes(mv[pos + 4:pos + 8], "little")
+        yield cid, pos + CHUNK_HEADER_BYTES, size
+        pos += CHUNK_HEADER_BYTES + size + (size & 1)  # chunks are word aligned
+
+
+def _tiles(mv: memoryview, pos: int) -> bool:
+    """Whether the bytes from ``pos`` are whole chunks with printable ids (what may follow an
+    empty data chunk), not audio behind a header that says there is none."""
+    for cid, start, size in _chunks(mv, pos):
+        if not (cid.isascii() and cid.decode().isprintable()) or start + size > len(mv):
+            return False
+    return True
+
+
+def _wav_format(fmt: memoryview) -> tuple:
+    """(channels, sample width in bytes, rate) of a ``fmt `` chunk; 415 for a format that is
+    not integer PCM."""
+    if len(fmt) < FMT_MIN_BYTES:
+        raise _bad_wav(f"its fmt chunk is {len(fmt)} bytes (at least {FMT_MIN_BYTES})")
+    tag = int.from_bytes(fmt[0:2], "little")
+    if tag == WAVE_FORMAT_EXTENSIBLE and len(fmt) >= FMT_EXTENSIBLE_BYTES:
+        tag = int.from_bytes(fmt[24:26], "little")  # the sub-format GUID's first field
+    if tag != WAVE_FORMAT_PCM:
+        raise UnsupportedMediaType(f"the WAV file is not PCM (format tag 0x{tag:04x}); "
+                                   f"accepted: {ACCEPTED}", "Content-Type")
+    channels = int.from_bytes(fmt[2:4], "little")
+    rate = int.from_bytes(fmt[4:8], "little")
+    bits = int.from_bytes(fmt[14:16], "little")
+    return channels, (bits + 7) // 8, rate
+
+
+def read_wav(body: Any) -> tuple:
+    """``(channels, sample width, rate, samples)`` of a RIFF/WAVE file, its chunk sizes checked
+    against the body (``samples`` a memoryview of whole frames):
+
+    - a chunk before the data that runs past the end of the body: 400 (a corrupt file);
+    - a data chunk that runs past the end (``0xFFFFFFFF``, the size a streaming writer leaves,
+      or a cut file): the samples present are the audio;
+    - a data chunk declared empty with audio behind it: 400 (the header lies; trusting it would
+      answer "no speech" for speech)."""
+    mv = memoryview(body).cast("B")
+    if len(mv) < RIFF_HEADER_BYTES or mv[0:4] != b"RIFF" or mv[8:12] != b"WAVE":
+        raise _bad_wav("it does not begin with a RIFF/WAVE header")
+    fmt = None
+    for cid, start, size in _chunks(mv, RIFF_HEADER_BYTES):
+        left = len(mv) - start
+        if cid == b"data":
+            if fmt is None:
+                raise _bad_wav("its data chunk comes before the fmt chunk")
+            if size == 0 and left and not _tiles(mv, start):
+                raise _bad_wav(f"its header declares an empty data chunk, but {left} bytes of "
+                               f"audio follow it; write the data size into the header")
+            data = mv[start:start + min(size, left)]
+            frame = max(1, fmt[0] * fmt[1])
+            return fmt + (data[:len(data) - len(data) % frame],)
+        if size > left:
+            raise _bad_wav(f"its {cid.decode('latin-1')!r} chunk declares {size} bytes, but "
+                           f"only {left} follow (a corrupt or cut file)")
+        if cid == b"fmt ":
+            fmt = _wav_format(mv[start:start + size])
+    raise _bad_wav("it has no data chunk" if fmt is not None else "it has no fmt chunk")
+
+
 def decode_file(body: bytes, mime: str) -> tuple:
     """``(samples as bytes-like, sample width)`` of a whole file; 415 / 400 / 413."""
     base = mime_type(mime)[0]
     if base in WAV_MIMES:
-        try:
-            with wave.open(io.BytesIO(body), "rb") as w:
-                ch, width, rate, n = (w.getnchannels(), w.getsampwidth(), w.getframerate(),
-                                      w.getnframes())
-                if (ch, width, rate) != (1, 2, SAMPLE_RATE):
-                    raise UnsupportedMediaType(
-                        f"the WAV file is {ch} channel(s), {8 * width}-bit, {rate} Hz; accepted: "
-                        f"{ACCEPTED}", "Content-Type")
-                if n > MAX_FILE_SAMPLES:
-                    raise too_long(n)
-                data = w.readframes(n)
-        except wave.Error as exc:
-            if "unknown format" in str(exc):
-                raise UnsupportedMediaType(f"the WAV file is not PCM ({exc}); accepted: "
-                                           f"{ACCEPTED}", "Content-Type") from None
-            raise InvalidArgument(f"not a readable WAV file: {exc}", "payload") from None
-        except EOFError:
-            raise InvalidArgument("the WAV file is truncated", "payload") from None
+        ch, width, rate, data = read_wav(body)
+        if (ch, width, rate) != (1, 2, SAMPLE_RATE):
+            raise UnsupportedMediaType(
+                f"the WAV file is {ch} channel(s), {8 * width}-bit, {rate} Hz; accepted: "
+                f"{ACCEPTED}", "Content-Type")
+        if len(data) // 2 > MAX_FILE_SAMPLES:
+            raise too_long(len(data) // 2)
         return data, 2
     width = stream_format(mime)
     if len(body) % width:
@@ -322,23 +401,25 @@ def wants_file(runtime: Any, task: str, mime: str, query: Any) -> bool:
             and segment_task(runtime, task) is not None)
 
 
-async def read_body(request: Any, limit: int, field: str = "payload") -> bytes:
-    """The whole body, refused with 413 as soon as it is known to exceed ``limit``."""
+async def read_body(request: Any, limit: tuple, field: str = "payload") -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed ``limit`` (bytes,
+    what sets it: :func:`file_limit`)."""
+    nbytes, why = limit
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):
             raise InvalidArgument(f"bad Content-Length header {declared[:40]!r}", "Content-Length")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"the audio file is {declared} bytes; the limit is {limit} bytes "
-                                  f"({MAX_FILE_SECONDS} s, MAX_FILE_SECONDS)", field)
+        if int(declared) > nbytes:
+            raise PayloadTooLarge(f"the audio file is {declared[:40]} bytes; the limit is "
+                                  f"{nbytes} bytes ({why})", field)
     chunks: list = []
     total = 0
     async for chunk in request.stream():
         if chunk:
             total += len(chunk)
-            if total > limit:
-                raise PayloadTooLarge(f"the audio file exceeds the limit of {limit} bytes "
-                                      f"({MAX_FILE_SECONDS} s, MAX_FILE_SECONDS)", field)
+            if total > nbytes:
+                raise PayloadTooLarge(f"the audio file exceeds the limit of {nbytes} bytes "
+                                      f"({why})", field)
             chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
@@ -350,7 +431,7 @@ async def file_reply(app: Any, request: Any, task: str) -> Any:
     from . import codec
 
     mime = request.headers.get("content-type", "")
-    body = await read_body(request, max_file_bytes(mime))
+    body = await read_body(request, file_limit(mime, app.max_body))
     meta = dict(request.query_params)
     result = await app._until_done_or_gone(request, run_file(app.runtime, task, body, mime, meta))
     return Response(codec.dumps(result), media_type="application/json")

@@ -171,13 +171,17 @@ class HttpApp:
 
     # -- plumbing -------------------------------------------------------------------------
     def _endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]],
-                  errors: Callable[[LumenError], Response] = error_response) -> Callable:
-        """Wrap a route: check the API key, LumenError -> JSON error (``errors`` makes the
-        body: a protocol of its own, such as OIP's, keeps its shape for a missing key too),
-        anything else -> logged 500, count it (and log it when the access log is on)."""
+                  errors: Callable[[LumenError], Response] = error_response,
+                  admin: bool = False) -> Callable:
+        """Wrap a route: check the API key (an admin key when ``admin``), LumenError -> JSON
+        error (``errors`` makes the body: a protocol of its own, such as OIP's, keeps its
+        shape for a missing key too), anything else -> logged 500, count it (and log it when
+        the access log is on)."""
         observer = self.observer
         keys = self.keys
-        needs_key = keys.enabled and name not in ALWAYS_OPEN and name not in keys.open_endpoints
+        needs_admin = admin and keys.admin_enabled
+        needs_key = (not admin and keys.enabled and name not in ALWAYS_OPEN
+                     and name not in keys.open_endpoints)
 
         async def endpoint(request: Request) -> Response:
             tr = getattr(self.runtime, "tracing", None)
@@ -200,6 +204,8 @@ class HttpApp:
             try:
                 if needs_key:
                     scope = keys.check(request.headers.get("authorization"))
+                elif needs_admin:
+                    keys.check_admin(request.headers.get("authorization"))
                 request.state.key_scope = scope
                 resp = await fn(request)
             except LumenError as exc:

@@ -165,17 +165,26 @@ class OipRoutes:
         return self._json({"name": p["task"], "ready": True})
 
     # -- system shared memory -------------------------------------------------------------
+    @staticmethod
+    def _caller(request: Request) -> shm.Caller:
+        """The shared-memory caller: the request's key scope, and whether it is local."""
+        client = request.client
+        return shm.http_caller(request.state.key_scope, client.host if client else None,
+                               request.headers.keys())
+
     async def shm_status(self, request: Request) -> Response:
-        return self._json(self.shm.status(request.path_params.get("name", "")))
+        return self._json(self.shm.status(self._caller(request),
+                                          request.path_params.get("name", "")))
 
     async def shm_register(self, request: Request) -> Response:
+        caller = self._caller(request)
         obj, _ = _split_body(await self.app._read_body(request, "body"), None)
-        self.shm.register(request.path_params["name"], obj.get("key"), obj.get("offset", 0),
-                          obj.get("byte_size"))
+        self.shm.register(caller, request.path_params["name"], obj.get("key"),
+                          obj.get("offset", 0), obj.get("byte_size"))
         return Response(b"", media_type=JSON)
 
     async def shm_unregister(self, request: Request) -> Response:
-        self.shm.unregister(request.path_params.get("name", ""))
+        self.shm.unregister(self._caller(request), request.path_params.get("name", ""))
         return Response(b"", media_type=JSON)
 
     async def infer(self, request: Request) -> Response:
@@ -202,7 +211,8 @@ class OipRoutes:
         ip = inp.get("parameters") or {}
         if not isinstance(ip, dict):
             raise InvalidArgument(f"input {name!r}: 'parameters' must be an object", "parameters")
-        data = _input_data(inp, name, datatype, shape, ip, binary, self.shm)
+        data = _input_data(inp, name, datatype, shape, ip, binary, self.shm,
+                           self._caller(request))
         rid = obj.get("id") or ""
         if not isinstance(rid, str):
             raise InvalidArgument("'id' must be a string", "id")
@@ -214,9 +224,11 @@ class OipRoutes:
             req.meta[KEY_MODEL_VERSION] = version
         resp = await app._until_done_or_gone(request, self.rt.infer(req))
         served = resp.stats.version if resp.stats is not None else ""
-        return self._reply(resp, obj, params, served or contract.model_version, rid)
+        return self._reply(resp, obj, params, served or contract.model_version, rid,
+                           self._caller(request))
 
-    def _reply(self, resp: Any, obj: dict, params: dict, version: str, rid: str) -> Response:
+    def _reply(self, resp: Any, obj: dict, params: dict, version: str, rid: str,
+               caller: shm.Caller) -> Response:
         wanted = obj.get("outputs")
         if wanted is not None and not isinstance(wanted, list):
             raise InvalidArgument("'outputs' must be an array", "outputs")
@@ -244,7 +256,7 @@ class OipRoutes:
             dt = codec.oip_datatype(arr)
             entry: dict = {"name": name, "datatype": dt, "shape": list(arr.shape)}
             if name in shm_for:
-                n = shm.output_write(self.shm, shm_for[name], _output_bytes(arr, dt))
+                n = shm.output_write(self.shm, caller, shm_for[name], _output_bytes(arr, dt))
                 entry["parameters"] = {P_SHM_REGION: shm_for[name][P_SHM_REGION],
                                        P_SHM_BYTE_SIZE: n}
             elif binary_for.get(name, binary_default):
@@ -317,10 +329,11 @@ def _split_body(body: bytes, header_len: Optional[str]) -> tuple:
 
 
 def _input_data(inp: dict, name: str, datatype: Any, shape: tuple, ip: dict,
-                binary: memoryview, registry: Optional[shm.ShmRegistry] = None) -> Any:
+                binary: memoryview, registry: Optional[shm.ShmRegistry] = None,
+                caller: Optional[shm.Caller] = None) -> Any:
     """The input's tensor bytes (numeric) or its elements (BYTES), from a shared-memory
-    region, the binary part or ``data``."""
-    view = shm.input_view(registry, ip)
+    region (``caller``'s), the binary part or ``data``."""
+    view = shm.input_view(registry, caller, ip)
     if view is not None:
         if len(binary) or inp.get("data") is not None:
             raise InvalidArgument(f"input {name!r} names a shared memory region and also "

@@ -162,6 +162,12 @@ class OipServicer:
         except LumenError as exc:
             await self._abort(context, method, exc)
 
+    def _caller(self, context: Any) -> shm.Caller:
+        """The caller's key scope (Unauthenticated without a key) and whether its peer is
+        local, for shared memory (``.owner`` is the scope every request is keyed under)."""
+        return shm.grpc_caller(self.base._scope(context), context.peer(),
+                               context.invocation_metadata() or ())
+
     # -- health and metadata --------------------------------------------------------------
     # With API keys on, everything but liveness needs a key, as on HTTP: ModelReady would tell
     # a caller without one which models exist; ServerReady is open when HTTP's
@@ -205,8 +211,7 @@ class OipServicer:
     # -- system shared memory -------------------------------------------------------------
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
         try:
-            self.base._scope(context)
-            regions = self.shm.status(request.name)
+            regions = self.shm.status(self._caller(context), request.name)
         except LumenError as exc:
             await self._abort(context, "SystemSharedMemoryStatus", exc)
         out = pb.SystemSharedMemoryStatusResponse()
@@ -218,22 +223,21 @@ class OipServicer:
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
         try:
-            self.base._scope(context)
-            self.shm.register(request.name, request.key, request.offset, request.byte_size)
+            self.shm.register(self._caller(context), request.name, request.key, request.offset,
+                              request.byte_size)
         except LumenError as exc:
             await self._abort(context, "SystemSharedMemoryRegister", exc)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
         try:
-            self.base._scope(context)
-            self.shm.unregister(request.name)
+            self.shm.unregister(self._caller(context), request.name)
         except LumenError as exc:
             await self._abort(context, "SystemSharedMemoryUnregister", exc)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # -- inference ------------------------------------------------------------------------
-    def _request(self, msg: Any, scope: Optional[str]) -> tuple:
+    def _request(self, msg: Any, caller: shm.Caller) -> tuple:
         """(the runtime request, the task's model version) for one ModelInferRequest."""
         if isinstance(msg, _TooLarge):
             raise msg.error()
@@ -249,7 +253,7 @@ class OipServicer:
             raise InvalidArgument(f"input {name!r}: 'shape' must be non-negative, got "
                                   f"{list(shape)}", "shape")
         inp_params = _params(inp.parameters)
-        view = shm.input_view(self.shm, inp_params)
+        view = shm.input_view(self.shm, caller, inp_params)
         if view is None:
             data = self._input_data(msg, inp, name, shape)
         elif msg.raw_input_contents:
@@ -261,7 +265,7 @@ class OipServicer:
         keys = self.base.keys
         req = oip.build_request(self.rt, task, name, inp.datatype, shape, data,
                                 _params(msg.parameters), inp_params, msg.id,
-                                lambda m: keys.scoped_meta(m, scope))
+                                lambda m: keys.scoped_meta(m, caller.owner))
         if msg.model_version:  # pins the version (check_model knows it is loaded)
             req.meta[KEY_MODEL_VERSION] = msg.model_version
         return req, contract.model_version
@@ -297,7 +301,7 @@ class OipServicer:
             raise InvalidArgument(f"input {name!r}: a value does not fit {datatype}",
                                   "contents") from None
 
-    def _response(self, resp: Any, msg: Any, version: str) -> Any:
+    def _response(self, resp: Any, msg: Any, version: str, caller: shm.Caller) -> Any:
         wanted = [o.name for o in msg.outputs] or None
         shm_for = {o.name: p for o in msg.outputs
                    if oip.P_SHM_REGION in (p := _params(o.parameters))}
@@ -309,7 +313,7 @@ class OipServicer:
             t = out.outputs.add(name=name, datatype=dt, shape=list(arr.shape))
             data = oip.bytes_tensor(arr) if dt == codec.OIP_BYTES else codec.tensor_bytes(arr)
             if name in shm_for:
-                n = shm.output_write(self.shm, shm_for[name], data)
+                n = shm.output_write(self.shm, caller, shm_for[name], data)
                 _set_param(t.parameters, oip.P_SHM_REGION, shm_for[name][oip.P_SHM_REGION])
                 _set_param(t.parameters, oip.P_SHM_BYTE_SIZE, n)
                 data = b""  # keeps raw_output_contents aligned with outputs
@@ -318,13 +322,13 @@ class OipServicer:
             _set_param(out.parameters, k, v)
         return out
 
-    async def _infer(self, msg: Any, scope: Optional[str]) -> Any:
+    async def _infer(self, msg: Any, caller: shm.Caller) -> Any:
         try:
-            req, version = self._request(msg, scope)
+            req, version = self._request(msg, caller)
             resp = await self.rt.infer(req)
-            return self._response(resp, msg, version)
+            return self._response(resp, msg, version, caller)
         except LumenError as exc:
-            raise unscope_error(exc, scope) from None
+            raise unscope_error(exc, caller.owner) from None
         except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL, never kills the server
             log.exception("unhandled error in ModelInfer")
             raise InternalError(f"internal server error: {exc}") from exc
@@ -339,23 +343,23 @@ class OipServicer:
 
     async def _model_infer(self, request: Any, context: Any) -> Any:
         try:
-            reply = await self._infer(request, self.base._scope(context))
+            reply = await self._infer(request, self._caller(context))
         except LumenError as exc:
             await self._abort(context, "ModelInfer", exc)
         self.base._count("oip.ModelInfer", "OK")
         return reply
 
-    async def _stream_one(self, msg: Any, scope: Optional[str],
+    async def _stream_one(self, msg: Any, caller: shm.Caller,
                           carrier: Optional[dict] = None) -> Any:
         tr = getattr(self.base.runtime, "tracing", None)
         if tr is None:
-            return await self._stream_reply(msg, scope)
+            return await self._stream_reply(msg, caller)
         with tr.rpc_span(SERVICE, "ModelStreamInfer", carrier):
-            return await self._stream_reply(msg, scope)
+            return await self._stream_reply(msg, caller)
 
-    async def _stream_reply(self, msg: Any, scope: Optional[str]) -> Any:
+    async def _stream_reply(self, msg: Any, caller: shm.Caller) -> Any:
         try:
-            reply = pb.ModelStreamInferResponse(infer_response=await self._infer(msg, scope))
+            reply = pb.ModelStreamInferResponse(infer_response=await self._infer(msg, caller))
         except LumenError as exc:
             self.base._count("oip.ModelStreamInfer", exc.grpc_status)
             return pb.ModelStreamInferResponse(
@@ -368,7 +372,7 @@ class OipServicer:
     async def ModelStreamInfer(self, request_iterator: AsyncIterator,  # noqa: N802
                                context: Any) -> AsyncIterator:
         try:
-            scope = self.base._scope(context)
+            caller = self._caller(context)
         except LumenError as exc:
             await self._abort(context, "ModelStreamInfer", exc)
         base = self.base  # one window rule and one in-flight count for both services
@@ -376,7 +380,7 @@ class OipServicer:
         carrier = call_metadata(context) if getattr(base.runtime, "tracing", None) else None
         replies = windowed_replies(
             request_iterator, window, _message_bytes,
-            lambda msg: self._stream_one(msg, scope, carrier), base._admitted, base._answered)
+            lambda msg: self._stream_one(msg, caller, carrier), base._admitted, base._answered)
         try:
             async for reply in replies:
                 yield reply

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import ipaddress
 import logging
 import signal
 import socket
@@ -33,6 +32,7 @@ from .http import HttpApp
 from .limits import HttpLimits, protocol_class
 from .logs import RequestContext, guard_uvicorn_logs, note_task
 from .metrics import PrometheusObserver
+from .shm import is_loopback
 
 log = logging.getLogger("lumen.serve")
 
@@ -78,17 +78,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
                                  f"--http-port ([server] http_port; 0 picks a free one)") from None
     sock.setblocking(False)
     return sock
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) is this machine only: ``127.0.0.0/8``, ``::1``,
-    ``localhost``.  ``0.0.0.0`` / ``::`` (every interface) and other names are not."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _package_version() -> str:
@@ -251,7 +240,7 @@ class LumenServer:
         if not self.keys.enabled and not is_loopback(self.host):
             log.warning("no API keys on %s, which is not a loopback address: anyone who can "
                         "reach it can run inference and use the admin API (/v1/admin: load, "
-                        "unload, traffic); set [server] api_keys or api_key_file (or "
+                        "unload, traffic); set [server] api_keys and admin_api_keys (or "
                         "--api-key), or bind 127.0.0.1", self.host)
 
     def shutdown(self) -> "asyncio.Task":
@@ -263,6 +252,7 @@ class LumenServer:
     async def _shutdown(self) -> None:
         log.info("lumen shutting down: draining in-flight requests")
         self.http.draining = True
+        self.runtime.stop_loading()  # a model load in progress answers now, never held for
         grpc_stop = (asyncio.ensure_future(self.grpc.stop(self.grace_s))
                      if self.grpc is not None else None)
         if self._uvicorn is not None:

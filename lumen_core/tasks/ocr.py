@@ -23,6 +23,14 @@ model, and one flow per request:
 5. the flow keeps lines with non-blank text and score >= ``text_score`` (0.5) and maps boxes
    back to input pixels.
 
+Bounds on one request's work (each a ``[tasks.options]`` key): ``max_image_pixels`` (decoded
+pixels), ``max_det_pixels`` (the detector input that rapidocr's resize and padding make of the
+image, computed from its size before any pixel is touched: a 400x2 strip would be a 6016x1504
+input), and ``max_rec_pixels``, the recognition budget: the sum over the detected lines of the
+area each is read at (48 x its width bucket), checked once the detector has found them and
+before any is classified or read, so a page of small dense text cannot hold a core for a
+minute.
+
 Output: ``lines``, a list of ``{"text", "score", "box"}`` (box: 4 ``[x, y]`` points, clockwise
 from top-left, input-image pixels) in reading order; an image with no text gives ``[]``.
 """
@@ -43,7 +51,13 @@ from ..contract import TensorContract, TensorSpec
 from ..descriptor import Descriptor
 from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
-from ..errors import ConfigError, InternalError, ModelMissingError
+from ..errors import (
+    ConfigError,
+    InternalError,
+    InvalidArgument,
+    ModelMissingError,
+    PayloadTooLarge,
+)
 from ..models import OCR, require_model
 from ..models import rapidocr as R
 from ..request import InferRequest, new_infer_request
@@ -56,6 +70,12 @@ RGB_UINT8_ID = "rgb_uint8_v1"
 OUTPUT_NAME = "lines"
 #: default decompression-bomb limit (decoded pixels), as image_embed's
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+#: default bound of the detector input (pixels): just above the largest that rapidocr's
+#: geometry makes of any image with sides of 30..2000 pixels (2000x250 -> 5888x736 = 4.33 MP)
+DEFAULT_MAX_DET_PIXELS = 4_500_000
+#: default recognition budget of one request (sum of 48 x width over its lines; about 1.3 us
+#: of one core per pixel on the 2-core CI box)
+DEFAULT_MAX_REC_PIXELS = 8_000_000
 #: largest side of a tensor-route image
 MAX_TENSOR_SIDE = 16384
 #: per-step batching (the task's ``max_queue_delay_us`` / priorities apply to all steps):
@@ -121,6 +141,11 @@ class OcrBackend(TaskBackend):
                lo=0.0, hi=1.0),
         Option("max_image_pixels", int, DEFAULT_MAX_IMAGE_PIXELS,
                "decompression-bomb limit on decoded pixels", lo=1),
+        Option("max_det_pixels", int, DEFAULT_MAX_DET_PIXELS,
+               "the largest detector input (pixels, after rapidocr's resize and padding)",
+               lo=1),
+        Option("max_rec_pixels", int, DEFAULT_MAX_REC_PIXELS,
+               "recognition budget of one request (sum of 48 x width over its lines)", lo=1),
         Option("det_instances", int, 1, "detector engine instances", lo=1, hi=64),
         Option("cls_instances", int, 1, "classifier engine instances", lo=1, hi=64),
         Option("rec_instances", int, 1, "recogniser engine instances", lo=1, hi=64),
@@ -137,6 +162,8 @@ class OcrBackend(TaskBackend):
         P.require_libs()
         self.text_score: float = self.options["text_score"]
         self.max_pixels: int = self.options["max_image_pixels"]
+        self.max_det_pixels: int = self.options["max_det_pixels"]
+        self.max_rec_pixels: int = self.options["max_rec_pixels"]
         self.model_id = config.model_id or R.MODEL_ID
         self.characters: list = []
 
@@ -210,22 +237,29 @@ class OcrBackend(TaskBackend):
                     params: dict) -> PreparedModelRequest:
         src = req.payload if isinstance(req.payload, bytes) else payload
         rgb = np.asarray(decode_image(src, mime, self.max_pixels))
-        return self._prepare_rgb(rgb)
+        return self._prepare_rgb(rgb, "payload")
 
     def prepare_tensor(self, req: InferRequest, desc: Descriptor,
                        payload: memoryview) -> PreparedModelRequest:
         _n, h, w, _c = desc.shape
         if h * w > self.max_pixels:
-            from ..errors import InvalidArgument
-
             raise InvalidArgument(f"image is {w}x{h} = {w * h} pixels; the limit is "
                                   f"{self.max_pixels} (options.max_image_pixels)",
                                   "lumen.tensor.shape")
         rgb = np.frombuffer(payload, dtype=np.uint8).reshape(h, w, CHANNELS)
-        return self._prepare_rgb(rgb)
+        return self._prepare_rgb(rgb, "lumen.tensor.shape")
 
-    def _prepare_rgb(self, rgb: np.ndarray) -> DetItem:
-        """rapidocr's LoadImage (RGB -> BGR), global resize, vertical padding, det resize."""
+    def _prepare_rgb(self, rgb: np.ndarray, field: str) -> DetItem:
+        """rapidocr's LoadImage (RGB -> BGR), global resize, vertical padding, det resize;
+        a shape whose detector input would exceed ``max_det_pixels`` is refused first."""
+        size = P.det_input_size(*rgb.shape[:2])
+        if size is not None and size[0] * size[1] > self.max_det_pixels:
+            h, w = rgb.shape[:2]
+            raise InvalidArgument(f"image is {w}x{h}: rapidocr's resize and padding make it a "
+                                  f"{size[1]}x{size[0]} = {size[0] * size[1]} pixel detector "
+                                  f"input, above the limit of {self.max_det_pixels} "
+                                  f"(options.max_det_pixels); the aspect ratio is too extreme",
+                                  field)
         ori = np.ascontiguousarray(rgb[:, :, ::-1])
         ori_h, ori_w = ori.shape[:2]
         img, rh, rw = P.resize_within_bounds(ori)
@@ -273,12 +307,18 @@ class OcrBackend(TaskBackend):
         (boxes, crops), = await ctx.run("det", [item])
         if not crops:
             return {OUTPUT_NAME: []}
+        widths = [P.rec_batch_width(c.shape[0], c.shape[1]) for c in crops]
+        budget = P.REC_SHAPE[1] * sum(widths)  # a 180-degree turn keeps a crop's shape
+        if budget > self.max_rec_pixels:
+            raise PayloadTooLarge(f"the image holds more text than one request reads: its "
+                                  f"{len(crops)} lines are {budget} pixels to recognise, above "
+                                  f"the limit of {self.max_rec_pixels} "
+                                  f"(options.max_rec_pixels); send it in parts", "payload")
         cls_sig = self._cls_sig
         upright = await ctx.run("cls", [PreparedModelRequest(cls_sig, (c,), P.CLS_SHAPE)
                                         for c in crops])
         rec_items = []
-        for c in upright:
-            width = P.rec_batch_width(c.shape[0], c.shape[1])
+        for c, width in zip(upright, widths, strict=True):
             shape = (CHANNELS, P.REC_SHAPE[1], width)
             rec_items.append(PreparedModelRequest(self._sig("rec", shape, REC_ID), (c,), shape))
         texts = await ctx.run("rec", rec_items)
@@ -304,7 +344,8 @@ class OcrBackend(TaskBackend):
     def describe(self) -> dict:
         return {**super().describe(), "output": OUTPUT_NAME, "steps": list(STEPS),
                 "outputs": {OUTPUT_NAME: ["json", [None]]}, "text_score": self.text_score,
-                "max_image_pixels": self.max_pixels, "default_mime": "image/png"}
+                "max_image_pixels": self.max_pixels, "max_det_pixels": self.max_det_pixels,
+                "max_rec_pixels": self.max_rec_pixels, "default_mime": "image/png"}
 
 
 def _metadata(path: str) -> dict:

@@ -82,13 +82,48 @@ def _round32(x: float) -> int:
     return int(round(x / SIZE_MULTIPLE) * SIZE_MULTIPLE)
 
 
+def _scaled(h: int, w: int, ratio: float) -> tuple:
+    """(h, w) scaled by ``ratio`` and rounded to multiples of 32 (either may become 0)."""
+    return _round32(int(h * ratio)), _round32(int(w * ratio))
+
+
 def _resize_ratio(img: np.ndarray, ratio: float) -> tuple:
     """(img resized by ``ratio`` to multiples of 32, ratio_h, ratio_w) or (None, 0, 0)."""
     h, w = img.shape[:2]
-    rh, rw = _round32(int(h * ratio)), _round32(int(w * ratio))
+    rh, rw = _scaled(h, w, ratio)
     if rh <= 0 or rw <= 0:
         return None, 0.0, 0.0
     return cv2.resize(img, (rw, rh)), h / rh, w / rw
+
+
+def _padding(h: int, w: int, ratio: float = WIDTH_HEIGHT_RATIO,
+             min_height: int = MIN_HEIGHT) -> int:
+    """Rows of padding above (and below) an ``h`` x ``w`` image (0: none)."""
+    if h <= min_height or w / h > ratio:
+        return int(abs(max(int(w / ratio), min_height) * 2 - h) / 2)
+    return 0
+
+
+def _det_ratio(h: int, w: int, limit: int = DET_LIMIT_SIDE_LEN) -> float:
+    return limit / (h if h < w else w) if min(h, w) < limit else 1.0
+
+
+def det_input_size(h: int, w: int) -> Optional[tuple]:
+    """(height, width) of the detector input that :func:`resize_within_bounds`,
+    :func:`vertical_padding` and :func:`det_resize` make of an ``h`` x ``w`` image, computed
+    without touching a pixel (None: the image vanishes), so a hostile shape is refused before
+    anything is allocated: a 400x2 strip becomes a 6016x1504 detector input."""
+    if max(h, w) > MAX_SIDE_LEN:
+        h, w = _scaled(h, w, MAX_SIDE_LEN / (h if h > w else w))
+        if h <= 0 or w <= 0:
+            return None
+    if min(h, w) < MIN_SIDE_LEN:
+        h, w = _scaled(h, w, MIN_SIDE_LEN / (h if h < w else w))
+        if h <= 0 or w <= 0:
+            return None
+    h += 2 * _padding(h, w)
+    dh, dw = _scaled(h, w, _det_ratio(h, w))
+    return (dh, dw) if dh > 0 and dw > 0 else None
 
 
 def resize_within_bounds(img: np.ndarray, min_side: int = MIN_SIDE_LEN,
@@ -111,8 +146,7 @@ def vertical_padding(img: np.ndarray, ratio: float = WIDTH_HEIGHT_RATIO,
     """(img, top): black rows above and below a very low or very flat image."""
     h, w = img.shape[:2]
     if h <= min_height or w / h > ratio:
-        new_h = max(int(w / ratio), min_height) * 2
-        pad = int(abs(new_h - h) / 2)
+        pad = _padding(h, w, ratio, min_height)
         return cv2.copyMakeBorder(img, pad, pad, 0, 0, cv2.BORDER_CONSTANT, value=(0, 0, 0)), pad
     return img, 0
 
@@ -120,10 +154,7 @@ def vertical_padding(img: np.ndarray, ratio: float = WIDTH_HEIGHT_RATIO,
 def det_resize(img: np.ndarray, limit: int = DET_LIMIT_SIDE_LEN) -> Optional[np.ndarray]:
     """``limit_type: min``: raise the shorter side to ``limit``, both sides to multiples of 32."""
     h, w = img.shape[:2]
-    ratio = 1.0
-    if min(h, w) < limit:
-        ratio = limit / (h if h < w else w)
-    rh, rw = _round32(int(h * ratio)), _round32(int(w * ratio))
+    rh, rw = _scaled(h, w, _det_ratio(h, w, limit))
     if rh <= 0 or rw <= 0:
         return None
     return cv2.resize(img, (rw, rh))

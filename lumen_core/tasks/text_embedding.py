@@ -55,6 +55,7 @@ every other; they are applied to the item's own row in :meth:`postprocess`):
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
 import os
@@ -127,6 +128,9 @@ INLINE_PREPARE_MAX_BYTES = 4096
 LONG_TEXT_CHARS = 2048
 #: the prefix grows by this factor until it proves the truncated ids (or covers the text)
 PREFIX_GROWTH = 4
+#: ``tokenize`` with truncation off lists every token: at most this many in one call (413
+#: past it, known from a prefix before the rest of the text is read)
+MAX_TOKENIZE_TOKENS = 65536
 #: a charset parameter longer than this is refused without a codec lookup
 MAX_CHARSET_CHARS = 64
 #: distinct charset spellings remembered (bounded: the parameter is caller-controlled)
@@ -390,6 +394,7 @@ class _Reducer:
         # character so that the scan for a start stays a fast character-set scan) and keeps
         # its first K S characters; where it starts after a T it is still inside one run
         self._word_runs = re.compile(f"([{s}](?<![{s}].)(?:[{t}]*[{s}]){{{k - 1}}})[{s}{t}]+")
+        self._vanish_tail = re.compile(f"[{t}]*\\Z")  # a run's trailing T (for offsets)
         self.ok = True
 
     @staticmethod
@@ -426,6 +431,69 @@ class _Reducer:
         text = self._word_runs.sub(r"\1", text)
         text = self._vanish_runs.sub(r"\1", text)
         return self._space_runs.sub(" ", text)
+
+    def mapped(self, text: str) -> tuple:
+        """``(reduced text, back)``: the same rewrites as ``__call__``, and ``back(a, b)`` the
+        character offsets in ``text`` of a token at ``a:b`` of the reduced text."""
+        maps = []
+        for pattern, keep, tail in ((self._word_runs, 1, self._vanish_tail),
+                                    (self._vanish_runs, 1, None), (self._space_runs, 0, None)):
+            text, spans = _rewrite(pattern, keep, tail, text)
+            if spans:
+                maps.append(_CharMap(spans))
+
+        def char(p: int) -> int:
+            for m in reversed(maps):
+                p = m(p)
+            return p
+
+        def back(a: int, b: int) -> tuple:
+            start = char(a)
+            return start, (char(b - 1) + 1 if b > a else start)
+        return text, back
+
+
+def _rewrite(pattern: "re.Pattern", keep: int, tail: Optional["re.Pattern"], text: str) -> tuple:
+    """``text`` with each match of ``pattern`` replaced by its group ``keep`` (0: one space),
+    and the rewrites as ``(new start, new end, old start, old end, old last)``: ``old last``
+    is where the kept part's last character stands for (``tail`` given: the match's last
+    character before its trailing run of ``tail``, i.e. a cut word's last solid character)."""
+    pieces: list = []
+    spans: list = []
+    last = shift = 0
+    for m in pattern.finditer(text):
+        a, b = m.span()
+        kept = m.group(keep) if keep else " "
+        end = tail.search(text, a, b).start() - 1 if tail is not None else a + len(kept) - 1
+        pieces += (text[last:a], kept)
+        spans.append((a - shift, a - shift + len(kept), a, b, end))
+        shift += (b - a) - len(kept)
+        last = b
+    if not spans:
+        return text, spans
+    pieces.append(text[last:])
+    return "".join(pieces), spans
+
+
+class _CharMap:
+    """One rewrite pass, backwards: a character of the rewritten text -> the character of the
+    text before that it stands for (a kept character is itself; the last one of a cut word is
+    the word's last solid character, so a token ends where the word did)."""
+
+    __slots__ = ("starts", "spans")
+
+    def __init__(self, spans: list):
+        self.spans = spans
+        self.starts = [s[0] for s in spans]
+
+    def __call__(self, p: int) -> int:
+        i = bisect.bisect_right(self.starts, p) - 1
+        if i < 0:
+            return p
+        new_start, new_end, old_start, old_end, old_last = self.spans[i]
+        if p >= new_end:
+            return old_end + (p - new_end)
+        return old_last if p == new_end - 1 else old_start + (p - new_start)
 
 
 class TextEmbeddingBackend(TaskBackend):
@@ -608,19 +676,63 @@ class TextEmbeddingBackend(TaskBackend):
         """Per text, its tokens as the model sees them: ``{"id", "text", "special", "start",
         "stop"}`` (TEI's ``/tokenize`` shape; ``start`` / ``stop`` are character offsets into
         the text, 0 / 0 for special tokens), cut like :meth:`prepare_raw` cuts it unless
-        ``truncate`` is False (then every token)."""
-        tok = self.tokenizer
+        ``truncate`` is False (then every token, at most ``MAX_TOKENIZE_TOKENS`` in a call).
+
+        Bounded as the embedding path is (:meth:`_count_ids`): a long text is tokenized by
+        prefix, each shortened by the reducer, until a prefix proves the answer; the reducer's
+        rewrites are mapped back so offsets point into the text as sent."""
         limit = self.max_seq_length
         ns = self._n_suffix
         out = []
+        budget = MAX_TOKENIZE_TOKENS
+        over = PayloadTooLarge(f"with truncate=false every token is listed: at most "
+                               f"{MAX_TOKENIZE_TOKENS} in one call (MAX_TOKENIZE_TOKENS); send "
+                               f"fewer or shorter texts, or allow truncation", "inputs")
         for text in texts:
-            enc = tok.encode(text)
+            if not truncate and budget < self._n_prefix + ns:
+                raise over  # every text has its special tokens at least
+            enc, back = self._encode_prefix(text, limit if truncate else budget)
             rows = list(zip(enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True))
             if truncate and len(rows) > limit:
                 rows = rows[:limit - ns] + rows[len(rows) - ns:]
+            elif not truncate:
+                budget -= len(rows)
+                if budget < 0:
+                    raise over
+            if back is not None:
+                rows = [(i, t, s, (a, b) if s else back(a, b)) for i, t, s, (a, b) in rows]
             out.append([{"id": i, "text": t, "special": bool(s), "start": a, "stop": b}
                         for i, t, s, (a, b) in rows])
         return out
+
+    def _encode_prefix(self, text: str, limit: int) -> tuple:
+        """``(encoding, back)`` of the shortest prefix of ``text`` (reduced) whose first
+        ``limit - suffix`` tokens are those of the whole text, or of the whole text when it has
+        at most ``limit`` tokens; ``back`` maps its offsets into ``text`` (None: no rewrite)."""
+        tok = self.tokenizer
+        n = len(text)
+        if n <= LONG_TEXT_CHARS:
+            return tok.encode(text), None
+        if self._reducer is None:
+            self._reducer = _Reducer(tok)
+        reducer = self._reducer if self._reducer.ok else None
+        p = LONG_TEXT_CHARS
+        while True:
+            part = text[:p]
+            reduced, back = reducer.mapped(part) if reducer is not None else (part, None)
+            enc = tok.encode(reduced)
+            if p >= n or (len(enc.ids) > limit and self._proves_cut(enc.word_ids, limit)):
+                return enc, back
+            p *= PREFIX_GROWTH
+
+    def _proves_cut(self, words: list, limit: int) -> bool:
+        """Whether a prefix's tokens (their word ids, more than ``limit``) are those of the
+        whole text up to the cut: the last kept token's word is not the prefix's last word
+        (only that one can be cut by the prefix's end)."""
+        ns = self._n_suffix
+        kept_last = words[limit - 1 - ns]
+        prefix_last = words[len(words) - 1 - ns]
+        return kept_last is not None and prefix_last is not None and kept_last < prefix_last
 
     # -- request path -----------------------------------------------------------------------
     def prepare_raw(self, req, desc, payload: memoryview, mime: str,
@@ -722,12 +834,8 @@ class TextEmbeddingBackend(TaskBackend):
             while p < n:
                 enc = encode(upto(p))  # the same ids (and words) as text[:p]
                 ids = enc.ids
-                if len(ids) > limit:
-                    words = enc.word_ids
-                    kept_last = words[limit - 1 - ns]
-                    prefix_last = words[len(ids) - 1 - ns]
-                    if kept_last is not None and prefix_last is not None and kept_last < prefix_last:
-                        return ids[:limit - ns] + ids[len(ids) - ns:], len(ids)
+                if len(ids) > limit and self._proves_cut(enc.word_ids, limit):
+                    return ids[:limit - ns] + ids[len(ids) - ns:], len(ids)
                 p *= PREFIX_GROWTH
         ids = encode(upto(n) if n > LONG_TEXT_CHARS else text).ids
         n_ids = len(ids)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -22,10 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from lumen_core import Runtime
 from lumen_core.cli import build_parser
 
-KEY = "admin-key-1"
+KEY = "inference-key-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "admin-key-1"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 D = 4
 QUIET_S = 0.02
+#: admin loads name files of at most this size in the `server` fixture
+MAX_MODEL_BYTES = 1 << 20
 
 
 def _write(path: pathlib.Path, k: float) -> None:
@@ -34,11 +39,12 @@ def _write(path: pathlib.Path, k: float) -> None:
     os.replace(tmp, path)
 
 
-def _config(path: pathlib.Path, v1: pathlib.Path, v2: pathlib.Path) -> None:
+def _config(path: pathlib.Path, v1: pathlib.Path, v2: pathlib.Path, extra: str = "") -> None:
     path.write_text(f"""
 [server]
 api_keys = ["{KEY}"]
-
+admin_api_keys = ["{ADMIN_KEY}"]
+{extra}
 [[tasks]]
 name = "emb"
 backend = "onnx"
@@ -62,7 +68,7 @@ def server(tmp_path):
     _write(v1, 1.0)
     _write(v2, 2.0)
     cfg = tmp_path / "lumen.toml"
-    _config(cfg, v1, v2)
+    _config(cfg, v1, v2, f"admin_max_model_bytes = {MAX_MODEL_BYTES}\n")
     rt = Runtime.from_config(str(cfg))
     rt._lifecycle.quiet_s = QUIET_S
     srv = S.ServerThread(rt, grpc=False)
@@ -96,7 +102,7 @@ def test_admin_needs_the_key(server):
 
 def test_list_traffic_pin_unload_load(server):
     url = server.url
-    r = httpx.get(f"{url}/v1/admin/tasks", headers=AUTH, timeout=10)
+    r = httpx.get(f"{url}/v1/admin/tasks", headers=ADMIN, timeout=10)
     assert r.status_code == 200
     emb = r.json()["tasks"]["emb"]
     assert [(v["version"], v["state"]) for v in emb["versions"]] == [("1", "ready"), ("2", "ready")]
@@ -107,29 +113,29 @@ def test_list_traffic_pin_unload_load(server):
     bad = _infer(url, **{"lumen.model.version": "3"})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "lumen.model.version"
 
-    r = httpx.put(f"{url}/v1/admin/tasks/emb/traffic", json={"2": 1}, headers=AUTH, timeout=10)
+    r = httpx.put(f"{url}/v1/admin/tasks/emb/traffic", json={"2": 1}, headers=ADMIN, timeout=10)
     assert r.status_code == 200 and r.json()["default_version"] == "2"
     assert _served(_infer(url)) == ("2", 2.0)
-    for body in ({"9": 1}, {"1": -1}, []):
-        r = httpx.put(f"{url}/v1/admin/tasks/emb/traffic", json=body, headers=AUTH, timeout=10)
+    for body in ({"9": 1}, {"1": -1}, [], {"1": 10 ** 400}, {"1": 1e308, "2": 1e308}):
+        r = httpx.put(f"{url}/v1/admin/tasks/emb/traffic", json=body, headers=ADMIN, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["field"] == "traffic", body
 
-    r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/2/unload", headers=AUTH, timeout=30)
+    r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/2/unload", headers=ADMIN, timeout=30)
     assert r.status_code == 200
     assert [v["version"] for v in r.json()["versions"]] == ["1"]
     assert _served(_infer(url)) == ("1", 1.0)  # the split falls back to what serves
-    r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/1/unload", headers=AUTH, timeout=30)
+    r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/1/unload", headers=ADMIN, timeout=30)
     assert r.status_code == 400 and "only loaded version" in r.json()["error"]["message"]
-    r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/2/load", headers=AUTH, timeout=30)
+    r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/2/load", headers=ADMIN, timeout=30)
     assert r.status_code == 200 and r.json()["default_version"] == "2"  # its weight is back
     assert _served(_infer(url)) == ("2", 2.0)
     v3 = server.v1.with_name("v3.onnx")
     _write(v3, 3.0)
     r = httpx.post(f"{url}/v1/admin/tasks/emb/versions/3/load", json={"model": str(v3)},
-                   headers=AUTH, timeout=30)
+                   headers=ADMIN, timeout=30)
     assert r.status_code == 200
     assert _served(_infer(url, **{"lumen.model.version": "3"})) == ("3", 3.0)
-    r = httpx.post(f"{url}/v1/admin/tasks/nope/reload", headers=AUTH, timeout=10)
+    r = httpx.post(f"{url}/v1/admin/tasks/nope/reload", headers=ADMIN, timeout=10)
     assert r.status_code == 404
 
     # OIP: the model lists its versions; /versions/{v} pins one
@@ -142,6 +148,130 @@ def test_list_traffic_pin_unload_load(server):
     assert r.json()["model_version"] == "1" and r.json()["outputs"][0]["data"][0] == 1.0
     r = httpx.post(f"{url}/v2/models/emb/versions/9/infer", json=body, headers=AUTH, timeout=10)
     assert r.status_code == 404
+
+
+def test_admin_keys_are_apart_from_inference_keys(server):
+    url = server.url
+    r = httpx.get(f"{url}/v1/admin/tasks", headers=AUTH, timeout=10)
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "permission_denied"
+    assert "admin_api_keys" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/admin/tasks", headers=ADMIN, timeout=10).status_code == 200
+    bad = {"Authorization": "Bearer nope"}
+    assert httpx.get(f"{url}/v1/admin/tasks", headers=bad, timeout=10).status_code == 401
+    # an admin key is not an inference key
+    x = np.zeros((1, D), np.float32)
+    r = httpx.post(f"{url}/v1/infer/emb", content=x.tobytes(), params=S.tensor_meta(x.shape),
+                   headers={"Content-Type": "application/octet-stream", **ADMIN}, timeout=10)
+    assert r.status_code == 401
+
+
+def test_inference_keys_alone_never_open_the_admin_api():
+    from lumen_core.errors import PermissionDenied, Unauthenticated
+    from lumen_core.serve.auth import ApiKeys
+
+    keys = ApiKeys(["k"])
+    with pytest.raises(PermissionDenied, match="none configured"):
+        keys.check_admin("Bearer k")
+    with pytest.raises(Unauthenticated):
+        keys.check_admin("Bearer other")
+    ApiKeys().check_admin(None)  # no key at all: open, as every route is
+    ApiKeys(admin_keys=["a"]).check_admin("Bearer a")
+    with pytest.raises(Unauthenticated):
+        ApiKeys(admin_keys=["a"]).check_admin(None)
+    with pytest.raises(ValueError, match="both"):
+        Runtime.from_dict({"server": {"api_keys": ["k"], "admin_api_keys": ["k"]}})
+
+
+def _load(url: str, model: str, version: str = "9") -> httpx.Response:
+    return httpx.post(f"{url}/v1/admin/tasks/emb/versions/{version}/load",
+                      json={"model": model}, headers=ADMIN, timeout=10)
+
+
+def test_admin_loads_are_confined_to_the_model_root(server, tmp_path_factory):
+    url = server.url
+    root = server.v1.parent  # the config file's folder
+    # outside the root: refused, telling nothing of what exists there
+    outside = []
+    for p in ("/etc/passwd", "/etc/no_such_file_here", "/dev/zero", "../elsewhere.onnx",
+              str(root / ".." / "x.onnx")):
+        r = _load(url, p)
+        assert r.status_code == 403, (p, r.text)
+        err = r.json()["error"]
+        assert err["field"] == "model" and "model root" in err["message"]
+        outside.append(err["message"].replace(p, "<p>"))
+    assert len(set(outside)) == 1, outside
+    (root / "escape.onnx").symlink_to("/etc/passwd")
+    assert _load(url, "escape.onnx").status_code == 403
+    # under the root: a missing file names the request's path and field, not the config
+    r = _load(url, "missing.onnx")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["field"] == "model", r.text
+    assert "'missing.onnx'" in err["message"] and "lumen.toml" not in err["message"]
+    # not a regular file: refused at once, never read
+    os.mkfifo(root / "pipe.onnx")
+    r = _load(url, "pipe.onnx")
+    assert r.status_code == 400 and "not a regular file" in r.json()["error"]["message"]
+    with open(root / "big.onnx", "wb") as fh:
+        fh.truncate(MAX_MODEL_BYTES + 1)
+    r = _load(url, "big.onnx")
+    assert r.status_code == 413 and "admin_max_model_bytes" in r.json()["error"]["message"]
+    # a file that fails to load: its error names the load request, not a config key
+    (root / "corrupt.onnx").write_bytes(b"corrupt")
+    r = _load(url, "corrupt.onnx")
+    failed = [v for v in r.json()["versions"] if v["version"] == "9"]
+    assert failed and failed[0]["state"] == "failed"
+    assert "lumen.toml" not in failed[0]["error"]
+    # a relative path is taken under the root
+    _write(root / "v3.onnx", 3.0)
+    assert _load(url, "v3.onnx", "3").status_code == 200
+    assert _served(_infer(url, **{"lumen.model.version": "3"})) == ("3", 3.0)
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as fh:
+        return next(int(ln.split()[1]) for ln in fh if ln.startswith("rchar"))
+
+
+def test_shutdown_never_waits_for_an_admin_load(tmp_path):
+    """A huge (sparse) file under the root is being read when the server stops: the read
+    gives up at once, so the shutdown neither waits out its grace period for the load nor
+    leaves a worker thread reading."""
+    v1, v2 = tmp_path / "v1.onnx", tmp_path / "v2.onnx"
+    _write(v1, 1.0)
+    _write(v2, 2.0)
+    cfg = tmp_path / "lumen.toml"
+    _config(cfg, v1, v2, "admin_max_model_bytes = 1099511627776\n")
+    huge = tmp_path / "huge.onnx"
+    with open(huge, "wb") as fh:
+        fh.truncate(1 << 40)
+    rt = Runtime.from_config(str(cfg))
+    rt._lifecycle.quiet_s = QUIET_S
+    srv = S.ServerThread(rt, grpc=False, grace_s=30.0)
+    loader = threading.Thread(target=lambda: _load_quietly(srv.url, "huge.onnx"), daemon=True)
+    try:
+        before = _read_bytes()
+        loader.start()
+        S.wait_for(lambda: _read_bytes() - before > 64 << 20, "the admin load reading the file")
+        async def stop() -> None:
+            await srv.server.shutdown()
+
+        t0 = time.monotonic()
+        srv.call(stop(), timeout=10)
+        assert time.monotonic() - t0 < 5.0  # not the 30 s grace
+        # every worker thread (the one hashing the file too) ends at once
+        srv.call(srv.loop.shutdown_default_executor(), timeout=5)
+    finally:
+        srv.loop.call_soon_threadsafe(srv.loop.stop)
+        huge.unlink()
+    loader.join(10)
+
+
+def _load_quietly(url: str, model: str) -> None:
+    try:
+        _load(url, model)
+    except httpx.HTTPError:
+        pass  # the server went away under it
 
 
 def test_reload_under_http_load(server):
@@ -176,7 +306,7 @@ def test_reload_under_http_load(server):
     try:
         for k in (11.0, 12.0, 13.0):
             _write(server.v1, k)
-            r = httpx.post(f"{url}/v1/admin/tasks/emb/reload", headers=AUTH, timeout=60)
+            r = httpx.post(f"{url}/v1/admin/tasks/emb/reload", headers=ADMIN, timeout=60)
             assert r.status_code == 200
             S.wait_for(lambda k=k: ("1", k) in results[-20:], f"the swap to +{k:g} serving")
         _write(server.v1, 14.0)
@@ -184,7 +314,7 @@ def test_reload_under_http_load(server):
             await server.server.reload()  # what the SIGHUP handler runs
         server.call(sighup())
         server.v1.write_bytes(b"corrupt")
-        r = httpx.post(f"{url}/v1/admin/tasks/emb/reload", headers=AUTH, timeout=60)
+        r = httpx.post(f"{url}/v1/admin/tasks/emb/reload", headers=ADMIN, timeout=60)
         view = r.json()
         assert {(v["version"], v["state"]) for v in view["versions"]} >= \
             {("1", "ready"), ("1", "failed")}

@@ -23,6 +23,8 @@ FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 REFERENCE = json.loads((FIXTURES / "vad_speech_reference.json").read_text())
 #: one chunk: probabilities of a batched run may differ from the reference in the last bits
 TOLERANCE_MS = 32.0
+#: the server's max_payload_bytes: above every fixture, far below MAX_FILE_SECONDS of audio
+MAX_PAYLOAD = 1 << 20
 
 
 def vad_task(home) -> dict:
@@ -36,7 +38,8 @@ def vad_task(home) -> dict:
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("lumen_home")
     models.prepare(names=[models.SILERO_VAD], home=home)
-    srv = ServerThread(lc.Runtime.from_dict({"tasks": [vad_task(home)]}), grpc=False)
+    srv = ServerThread(lc.Runtime.from_dict({"server": {"max_payload_bytes": MAX_PAYLOAD},
+                                             "tasks": [vad_task(home)]}), grpc=False)
     yield srv
     srv.stop()
 
@@ -142,12 +145,82 @@ def test_bad_and_too_long_files(server):
     assert r.status_code == 400
     r = httpx.post(url, content=bytes(8), headers={"content-type": "audio/L16;rate=8000"})
     assert r.status_code == 415 and "audio/L16;rate=16000" in r.json()["error"]["message"]
-    # a header announcing more than MAX_FILE_SECONDS: refused before anything runs
-    frames = audio.MAX_FILE_SAMPLES + 16000
-    hdr = b"RIFF" + struct.pack("<I", 36 + frames * 2) + b"WAVEfmt " + struct.pack(
-        "<IHHIIHH", 16, 1, 1, 16000, 32000, 2, 16) + b"data" + struct.pack("<I", frames * 2)
-    r = httpx.post(url, content=hdr + bytes(1024), headers={"content-type": "audio/wav"})
-    assert r.status_code == 413 and "MAX_FILE_SECONDS" in r.json()["error"]["message"]
+    # audio longer than MAX_FILE_SECONDS: refused before anything runs (a body that long is
+    # over max_payload_bytes here, so the decoder is asked directly)
+    with pytest.raises(lc.PayloadTooLarge, match="MAX_FILE_SECONDS"):
+        audio.decode_file(bytes(2 * audio.MAX_FILE_SAMPLES + 2), "audio/L16;rate=16000")
+    with pytest.raises(lc.PayloadTooLarge, match="MAX_FILE_SECONDS"):
+        audio.decode_file(wav_bytes(np.zeros(audio.MAX_FILE_SAMPLES + 1, np.int16)), "audio/wav")
+
+
+def _wav(chunks: bytes) -> bytes:
+    return b"RIFF" + struct.pack("<I", len(chunks) + 4) + b"WAVE" + chunks
+
+
+FMT = b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, 16000, 32000, 2, 16)
+
+
+def _speech_pcm(name: str = "vad_speech_2.wav") -> bytes:
+    with wave.open(str(FIXTURES / name)) as w:
+        return w.readframes(w.getnframes())
+
+
+def test_whole_files_are_bounded_by_max_payload_bytes(server):
+    url = f"{server.url}/v1/infer/vad"
+    for mime, body in (("audio/L16;rate=16000", bytes(2 * MAX_PAYLOAD)),
+                       ("audio/wav", wav_bytes(np.zeros(MAX_PAYLOAD, np.int16)))):
+        r = httpx.post(url, content=body, headers={"content-type": mime}, timeout=30)
+        assert r.status_code == 413, (mime, r.text)
+        assert "max_payload_bytes" in r.json()["error"]["message"]
+
+    def streamed():  # no Content-Length: counted as it arrives
+        for _ in range(3):
+            yield bytes(MAX_PAYLOAD // 2)
+
+    r = httpx.post(url, content=streamed(), headers={"content-type": "audio/L16;rate=16000"},
+                   timeout=30)
+    assert r.status_code == 413 and "max_payload_bytes" in r.json()["error"]["message"]
+
+
+def test_riff_chunks_past_the_end_of_the_file_are_400(server):
+    url = f"{server.url}/v1/infer/vad"
+    data = b"data" + struct.pack("<I", 3200) + bytes(3200)
+    for body in (_wav(FMT + b"LIST" + struct.pack("<I", 0x7FFFFFFF) + bytes(10) + data),
+                 _wav(b"fmt " + struct.pack("<I", 1 << 30) + bytes(16)),
+                 _wav(b"fmt " + struct.pack("<I", 4) + bytes(4) + data),
+                 _wav(data + FMT)):
+        r = httpx.post(url, content=body, headers={"content-type": "audio/wav"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["field"] == "payload" and "WAV" in err["message"]
+
+
+def test_wav_header_sizes_are_checked_against_the_body(server):
+    """A data size past the end (0xFFFFFFFF, as streaming writers leave it, or a cut file)
+    decodes the samples present; an empty data size with audio behind it is a 400."""
+    url = f"{server.url}/v1/infer/vad"
+    pcm = _speech_pcm()
+    want = httpx.post(url, content=_wav(FMT + b"data" + struct.pack("<I", len(pcm)) + pcm),
+                      headers={"content-type": "audio/wav"}, timeout=60).json()
+    assert want["segments"]
+    for size in (0xFFFFFFFF, len(pcm) + 32000):
+        r = httpx.post(url, content=_wav(FMT + b"data" + struct.pack("<I", size) + pcm),
+                       headers={"content-type": "audio/wav"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json() == want
+    r = httpx.post(url, content=_wav(FMT + b"data" + struct.pack("<I", 0) + pcm),
+                   headers={"content-type": "audio/wav"}, timeout=60)
+    assert r.status_code == 400 and "empty data chunk" in r.json()["error"]["message"]
+    # a really empty data chunk, other chunks after it: no speech, rightly
+    empty = _wav(FMT + b"data" + struct.pack("<I", 0) + b"LIST" + struct.pack("<I", 4) + b"INFO")
+    r = httpx.post(url, content=empty, headers={"content-type": "audio/wav"})
+    assert r.status_code == 200 and r.json() == {"segments": [], "duration_ms": 0.0}
+    # WAVE_FORMAT_EXTENSIBLE with the PCM sub-format is PCM
+    ext = b"fmt " + struct.pack("<IHHIIHHHHI", 40, 0xFFFE, 1, 16000, 32000, 2, 16, 22, 16, 4) \
+        + struct.pack("<H", 1) + bytes(14)
+    r = httpx.post(url, content=_wav(ext + b"data" + struct.pack("<I", len(pcm)) + pcm),
+                   headers={"content-type": "audio/wav"}, timeout=60)
+    assert r.status_code == 200 and r.json() == want
 
 
 def test_a_chunk_with_a_sequence_id_is_still_one_chunk(server):

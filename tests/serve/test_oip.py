@@ -246,13 +246,13 @@ def test_shared_memory_input_equals_inline_bytes(client):
 
 def test_shared_memory_is_off_unless_enabled():
     from lumen_core.errors import InvalidArgument
-    from lumen_core.serve.shm import ShmRegistry
+    from lumen_core.serve.shm import Caller, ShmRegistry
 
     reg = ShmRegistry(enabled=False)
     with pytest.raises(InvalidArgument, match="system_shared_memory = true"):
-        reg.register("r", "/k", 0, 8)
+        reg.register(Caller(None, True), "r", "/k", 0, 8)
     with pytest.raises(InvalidArgument, match="off on this server"):
-        reg.view("r", 0, 8)
+        reg.view(Caller(None, True), "r", 0, 8)
 
 
 def test_api_keys_on_the_oip_routes(tmp_path):

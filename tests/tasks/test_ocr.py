@@ -141,6 +141,70 @@ def test_bad_input_fails_alone(rt, together):
         rt.infer_sync(bad)
 
 
+@pytest.mark.parametrize("h,w", [(2, 400), (1, 2000), (250, 2000), (2000, 250), (1000, 1000),
+                                 (29, 2001), (31, 7), (1, 1), (2000, 2000), (5000, 40),
+                                 (16384, 1), (3, 900)])
+def test_detector_input_size_is_computed_without_pixels(h, w):
+    from lumen_core.tasks import ocr_post as P
+
+    img, _rh, _rw = P.resize_within_bounds(np.zeros((h, w, 3), np.uint8))
+    det = None
+    if img is not None:
+        img, _top = P.vertical_padding(img)
+        det = P.det_resize(img)
+    assert P.det_input_size(h, w) == (None if det is None else det.shape[:2])
+
+
+def test_an_extreme_aspect_is_refused_before_any_work(rt):
+    """A 400x2 PNG (under 100 bytes) would be a 6016x1504 detector input (10 s, 1.6 GB):
+    refused from its size, by the raw and the tensor route."""
+    import time
+
+    strip = _png(Image.new("RGB", (400, 2), (255, 255, 255)))
+    assert len(strip) < 100
+    t0 = time.monotonic()
+    with pytest.raises(lc.InvalidArgument, match="max_det_pixels") as ei:
+        rt.infer_sync(raw(strip))
+    assert ei.value.field == "payload" and "6016x1504" in ei.value.message
+    tensor = (lc.new_infer_request("ocr").for_tensor_array(
+        np.full((1, 2, 600, 3), 255, np.uint8), layout="NHWC", preprocess_id="rgb_uint8_v1")
+        .build())
+    with pytest.raises(lc.InvalidArgument, match="max_det_pixels") as ei:
+        rt.infer_sync(tensor)
+    assert ei.value.field == "lumen.tensor.shape"
+    assert time.monotonic() - t0 < 2.0  # nothing was resized, padded or detected
+
+
+def _dense_page(side: int) -> bytes:
+    """A page of small dense text: lines of words in PIL's default font, 12 pixels apart."""
+    from PIL import ImageDraw
+
+    img = Image.new("RGB", (side, side), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    words = ("lorem", "ipsum", "dolor", "sit", "amet", "text", "small", "page", "42")
+    for row, y in enumerate(range(2, side - 10, 12)):
+        x = 2
+        while x < side - 40:
+            word = words[(row * 7 + x) % len(words)]
+            draw.text((x, y), word, fill=(0, 0, 0))
+            x += 6 * len(word) + 6
+    return _png(img)
+
+
+def test_a_dense_page_is_refused_by_the_recognition_budget(rt):
+    """A 1000x1000 page of small text (83 lines, 11.8 M pixels to recognise: 26 s of CPU and
+    6 GB) is refused once the detector has found its lines, before any is classified or
+    read; a page within the budget is read."""
+    steps = rt.load()["ocr"]["steps"]
+    cls_items, rec_items = steps["cls"]["items"], steps["rec"]["items"]
+    with pytest.raises(lc.PayloadTooLarge, match="max_rec_pixels") as ei:
+        rt.infer_sync(raw(_dense_page(1000)))
+    assert ei.value.field == "payload"
+    steps = rt.load()["ocr"]["steps"]
+    assert (steps["cls"]["items"], steps["rec"]["items"]) == (cls_items, rec_items)
+    assert rt.describe("ocr")["max_rec_pixels"] == 8_000_000
+
+
 def test_deadline_and_step_stats(rt):
     req = (lc.new_infer_request("ocr").for_raw_input((OCR_DIR / "ocr_11_03.png").read_bytes(),
                                                       "image/png")

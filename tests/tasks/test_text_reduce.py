@@ -163,3 +163,74 @@ def test_16mb_inputs_reach_the_tokenizer_bounded(tok_path, full, make, off_loop)
         assert ids == _expected(full, text[:40_000])[0]
     else:  # homogeneous runs: the same ids as a 40 KiB text of the same kind
         assert ids == full.encode(text[:40_000]).ids
+
+
+# -- /v1/tokenize (issue 25 row 25): the same bounds, with character offsets into the text ----
+def _rows(full, text, truncate, limit=te.DEFAULT_MAX_SEQ_LENGTH):
+    """What ``tokenize`` must answer for ``text``: the full tokenization's rows (cut)."""
+    enc = full.encode(text)
+    rows = [{"id": i, "text": t, "special": bool(s), "start": a, "stop": b}
+            for i, t, s, (a, b) in zip(enc.ids, enc.tokens, enc.special_tokens_mask,
+                                       enc.offsets, strict=True)]
+    if truncate and len(rows) > limit:
+        rows = rows[:limit - 1] + rows[-1:]
+    return rows
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=_texts(), truncate=st.booleans())
+def test_tokenize_equals_the_full_tokenization_offsets_too(backend, full, text, truncate):
+    text = text if len(text) > te.LONG_TEXT_CHARS else text * (te.LONG_TEXT_CHARS // len(text) + 1)
+    assert backend.tokenize([text], truncate) == [_rows(full, text, truncate)]
+
+
+@pytest.mark.parametrize("text", [
+    "word " * 13_000, "a" * 70_000, " " * 70_000 + "tail", "x" + "\x01" * 70_000 + "y z",
+    "é" * 30_000 + " after", "e\u0301" * 20_000, "中" * 70_000, "head " + "😀" * 20_000 + " end",
+    "ab  " * 20_000, "a\u0301\u0301 " * 20_000,
+], ids=["words", "one-word", "spaces", "controls", "e-acute", "nfd", "cjk", "emoji",
+        "double-spaces", "marks"])
+@pytest.mark.parametrize("truncate", [True, False])
+def test_tokenize_of_long_degenerate_texts(backend, full, text, truncate):
+    """Prefixes and the reducer, with offsets mapped back to the text: exact answers."""
+    want = _rows(full, text, truncate)
+    if not truncate and len(want) > te.MAX_TOKENIZE_TOKENS:
+        with pytest.raises(te.PayloadTooLarge, match="MAX_TOKENIZE_TOKENS"):
+            backend.tokenize([text], truncate)
+    else:
+        assert backend.tokenize([text], truncate) == [want]
+
+
+MB4 = MB16 // 4
+
+
+@pytest.mark.parametrize("make", [
+    lambda: "word " * (MB4 // 5), lambda: "a" * MB4, lambda: " " * MB4,
+    lambda: "e\u0301" * (MB4 // 3), lambda: _punct(MB4), lambda: "한" * (MB4 // 3),
+], ids=["words", "one-word", "spaces", "nfd", "punctuation", "hangul"])
+def test_tokenize_of_4mb_reaches_the_tokenizer_bounded(tok_path, make):
+    """truncate=true costs what max_seq_length needs, as the embedding path does (4 MB of
+    "word " took 6 s of CPU and 650 MB, one 8 MB word 2.26 GB); truncate=false is bounded by
+    MAX_TOKENIZE_TOKENS, refused from a prefix once it is known to be over."""
+    b = _Backend(tok_path)
+    spy = b.tokenizer = _Spy(b.tokenizer)
+    text = make()
+    rows = b.tokenize([text], True)[0]
+    assert len(rows) <= te.DEFAULT_MAX_SEQ_LENGTH
+    assert all(0 <= r["start"] <= r["stop"] <= len(text) for r in rows)
+    assert sum(spy.sizes) <= 64 * 1024, spy.sizes
+    spy.sizes.clear()
+    try:
+        rows = b.tokenize([text], False)[0]
+    except te.PayloadTooLarge as exc:
+        assert "MAX_TOKENIZE_TOKENS" in exc.message
+    else:
+        assert len(rows) <= te.MAX_TOKENIZE_TOKENS
+    assert sum(spy.sizes) <= 4 * te.MAX_TOKENIZE_TOKENS * 16, spy.sizes[-3:]
+
+
+def test_one_giant_word_keeps_its_whole_span(tok_path):
+    b = _Backend(tok_path)
+    rows = b.tokenize(["a" * MB16 + " b"], True)[0]
+    assert [(r["text"], r["start"], r["stop"]) for r in rows] == [
+        ("[CLS]", 0, 0), ("[UNK]", 0, MB16), ("b", MB16 + 1, MB16 + 2), ("[SEP]", 0, 0)]
