@@ -606,6 +606,31 @@ async def bench_http_open_loop(url: str, texts: Sequence[str], rate: float, dura
     return open_loop_summary(target or url, rate, target_ms, seconds, outcomes, first)
 
 
+async def bench_runtime_open_loop(runtime: Any, texts: Sequence[str], rate: float,
+                                  duration: float, task: str = DEFAULT_TASK,
+                                  target_ms: float = DEFAULT_TARGET_MS, seed: int = DEFAULT_SEED,
+                                  target: str = "in-process",
+                                  stream: Optional[TextIO] = None) -> OpenLoopResult:
+    """The same open loop straight against a started ``Runtime`` (no HTTP): an error counts
+    under the HTTP status the server would answer it with."""
+    text_request = runtime.text_request
+
+    async def call(i: int) -> int:
+        try:
+            await runtime.infer(text_request(task, texts[i]))
+        except Exception as exc:  # noqa: BLE001 - its status is the outcome
+            status = getattr(exc, "http_status", 0)
+            if not status:
+                raise
+            return status
+        return STATUS_OK
+
+    outcomes, first, seconds = await open_loop(
+        call, len(texts), rate, duration, seed,
+        Progress(f"{target} rate={rate:g}/s", max(1, int(rate * duration)), stream))
+    return open_loop_summary(target, rate, target_ms, seconds, outcomes, first)
+
+
 def plot_open_loop(results: Sequence[OpenLoopResult], path: str) -> None:
     """Per second of each run: the ok latency percentiles, and the outcomes (stacked)."""
     plt = _pyplot()
