@@ -30,44 +30,39 @@ COST_MIN_SAMPLES = 8
 #: weight of the newest batch in the running mean of tokens per item
 TOKENS_EMA = 0.05
 
-_N = 3  # features: 1, n, tokens
-
-
-def _solve(a: list, b: list) -> list:
-    """``a x = b`` for a small dense system (Gaussian elimination, partial pivoting); a
-    singular column gives 0 for its unknown."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if m[piv][col] == 0.0:
-            continue
-        m[col], m[piv] = m[piv], m[col]
-        p = m[col][col]
-        for r in range(col + 1, n):
-            f = m[r][col] / p
-            if f:
-                row, top = m[r], m[col]
-                for k in range(col, n + 1):
-                    row[k] -= f * top[k]
-    x = [0.0] * n
-    for col in range(n - 1, -1, -1):
-        p = m[col][col]
-        if p == 0.0:
-            continue
-        x[col] = (m[col][n] - sum(m[col][k] * x[k] for k in range(col + 1, n))) / p
-    return x
+def _solve3(a00: float, a01: float, a02: float, a11: float, a12: float, a22: float,
+            b0: float, b1: float, b2: float) -> tuple:
+    """``A x = b`` for a symmetric positive (semi)definite 3x3 ``A`` (its upper triangle), by
+    an unrolled LDL^T; an unknown whose pivot vanishes (a direction no data spans) is 0."""
+    d0 = a00
+    l10 = a01 / d0 if d0 > 0.0 else 0.0
+    l20 = a02 / d0 if d0 > 0.0 else 0.0
+    d1 = a11 - l10 * l10 * d0
+    l21 = (a12 - l20 * l10 * d0) / d1 if d1 > 0.0 else 0.0
+    d2 = a22 - l20 * l20 * d0 - l21 * l21 * d1
+    y0 = b0
+    y1 = b1 - l10 * y0
+    y2 = b2 - l20 * y0 - l21 * y1
+    x2 = y2 / d2 if d2 > 0.0 else 0.0
+    x1 = (y1 / d1 if d1 > 0.0 else 0.0) - l21 * x2
+    x0 = (y0 / d0 if d0 > 0.0 else 0.0) - l10 * x1 - l20 * x2
+    return x0, x1, x2
 
 
 class CostModel:
-    """``compute_us ~ a + b n + c tokens`` of one batcher (module docstring)."""
+    """``compute_us ~ a + b n + c tokens`` of one batcher (module docstring).
+
+    ``s`` holds the upper triangle of the weighted ``sum x x^T`` (``s00 s01 s02 s11 s12
+    s22``), ``r`` the weighted ``sum x y``, for ``x = (1, n, tokens)``; unrolled, a batch
+    costs a few microseconds of the worker thread.
+    """
 
     __slots__ = ("forgetting", "s", "r", "theta", "samples", "tokens_per_item", "last_error_us")
 
     def __init__(self, forgetting: float = COST_FORGETTING):
         self.forgetting = forgetting
-        self.s = [[0.0] * _N for _ in range(_N)]
-        self.r = [0.0] * _N
+        self.s = (0.0,) * 6
+        self.r = (0.0,) * 3
         self.theta = (0.0, 0.0, 0.0)
         self.samples = 0
         self.tokens_per_item = 0.0
@@ -78,20 +73,20 @@ class CostModel:
         if n <= 0:
             return
         lam = self.forgetting
-        x = (1.0, float(n), float(tokens))
+        x1 = float(n)
+        x2 = float(tokens)
         y = float(compute_us)
         if self.samples:
             self.last_error_us = y - self.predict_us(n, tokens)
-        s, r = self.s, self.r
-        for i in range(_N):
-            r[i] = lam * r[i] + x[i] * y
-            row = s[i]
-            for j in range(_N):
-                row[j] = lam * row[j] + x[i] * x[j]
-        a = [[s[i][j] + ((COST_RIDGE_REL * s[i][i] + COST_RIDGE_ABS) if i == j else 0.0)
-              for j in range(_N)] for i in range(_N)]
-        self.theta = tuple(_solve(a, r))
-        per = tokens / n
+        s00, s01, s02, s11, s12, s22 = self.s
+        r0, r1, r2 = self.r
+        s = self.s = (lam * s00 + 1.0, lam * s01 + x1, lam * s02 + x2, lam * s11 + x1 * x1,
+                      lam * s12 + x1 * x2, lam * s22 + x2 * x2)
+        r = self.r = (lam * r0 + y, lam * r1 + x1 * y, lam * r2 + x2 * y)
+        rel, ab = 1.0 + COST_RIDGE_REL, COST_RIDGE_ABS
+        self.theta = _solve3(s[0] * rel + ab, s[1], s[2], s[3] * rel + ab, s[4],
+                             s[5] * rel + ab, r[0], r[1], r[2])
+        per = x2 / x1
         self.tokens_per_item = per if not self.samples else (
             self.tokens_per_item + TOKENS_EMA * (per - self.tokens_per_item))
         self.samples += 1
