@@ -71,8 +71,11 @@ cdef class Admission:
     @cython.locals(b=Py_ssize_t, w=Py_ssize_t, ahead=Py_ssize_t, fixed=double, item=double,
                    batch_ns=double, wait=double)
     cpdef long long predicted_ns(self, Py_ssize_t k)
-    @cython.locals(limit="long long", wait="long long", drain="long long", retry="long long")
-    cpdef check_latency(self, Py_ssize_t n, long long timeout_ns)
+    @cython.locals(limit="long long", wait="long long", drain="long long", retry="long long",
+                   ahead=Py_ssize_t)
+    cpdef check_latency(self, Py_ssize_t n, long long timeout_ns, int priority=*)
+    @cython.locals(k=Py_ssize_t, i=Py_ssize_t, q=SignatureQueue, levels=list, e=Entry)
+    cpdef Py_ssize_t queued_up_to(self, int priority)
     @cython.locals(now="long long", e=Entry)
     cpdef Entry submit(self, object item, object desc=*, int priority=*, long long timeout_ms=*)
     @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group)

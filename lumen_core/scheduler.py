@@ -396,26 +396,44 @@ class Admission:
             wait += self.running * batch_ns / (2 * w)
         return int(wait)
 
-    def check_latency(self, n: int, timeout_ns: int) -> None:
+    def check_latency(self, n: int, timeout_ns: int, priority: int = 1) -> None:
         """Under the lock, with a latency target: raise ``Overloaded`` (429, Retry-After the
-        predicted drain time) when ``n`` more requests would be answered past the target or
-        past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are never dropped
-        for them: the refusal happens before anything is queued."""
+        predicted drain time) when ``n`` more requests of ``priority`` would be answered past
+        the target or past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are
+        never dropped for them: the refusal happens before anything is queued."""
         limit = self.target_ns
         what = "latency target"
         if 0 < timeout_ns < limit:
             limit = timeout_ns
             what = "deadline"
-        wait = self.predicted_ns(self.pending + n)
+        ahead = self.pending
+        wait = self.predicted_ns(ahead + n)
         if wait <= limit:
             return
-        drain = self.predicted_ns(self.pending) if self.pending else wait
+        if priority < self.levels:  # only requests of its level or above run before it
+            ahead = self.queued_up_to(priority)
+            wait = self.predicted_ns(ahead + n)
+            if wait <= limit:
+                return
+        drain = self.predicted_ns(ahead) if ahead else wait
         retry = max(1, -(-drain // 1_000_000_000))
         raise Overloaded(f"task {self.name!r} cannot answer within its {what} of "
-                         f"{limit // 1_000_000} ms: {self.pending} requests queued ahead drain "
+                         f"{limit // 1_000_000} ms: {ahead} requests queued ahead drain "
                          f"in about {(drain + 500_000) // 1_000_000} ms at the learnt rate, so "
                          f"this one would finish in about {(wait + 500_000) // 1_000_000} ms; "
                          f"refused at once (nothing was queued), retry in {retry} s", None, retry)
+
+    def queued_up_to(self, priority: int) -> int:
+        """Under the lock: live queued requests of priority ``priority`` or higher (a scan:
+        only a refusal check of a request above the lowest level pays it)."""
+        k = 0
+        for q in self.queues.values():
+            levels = q.levels
+            for i in range(priority):
+                for e in levels[i]:
+                    if e.state == QUEUED:
+                        k += 1
+        return k
 
     def submit(self, item: Any, desc: Any = None, priority: int = 1,
                timeout_ms: int = 0) -> Entry:
@@ -435,7 +453,7 @@ class Admission:
             if self.closed or self.pending >= self.max_queue_size:
                 self.admit(1)
             if self.target_ns and self.cost_ready:
-                self.check_latency(1, timeout_ms * 1_000_000)
+                self.check_latency(1, timeout_ms * 1_000_000, priority)
             self.enqueue(e, sig)
             self.pending += 1
             self.wake_if_formable(e.queue)
@@ -471,7 +489,8 @@ class Admission:
         try:
             self.admit(n)
             if self.target_ns and self.cost_ready:
-                self.check_latency(n, min([s[3] for s in specs if s[3] > 0] or [0]) * 1_000_000)
+                self.check_latency(n, min([s[3] for s in specs if s[3] > 0] or [0]) * 1_000_000,
+                                   max([s[2] for s in specs]))
             for k in range(n):
                 self.enqueue(entries[k], sigs[k])
             self.pending += n

@@ -196,6 +196,33 @@ def test_a_deadline_tighter_than_the_target_is_refused_on_the_deadline():
     assert "deadline of 7 ms" in late.message
 
 
+def test_a_high_priority_request_is_predicted_behind_its_level_only():
+    """A backlog of low-priority requests refuses more low-priority ones, not a request of a
+    higher level: formation runs it first, so only its level and above count ahead of it."""
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, priority_levels=2, latency_target_ms=10),
+                           [w])
+        learnt(b)
+        running = asyncio.ensure_future(b.infer(Item(0), priority=2))
+        await wait_started(w)
+        low = [asyncio.ensure_future(b.infer(Item(i), priority=2)) for i in (1, 2, 3, 4)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as refused:
+            b.submit(Item(5), None, 2, 0)  # 5th low one: 12 ms
+        high = b.submit(Item(6), None, 1, 0)  # first of its level: 6 ms
+        assert b.pending == 5
+        gate.set()
+        await asyncio.gather(running, *low, high.waiter)
+        await b.close()
+        return w, refused.value
+
+    w, refused = asyncio.run(main())
+    assert w.seen()[:2] == [0, 6]  # the high one ran first
+    assert "4 requests queued ahead" in refused.message
+
+
 def test_groups_are_refused_whole():
     async def main():
         gate = threading.Event()
