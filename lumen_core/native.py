@@ -1,10 +1,16 @@
 """Choose the compiled hot path or its pure-Python twin (aiohttp's NO_EXTENSIONS pattern).
 
-Every compiled module ``lumen_core._<name>`` (built from ``csrc/_<name>.pyx``) has a
-pure-Python twin ``lumen_core.<name>`` exporting the same functions (its ``__all__``): one
-behaviour, two implementations, named and placed alike.  The twin is the definition; the
-compiled module imports its cold-path checks and error builders from it and only re-implements
-the hot path.  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
+Every compiled module ``lumen_core._<name>`` has a pure-Python twin ``lumen_core.<name>``
+exporting the same API (its ``__all__``), named and placed alike.  Two kinds:
+
+- C-level code (buffer protocol, nogil loops, C structs: ``descriptor``, ``assemble``,
+  ``image``, ``notify``) is written in ``csrc/_<name>.pyx``; the twin is the definition, and the
+  compiled module imports its cold-path checks and error builders from it and only
+  re-implements the hot path;
+- the request path's classes (``scheduler``, ``messages``) have ONE source, the twin itself,
+  which Cython compiles in its pure-Python mode with the C types declared in
+  ``lumen_core/_<name>.pxd`` (nothing is written twice).
+  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
 used when it imports.  Callers import the chosen module from here::
 
     from lumen_core import native
