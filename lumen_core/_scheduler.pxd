@@ -46,6 +46,13 @@ cdef class DenseTensor:
     cpdef Prepared prepare(self, object desc, object payload)
 
 
+cdef class TextPrep:
+    cdef public object encode, signature, mimes
+    cdef public Py_ssize_t max_tokens, max_chars
+    @cython.locals(n=Py_ssize_t)
+    cpdef Prepared prepare(self, object req, object payload)
+
+
 cdef class SignatureQueue:
     cdef public object signature
     cdef public list levels
@@ -96,6 +103,7 @@ cdef class Admission:
 cdef class Route:
     cdef public object name, version, backend, contract, router, cache
     cdef public DenseTensor dense
+    cdef public TextPrep text
     cdef public Admission batcher
     cdef public Py_ssize_t holds, priority_levels, default_priority
     cdef public long long default_timeout_ms, inline_max

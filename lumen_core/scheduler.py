@@ -14,7 +14,8 @@ The homes, in the order a request meets them:
 - :class:`Dispatcher` -- the runtime's table of routes and ``infer`` / ``infer_many``: route,
   validate (``native.descriptor``), prepare, admit, await, respond;
 - :class:`Prepared` -- a request ready for batching (execution signature, payload buffers);
-  :class:`DenseTensor` prepares the common dense tensor route without a Python frame;
+  :class:`DenseTensor` and :class:`TextPrep` prepare the dense tensor route and plain text
+  without a Python frame;
 - :class:`Admission` -- a batcher's admission state: its lock, counters, the signature queues
   of a dynamic batcher, the idle workers, and every deadline of the batcher in one heap with
   one loop timer for the earliest (as Triton's ``PolicyQueue``), not a timer per request;
@@ -36,6 +37,8 @@ from collections import deque as _deque
 from threading import Lock as _Lock
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from . import native
 from .contract import KEY_INPUT_KIND, KEY_TIMEOUT_MS
 from .errors import (
@@ -55,7 +58,8 @@ log = logging.getLogger("lumen.batching")
 
 #: the twin API (``lumen_core._scheduler`` exports the same names)
 __all__ = ["Admission", "DenseTensor", "Dispatcher", "Entry", "Group", "Prepared", "Route",
-           "Rows", "SignatureQueue", "answer", "deliver", "group_too_large", "route_of"]
+           "Rows", "SignatureQueue", "TextPrep", "answer", "deliver", "group_too_large",
+           "route_of"]
 
 #: entry states: queued -> running (taken into a batch, under the batcher's lock) -> done
 QUEUED, RUNNING, DONE = 0, 1, 2
@@ -259,6 +263,45 @@ class DenseTensor:
             if len(self.signatures) < self.max_cached:
                 self.signatures[key] = sig
         return Prepared(sig, (payload,), item_shape, 0)
+
+
+class TextPrep:
+    """The raw text route of a tokenizing backend, prepared in C in its common case: a request
+    without meta whose payload is a ``str`` or UTF-8 bytes under one of ``mimes``, short enough
+    (``max_chars``) to tokenize on the loop, whose ``encode(text).ids`` fit the model
+    (``max_tokens``) without truncation.  Anything else -- options, other charsets, long or
+    truncated texts, text that is not text -- is the backend's (:meth:`prepare` returns None)."""
+
+    __slots__ = ("encode", "signature", "max_tokens", "max_chars", "mimes")
+
+    def __init__(self, encode: Callable[[str], Any], signature: Any, max_tokens: int,
+                 max_chars: int, mimes: frozenset):
+        self.encode = encode
+        self.signature = signature
+        self.max_tokens = max_tokens
+        self.max_chars = max_chars
+        self.mimes = mimes
+
+    def prepare(self, req: Any, payload: Any) -> Optional[Prepared]:
+        if req.meta or req.payload_mime not in self.mimes:
+            return None
+        if type(payload) is str:
+            text = payload
+        else:
+            try:
+                text = str(payload, "utf-8")
+            except UnicodeDecodeError:
+                return None
+        if not text or len(text) > self.max_chars:
+            return None
+        try:
+            ids = self.encode(text).ids
+        except TypeError:  # lone surrogates: the backend says what is wrong
+            return None
+        n = len(ids)
+        if n > self.max_tokens:
+            return None
+        return Prepared(self.signature, (np.array(ids, dtype=np.int64),), (), n)
 
 
 # ------------------------------------------------------------------------------ queues
@@ -626,7 +669,7 @@ class Route:
     """
 
     __slots__ = ("name", "version", "backend", "contract", "batcher", "router", "holds", "cache",
-                 "priority_levels", "default_priority", "default_timeout_ms", "dense",
+                 "priority_levels", "default_priority", "default_timeout_ms", "dense", "text",
                  "off_loop", "inline_max", "stateful")
 
     def __init__(self, name: str, version: str, backend: Any, batcher: Any,
@@ -645,6 +688,8 @@ class Route:
         self.default_timeout_ms = default_timeout_ms
         dense = getattr(backend, "dense_tensor", None)
         self.dense = dense() if dense is not None else None
+        text = getattr(backend, "text_fast_path", None)
+        self.text = text() if text is not None else None
         self.stateful = bool(backend.stateful)
         # stateful tasks are admitted in arrival order, inline: never off the loop
         self.off_loop = bool(backend.prepare_off_loop) and not self.stateful
@@ -667,12 +712,16 @@ class Route:
         return self.off_loop or (self.inline_max >= 0 and nbytes > self.inline_max)
 
     def prepare(self, req: Any, desc: Any, payload: Any) -> Any:
-        """The prepared item of ``req`` (its descriptor ``desc``, its payload buffer): the
-        dense tensor route in C, anything else by the backend; a backend bug on odd input is
+        """The prepared item of ``req`` (its descriptor ``desc``, its payload buffer): a dense
+        tensor or plain text in C (``DenseTensor``, ``TextPrep``), anything else by the backend; a backend bug on odd input is
         logged and answered ``InternalError``, never a crash."""
-        dense = self.dense
-        if dense is not None and desc.kind == TENSOR:
-            return dense.prepare(desc, payload)
+        if desc.kind == TENSOR:
+            if self.dense is not None:
+                return self.dense.prepare(desc, payload)
+        elif self.text is not None:
+            prepared = self.text.prepare(req, payload)
+            if prepared is not None:
+                return prepared
         try:
             return self.backend.prepare(req, desc, payload)
         except LumenError:
