@@ -215,3 +215,26 @@ def test_dispatcher_infer_and_infer_many_end_to_end(scheduler):
             await d.infer(lc.InferRequest("t", b"abc"))
         assert route.holds == 0
     asyncio.run(main())
+
+
+def test_a_group_larger_than_the_queue_is_a_400_naming_the_limit(scheduler):
+    err = scheduler.group_too_large("t", 12, 8)
+    assert isinstance(err, lc.InvalidArgument) and err.field == "input"
+    assert "12 inputs" in err.message and "max_queue_size = 8" in err.message
+
+
+def test_text_prep_takes_only_plain_short_text(scheduler):
+    class Enc:
+        def __init__(self, text):
+            self.ids = [101] + [ord(c) for c in text] + [102]
+
+    prep = scheduler.TextPrep(Enc, "sig", 6, 10, frozenset({"text/plain"}))
+    item = prep.prepare(lc.InferRequest("t", "abc", "text/plain"), "abc")
+    assert item.length == 5 and item.signature == "sig" and item.tensors[0].dtype == np.int64
+    assert prep.prepare(lc.InferRequest("t", b"ab", "text/plain"), memoryview(b"ab")).length == 4
+    for req, payload in ((lc.InferRequest("t", "abc", "text/html"), "abc"),  # other mime
+                         (lc.InferRequest("t", "abc", "text/plain", {"k": "v"}), "abc"),
+                         (lc.InferRequest("t", "abcdefg", "text/plain"), "abcdefg"),  # > 6 ids
+                         (lc.InferRequest("t", "", "text/plain"), ""),
+                         (lc.InferRequest("t", b"\xff", "text/plain"), memoryview(b"\xff"))):
+        assert prep.prepare(req, payload) is None  # the backend's to prepare (or refuse)
