@@ -1,7 +1,8 @@
 # Declarations that compile lumen_core/scheduler.py (Cython's pure-Python mode) into
-# lumen_core._scheduler: the request path's typed homes as C types, their fields C fields and
+# lumen_core._scheduler: the request path's queue side as C types, their fields C fields and
 # their methods C calls (cpdef: Python subclasses may override them, e.g. the sequence
-# batcher's submit).  The .py is the one source; this file only adds types.
+# batcher's submit).  The .py is the one source; this file only adds types.  _dispatch.pxd
+# cimports these types.
 cimport cython
 
 
@@ -37,13 +38,6 @@ cdef class Rows:
 cdef class Prepared:
     cdef public object signature, tensors, item_shape
     cdef public Py_ssize_t length
-
-
-cdef class DenseTensor:
-    cdef public object make_signature
-    cdef public dict signatures
-    cdef public Py_ssize_t max_cached
-    cpdef Prepared prepare(self, object desc, object payload)
 
 
 cdef class SignatureQueue:
@@ -102,52 +96,3 @@ cdef class Admission:
     cpdef deliver_batch(self, list entries, object results, long long compute_us)
     cpdef maybe_idle(self)
     cpdef start(self, object loop=*)
-
-
-cdef class Route:
-    cdef public object name, version, backend, contract, router, cache
-    cdef public DenseTensor dense
-    cdef public Admission batcher
-    cdef public Py_ssize_t holds, priority_levels, default_priority
-    cdef public long long default_timeout_ms, inline_max
-    cdef public bint off_loop, stateful
-    cpdef tuple policy(self, object desc)
-    cpdef bint prepares_off_loop(self, Py_ssize_t nbytes)
-    cpdef object prepare(self, object req, object desc, object payload)
-
-
-cdef class Dispatcher:
-    cdef public dict routes
-    cdef public bint ready, closing
-    cdef public Py_ssize_t max_payload
-    cdef public object observe, trace, pool
-
-    cpdef Route route(self, object name)
-    cpdef Route routed(self, object req)
-    cpdef tuple payload(self, object payload, Route route)
-    cpdef tuple validate(self, Route route, object req)
-    cpdef observed(self, Route route, object kind, str code, long long t0, Entry e=*)
-    @cython.locals(route=Route, entry=Entry, nbytes=Py_ssize_t, priority=int,
-                   timeout_ms="long long", t0="long long")
-    cpdef Entry admit(self, object req)
-    cpdef Entry admitted(self, Entry entry, Route route, object kind, long long t0)
-    cpdef cancelled(self, Entry entry)
-    cpdef finish(self, object req, Entry entry)
-    @cython.locals(late=list, i=Py_ssize_t, route=Route, items=_Items, nbytes=Py_ssize_t)
-    cpdef list many_prepare(self, object requests, list out, dict groups, long long t0)
-    cpdef _Items items_of(self, Route route, dict groups)
-    @cython.locals(items=_Items, k=Py_ssize_t)
-    cpdef list many_submit(self, dict groups, list out, long long t0)
-    @cython.locals(items=_Items, route=Route, entries=list, k=Py_ssize_t, i=Py_ssize_t, e=Entry)
-    cpdef many_respond(self, object requests, list submitted, list out, long long t0)
-
-
-cdef class _Items:
-    cdef public Route route
-    cdef public list index, kinds, specs
-    cdef public object group, entries
-    cpdef add(self, Py_ssize_t i, object kind, object prepared, object desc, int priority,
-              long long timeout_ms)
-
-
-cpdef respond(object req, Route route, Entry e)

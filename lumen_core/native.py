@@ -1,10 +1,16 @@
 """Choose the compiled hot path or its pure-Python twin (aiohttp's NO_EXTENSIONS pattern).
 
-Every compiled module ``lumen_core._<name>`` (built from ``csrc/_<name>.pyx``) has a
-pure-Python twin ``lumen_core.<name>`` exporting the same functions (its ``__all__``): one
-behaviour, two implementations, named and placed alike.  The twin is the definition; the
-compiled module imports its cold-path checks and error builders from it and only re-implements
-the hot path.  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
+Every compiled module ``lumen_core._<name>`` has a pure-Python twin ``lumen_core.<name>``
+exporting the same API (its ``__all__``), named and placed alike.  Two kinds:
+
+- C-level code (buffer protocol, nogil loops, C structs: ``descriptor``, ``assemble``,
+  ``image``, ``notify``) is written in ``csrc/_<name>.pyx``; the twin is the definition, and the
+  compiled module imports its cold-path checks and error builders from it and only
+  re-implements the hot path;
+- the request path's classes (``dispatch``, ``scheduler``, ``messages``) have ONE source, the twin itself,
+  which Cython compiles in its pure-Python mode with the C types declared in
+  ``lumen_core/_<name>.pxd`` (nothing is written twice).
+  ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
 used when it imports.  Callers import the chosen module from here::
 
     from lumen_core import native
@@ -19,7 +25,7 @@ from types import ModuleType
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
 #: the twinned hot-path modules, by name
-NAMES = ("descriptor", "assemble", "image", "notify", "messages", "scheduler")
+NAMES = ("descriptor", "assemble", "image", "notify", "messages", "scheduler", "dispatch")
 #: name -> (compiled module, pure-Python twin)
 TWINS = {name: (f"lumen_core._{name}", f"lumen_core.{name}") for name in NAMES}
 
@@ -40,6 +46,15 @@ def load(name: str) -> ModuleType:
         return compiled(name)
     except ImportError:
         return pure(name)
+
+
+def kin(module_name: str, name: str) -> ModuleType:
+    """Twin ``name`` of the same kind as the module called ``module_name``: a compiled module
+    (``lumen_core._x``) works with compiled twins, whose C types it was built against; a pure
+    one with pure twins (so each implementation can be tested whole)."""
+    compiled_mod, pure_mod = TWINS[name]
+    return importlib.import_module(compiled_mod if module_name.rpartition(".")[2].startswith("_")
+                                   else pure_mod)
 
 
 def using_extensions() -> dict:

@@ -26,6 +26,7 @@ from .batching.sequence import SequenceBatcher
 from .cache import MISS, ResponseCache
 from .config import LumenConfig, TaskConfig, load_config, parse_config
 from .contract import KEY_MODEL_VERSION, TensorContract
+from .dispatch import route_of
 from .engine.ort import make_instances
 from .errors import (
     InternalError,
@@ -36,7 +37,6 @@ from .errors import (
 )
 from .prepare_pool import PreparePool
 from .request import InferRequest, InferResponse, new_infer_request
-from .scheduler import route_of
 from .tasks import backend_class, default_task_table, default_task_tables
 from .tasks.base import TaskBackend
 from .versions import Lifecycle
@@ -64,7 +64,7 @@ class Observer:
         """One finished batch."""
 
 
-class Task(native.scheduler.Route):
+class Task(native.dispatch.Route):
     """A loaded version of a task: its dispatch record (``scheduler.Route``: backend,
     contract, batcher, policy defaults, router, holds, cache) plus what the runtime keeps
     for it -- its config, engine instances and their runners."""
@@ -94,7 +94,7 @@ class Runtime:
         self._thread: Optional[threading.Thread] = None
         self._pool = PreparePool()  # heavy preprocessing: bounded, smallest first, deadlines
         #: the request path (scheduler.py): the routes, ``infer`` and ``infer_many``
-        self._dispatch = native.scheduler.Dispatcher(config.server.max_payload_bytes, self._pool)
+        self._dispatch = native.dispatch.Dispatcher(config.server.max_payload_bytes, self._pool)
         #: ``tracing.Tracing`` when tracing is on ([server] tracing, LUMEN_TRACING), else None
         self._dispatch.trace = tracing.from_config(config)
         #: versions, traffic splits, reloads (versions.py); ``self.tasks`` holds each task's head
@@ -270,7 +270,7 @@ class Runtime:
     async def warmup(self, task: Task) -> None:
         """Run the backend's warm-up requests through the whole request path, on ``task``
         itself (a new version warms up before any traffic can reach it), unobserved."""
-        pinned = native.scheduler.Dispatcher(self.config.server.max_payload_bytes, self._pool)
+        pinned = native.dispatch.Dispatcher(self.config.server.max_payload_bytes, self._pool)
         pinned.routes = {task.name: task}
         pinned.ready = True
         for req in task.backend.warmup_requests():

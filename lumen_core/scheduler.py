@@ -1,20 +1,14 @@
 # cython: annotation_typing=False
-"""The request path's typed homes: what every request touches, in one module compiled as C.
+"""The request path's queue side: the typed homes of a request once it is admitted.
 
 One source, two builds.  Cython compiles this file with the declarations of
 ``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the classes
-below become ``cdef class``es with C fields, their methods C calls, and ``Dispatcher.infer`` a C
-coroutine.  Run as plain Python (``LUMEN_NO_EXTENSIONS=1``, or no compiler) the same file is the
-pure-Python twin.  Nothing here is written twice.
+below become ``cdef class``es with C fields and their methods C calls.  Run as plain Python
+(``LUMEN_NO_EXTENSIONS=1``, or no compiler) the same file is the pure-Python twin.  Nothing here
+is written twice.  ``dispatch.py`` (compiled the same way) is the side before admission: routes,
+validation, preparation, ``Runtime.infer``.
 
-The homes, in the order a request meets them:
-
-- :class:`Route` -- a task version's dispatch record: its batcher, contract, preparation and
-  deadline/priority defaults, resolved once at load;
-- :class:`Dispatcher` -- the runtime's table of routes and ``infer`` / ``infer_many``: route,
-  validate (``native.descriptor``), prepare, admit, await, respond;
 - :class:`Prepared` -- a request ready for batching (execution signature, payload buffers);
-  :class:`DenseTensor` prepares the common dense tensor route without a Python frame;
 - :class:`Admission` -- a batcher's admission state: its lock, counters, the signature queues
   of a dynamic batcher, the idle workers, and every deadline of the batcher in one heap with
   one loop timer for the earliest (as Triton's ``PolicyQueue``), not a timer per request;
@@ -28,7 +22,6 @@ closing, start-up), ``batching/dynamic.py`` and ``batching/sequence.py`` their f
 from __future__ import annotations
 
 import asyncio
-import functools
 import heapq
 import logging
 import time
@@ -36,8 +29,7 @@ from collections import deque as _deque
 from threading import Lock as _Lock
 from typing import Any, Callable, Optional, Sequence
 
-from . import native
-from .contract import KEY_INPUT_KIND, KEY_TIMEOUT_MS
+from .contract import KEY_TIMEOUT_MS
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -45,17 +37,14 @@ from .errors import (
     InvalidArgument,
     LumenError,
     Overloaded,
-    PayloadTooLarge,
-    TaskNotFound,
     Unavailable,
 )
-from .request import InferRequest, InferResponse
 
 log = logging.getLogger("lumen.batching")
 
 #: the twin API (``lumen_core._scheduler`` exports the same names)
-__all__ = ["Admission", "DenseTensor", "Dispatcher", "Entry", "Group", "Prepared", "Route",
-           "Rows", "SignatureQueue", "answer", "deliver", "group_too_large", "route_of"]
+__all__ = ["Admission", "Entry", "Group", "Prepared", "Rows", "SignatureQueue", "answer",
+           "deliver", "group_too_large"]
 
 #: entry states: queued -> running (taken into a batch, under the batcher's lock) -> done
 QUEUED, RUNNING, DONE = 0, 1, 2
@@ -86,7 +75,6 @@ _monotonic_ns = time.monotonic_ns
 _perf_ns = time.perf_counter_ns
 _heappush = heapq.heappush
 _heappop = heapq.heappop
-_respond = native.messages.respond
 
 
 # ------------------------------------------------------------------------------ entries
@@ -233,32 +221,6 @@ class Prepared:
         self.tensors = tensors
         self.item_shape = item_shape
         self.length = length
-
-
-class DenseTensor:
-    """The tensor route of a model with one dense input, prepared in C: the payload is the
-    item, under the signature of its (dtype, per-item shape, preprocess id).
-
-    ``make_signature(dtype, item_shape, preprocess_id)`` builds a signature the first time a
-    combination is seen; at most ``max_cached`` are remembered.
-    """
-
-    __slots__ = ("make_signature", "signatures", "max_cached")
-
-    def __init__(self, make_signature: Callable[..., Any], max_cached: int = 256):
-        self.make_signature = make_signature
-        self.signatures = {}
-        self.max_cached = max_cached
-
-    def prepare(self, desc: Any, payload: Any) -> Prepared:
-        item_shape = desc.shape[1:]
-        key = (desc.dtype, item_shape, desc.preprocess_id)
-        sig = self.signatures.get(key)
-        if sig is None:
-            sig = self.make_signature(desc.dtype, item_shape, desc.preprocess_id, desc.layout)
-            if len(self.signatures) < self.max_cached:
-                self.signatures[key] = sig
-        return Prepared(sig, (payload,), item_shape, 0)
 
 
 # ------------------------------------------------------------------------------ queues
@@ -678,431 +640,3 @@ class Admission:
     def in_flight(self) -> int:
         """Batches running now."""
         return self.running
-
-
-# ------------------------------------------------------------------------------ routing
-def route_of(meta: Any) -> str:
-    """The metrics route a request claims (``tensor`` or ``raw``), before it is validated."""
-    kind = meta.get(KEY_INPUT_KIND) if isinstance(meta, dict) else None
-    return TENSOR if kind == TENSOR else RAW
-
-
-class Route:
-    """A loaded task version as the request path sees it, resolved once at load: the
-    backend's contract and preparation, the batcher, the priority and deadline defaults.
-
-    ``router`` is None unless the task serves several versions (``versions.Router`` picks
-    one per request); ``holds`` counts requests routed here that are still being prepared off
-    the loop (a version is unloaded only once nothing holds it); ``cache`` is the task's
-    ``ResponseCache`` or None.
-    """
-
-    __slots__ = ("name", "version", "backend", "contract", "batcher", "router", "holds", "cache",
-                 "priority_levels", "default_priority", "default_timeout_ms", "dense",
-                 "off_loop", "inline_max", "stateful")
-
-    def __init__(self, name: str, version: str, backend: Any, batcher: Any,
-                 priority_levels: int = 1, default_priority: int = 0,
-                 default_timeout_ms: int = 0):
-        self.name = name
-        self.version = version
-        self.backend = backend
-        self.contract = backend.contract
-        self.batcher = batcher
-        self.router = None
-        self.holds = 0
-        self.cache = None
-        self.priority_levels = priority_levels
-        self.default_priority = default_priority or priority_levels
-        self.default_timeout_ms = default_timeout_ms
-        dense = getattr(backend, "dense_tensor", None)
-        self.dense = dense() if dense is not None else None
-        self.stateful = bool(backend.stateful)
-        # stateful tasks are admitted in arrival order, inline: never off the loop
-        self.off_loop = bool(backend.prepare_off_loop) and not self.stateful
-        self.inline_max = -1 if self.stateful else backend.inline_prepare_max_bytes
-
-    def policy(self, desc: Any) -> tuple:
-        """(priority, timeout_ms) of a request: its own values within the task's limits."""
-        priority = desc.priority or self.default_priority
-        if priority > self.priority_levels:
-            raise InvalidArgument(f"lumen.priority must be 1..{self.priority_levels} for task "
-                                  f"{self.name!r}, got {priority}", "lumen.priority")
-        timeout_ms = self.default_timeout_ms
-        if desc.timeout_ms:
-            # a request may only tighten the task's deadline, never extend it
-            timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
-        return priority, timeout_ms
-
-    def prepares_off_loop(self, nbytes: int) -> bool:
-        """True when a payload of ``nbytes`` is prepared on the bounded pool."""
-        return self.off_loop or (self.inline_max >= 0 and nbytes > self.inline_max)
-
-    def prepare(self, req: Any, desc: Any, payload: Any) -> Any:
-        """The prepared item of ``req`` (its descriptor ``desc``, its payload buffer): the
-        dense tensor route in C, anything else by the backend; a backend bug on odd input is
-        logged and answered ``InternalError``, never a crash."""
-        dense = self.dense
-        if dense is not None and desc.kind == TENSOR:
-            return dense.prepare(desc, payload)
-        try:
-            return self.backend.prepare(req, desc, payload)
-        except LumenError:
-            raise
-        except Exception as exc:
-            log.error("task %s: prepare failed", self.name, exc_info=exc)
-            raise InternalError(f"task {self.name!r} failed to prepare the input: {exc}") from exc
-
-
-class Dispatcher:
-    """The runtime's request path: its routes (task name -> the head :class:`Route`),
-    ``infer`` and ``infer_many``.
-
-    ``observe`` is the metrics hook (``Observer.request``) or None; ``trace`` the runtime's
-    ``tracing.Tracing`` or None; ``pool`` the bounded preprocessing pool; ``max_payload``
-    ``server.max_payload_bytes``.  ``ready`` and ``closing`` follow the runtime's life cycle.
-
-    ``infer`` is a coroutine with three C calls in it: :meth:`admit` (route, validate,
-    prepare, queue, trace: everything up to the await), the await of the entry's future, and
-    :meth:`finish` (observe, respond).  A request prepared off the loop (a large or heavy
-    input) is admitted by :meth:`admit_off_loop` instead.
-    """
-
-    __slots__ = ("routes", "ready", "closing", "max_payload", "observe", "trace", "pool")
-
-    def __init__(self, max_payload: int, pool: Any):
-        self.routes = {}
-        self.ready = False
-        self.closing = False
-        self.max_payload = max_payload
-        self.observe = None
-        self.trace = None
-        self.pool = pool
-
-    # -- routing and validation --------------------------------------------------------------
-    def route(self, name: Any) -> Route:
-        """The head route of task ``name``; ``TaskNotFound`` / ``Unavailable`` otherwise."""
-        task = self.routes.get(name)
-        if task is None:
-            if self.closing or not self.ready:
-                raise Unavailable("the runtime is not running (starting or shutting down)")
-            raise TaskNotFound.unknown(name, self.routes)
-        if self.closing:
-            raise Unavailable("the runtime is shutting down; not accepting requests")
-        return task
-
-    def routed(self, req: Any) -> Route:
-        """The route (task version) that serves ``req``: its task's head, or the version a
-        pin or the traffic split picks when the task serves several."""
-        route = self.routes.get(req.task)
-        if route is None or self.closing:
-            route = self.route(req.task)
-        if route.router is not None:
-            route = route.router(req.meta)
-        return route
-
-    def payload(self, payload: Any, route: Route) -> tuple:
-        """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
-        that takes text (its size counted in code points: each is at least one byte)."""
-        if type(payload) is str:
-            if not route.backend.accepts_text:
-                raise InvalidArgument(f"task {route.name!r} takes no text input; send its "
-                                      f"input as bytes or a tensor (see /v1/tasks)", "payload")
-            n = len(payload)
-        else:
-            try:
-                payload = memoryview(payload)
-            except TypeError:
-                raise InvalidArgument(f"payload must be a bytes-like buffer, got "
-                                      f"{type(payload).__name__}", "payload") from None
-            if not payload.c_contiguous:
-                raise InvalidArgument("payload buffer must be C-contiguous", "payload")
-            n = payload.nbytes
-        if n > self.max_payload:
-            raise PayloadTooLarge(f"payload is {n} bytes; the limit is {self.max_payload} "
-                                  f"(server.max_payload_bytes)", "payload")
-        return payload, n
-
-    def validate(self, route: Route, req: Any) -> tuple:
-        """(descriptor, payload, nbytes) of ``req`` on ``route``: payload limits and the
-        ``lumen.*`` metadata checked (``InvalidArgument`` and kin otherwise)."""
-        payload, nbytes = self.payload(req.payload, route)
-        return native.descriptor.parse_meta(req.meta, nbytes, route.contract), payload, nbytes
-
-    def observed(self, route: Optional[Route], kind: Any, code: str, t0: int,
-                 e: Optional[Entry] = None) -> None:
-        """Report one finished request to the metrics hook (when there is one)."""
-        if self.observe is not None and route is not None:
-            self.observe(route.name, kind, code, (_monotonic_ns() - t0) // 1000,
-                         e.queue_us if e is not None else 0,
-                         e.compute_us if e is not None else 0, route.version)
-
-    # -- infer --------------------------------------------------------------------------------
-    async def infer(self, req: Any) -> InferResponse:
-        """Route by task, validate, prepare, queue, await the batch, respond (``Runtime.infer``)."""
-        entry = self.admit(req)
-        if entry is None:
-            entry = await self.admit_off_loop(req)
-        try:
-            await entry.waiter
-        except _CancelledError:
-            self.cancelled(entry)
-            raise
-        except LumenError as exc:
-            self.observed(entry.route, entry.kind, exc.code, entry.t0, None)
-            raise
-        return self.finish(req, entry)
-
-    def admit(self, req: Any) -> Optional[Entry]:
-        """Everything before the await: route, validate, prepare inline, queue; None when the
-        input is prepared off the loop (:meth:`admit_off_loop`).  A refused request is
-        observed here and raises."""
-        route = self.routes.get(req.task)
-        if route is None or self.closing:
-            route = self.route(req.task)
-        t0 = 0
-        kind = RAW
-        if self.observe is not None:  # a request refused before its meta parses keeps its route
-            t0 = _monotonic_ns()
-            kind = route_of(req.meta)
-        try:
-            if route.router is not None:  # several versions: a pin or the split picks
-                route = route.router(req.meta)
-            payload = req.payload
-            try:
-                payload = memoryview(payload)
-                nbytes = payload.nbytes
-                if nbytes > self.max_payload or not payload.c_contiguous:
-                    raise TypeError
-            except TypeError:
-                payload, nbytes = self.payload(req.payload, route)
-            if route.prepares_off_loop(nbytes):
-                return None
-            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
-            kind = desc.kind
-            if desc.priority or desc.timeout_ms:
-                priority, timeout_ms = route.policy(desc)
-            else:
-                priority = route.default_priority
-                timeout_ms = route.default_timeout_ms
-            prepared = route.prepare(req, desc, payload)
-            entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
-        except LumenError as exc:
-            self.observed(route, kind, exc.code, t0, None)
-            raise
-        return self.admitted(entry, route, kind, t0)
-
-    def admitted(self, entry: Entry, route: Route, kind: Any, t0: int) -> Entry:
-        """``entry`` is queued on ``route``: remember for whom, open its span if tracing."""
-        entry.route = route
-        entry.kind = kind
-        entry.t0 = t0
-        if self.trace is not None:  # the one tracing check a request pays (tracing.py)
-            self.trace.admitted(route, kind, entry)
-        return entry
-
-    def cancelled(self, entry: Entry) -> None:
-        """The caller of ``entry`` went away (its task was cancelled)."""
-        entry.route.batcher.cancel(entry)
-        self.observed(entry.route, entry.kind, "cancelled", entry.t0, None)
-
-    def finish(self, req: Any, entry: Entry) -> InferResponse:
-        """The answered request: observed, and its response made."""
-        if self.observe is not None:
-            self.observed(entry.route, entry.kind, "ok", entry.t0, entry)
-        return respond(req, entry.route, entry)
-
-    async def admit_off_loop(self, req: Any) -> Entry:
-        """:meth:`admit` of an input prepared on the bounded pool (large or heavy)."""
-        route = self.route(req.task)
-        t0 = _monotonic_ns()
-        kind = route_of(req.meta)
-        try:
-            route = self.routed(req)
-            desc, payload, nbytes = self.validate(route, req)
-            kind = desc.kind
-            priority, timeout_ms = route.policy(desc)
-            prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
-                                                               nbytes, timeout_ms)
-            entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
-        except LumenError as exc:
-            self.observed(route, kind, exc.code, t0, None)
-            raise
-        except _CancelledError:
-            self.observed(route, kind, "cancelled", t0, None)
-            raise
-        return self.admitted(entry, route, kind, t0)
-
-    async def prepare_off_loop(self, route: Route, req: Any, desc: Any, payload: Any,
-                               nbytes: int, timeout_ms: int) -> tuple:
-        """(prepared, timeout left for the queue) for a heavy input, prepared on the bounded
-        pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
-        thread, the preprocessing and then the batch queue."""
-        t0 = _monotonic_ns()
-        # the version stays loaded until the request is queued on it (versions.py drains it
-        # only once nothing holds it; the caller submits right after this returns)
-        route.holds += 1
-        try:
-            prepared = await self.pool.run(functools.partial(route.prepare, req, desc, payload),
-                                           nbytes, timeout_ms)
-        finally:
-            route.holds -= 1
-        if timeout_ms:
-            left = timeout_ms - (_monotonic_ns() - t0) // 1_000_000
-            if left <= 0:
-                raise DeadlineExceeded(f"deadline of {timeout_ms} ms expired during "
-                                       f"preprocessing", KEY_TIMEOUT_MS)
-            timeout_ms = left
-        return prepared, timeout_ms
-
-    # -- infer_many ---------------------------------------------------------------------------
-    async def infer_many(self, requests: Sequence[Any]) -> list:
-        """Run many requests as one group; return, in order, each one's ``InferResponse`` or
-        its ``LumenError`` (an invalid item fails alone; the others still run).
-
-        Every item is still its own request for validation, deadlines, errors and metrics,
-        but the items of one task version are admitted as a unit (they fit the queue or each
-        gets the same ``Overloaded``) and cost one future and one wake-up, not one per item.
-        Cancelling the call cancels every item still queued.
-        """
-        out = [None] * len(requests)
-        t0 = _monotonic_ns()
-        groups = {}  # id(route) -> _Items
-        try:
-            late = self.many_prepare(requests, out, groups, t0)
-            for i in late:  # inputs prepared off the loop
-                await self.many_off_loop(requests[i], i, out, groups, t0)
-            submitted = self.many_submit(groups, out, t0)
-        finally:
-            for items in groups.values():
-                items.route.holds -= 1
-        try:
-            for items in submitted:
-                await items.group.future
-        except _CancelledError:
-            for items in submitted:
-                items.route.batcher.cancel_group(items.entries)
-            raise
-        self.many_respond(requests, submitted, out, t0)
-        return out
-
-    def many_prepare(self, requests: Sequence[Any], out: list, groups: dict, t0: int) -> list:
-        """Validate, route and prepare every item that is prepared inline into its version's
-        group (an item's error goes to ``out[i]``); return the indices prepared off the loop."""
-        late = []
-        for i in range(len(requests)):
-            req = requests[i]
-            route = None
-            kind = RAW
-            try:
-                if not isinstance(req, InferRequest):
-                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
-                                          f"InferRequest", "requests")
-                if self.observe is not None:
-                    kind = route_of(req.meta)
-                route = self.routed(req)
-                items = self.items_of(route, groups)
-                desc, payload, nbytes = self.validate(route, req)
-                kind = desc.kind
-                if route.prepares_off_loop(nbytes):
-                    late.append(i)
-                    continue
-                priority, timeout_ms = route.policy(desc)
-                items.add(i, kind, route.prepare(req, desc, payload), desc, priority, timeout_ms)
-            except LumenError as exc:
-                out[i] = exc
-                self.observed(route, kind, exc.code, t0, None)
-        return late
-
-    def items_of(self, route: Route, groups: dict) -> _Items:
-        """``route``'s share of an ``infer_many`` call (the route is held until it is queued)."""
-        items = groups.get(id(route))
-        if items is None:
-            route.holds += 1
-            items = groups[id(route)] = _Items(route)
-        return items
-
-    async def many_off_loop(self, req: Any, i: int, out: list, groups: dict, t0: int) -> None:
-        """Item ``i`` of ``infer_many``, prepared on the bounded pool."""
-        route = None
-        kind = route_of(req.meta)
-        try:
-            route = self.routed(req)
-            items = self.items_of(route, groups)
-            desc, payload, nbytes = self.validate(route, req)
-            kind = desc.kind
-            priority, timeout_ms = route.policy(desc)
-            prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
-                                                               nbytes, timeout_ms)
-        except LumenError as exc:
-            out[i] = exc
-            self.observed(route, kind, exc.code, t0, None)
-            return
-        items.add(i, kind, prepared, desc, priority, timeout_ms)
-
-    def many_submit(self, groups: dict, out: list, t0: int) -> list:
-        """Queue each version's items of ``infer_many`` as one group."""
-        submitted = []
-        for items in groups.values():
-            if not items.specs:
-                continue
-            route = items.route
-            try:
-                items.group, items.entries = route.batcher.submit_many(items.specs)
-            except LumenError as exc:
-                for k in range(len(items.index)):
-                    out[items.index[k]] = exc
-                    self.observed(route, items.kinds[k], exc.code, t0, None)
-                continue
-            submitted.append(items)
-            if self.trace is not None:
-                self.trace.admitted_group(route, items.kinds, items.entries, items.group)
-        return submitted
-
-    def many_respond(self, requests: Sequence[Any], submitted: list, out: list,
-                     t0: int) -> None:
-        """The answered items of ``infer_many``: responses (or errors) into ``out``."""
-        observe = self.observe
-        for items in submitted:
-            route = items.route
-            entries = items.entries
-            for k in range(len(entries)):
-                e = entries[k]
-                i = items.index[k]
-                res = e.outcome
-                if isinstance(res, LumenError):
-                    out[i] = res
-                    if observe is not None:
-                        self.observed(route, items.kinds[k], res.code, t0, e)
-                else:
-                    out[i] = respond(requests[i], route, e)
-                    if observe is not None:
-                        self.observed(route, items.kinds[k], "ok", t0, e)
-
-
-class _Items:
-    """One task version's share of an ``infer_many`` call."""
-
-    __slots__ = ("route", "index", "kinds", "specs", "group", "entries")
-
-    def __init__(self, route: Route):
-        self.route = route
-        self.index = []
-        self.kinds = []
-        self.specs = []
-        self.group = None
-        self.entries = None
-
-    def add(self, i: int, kind: Any, prepared: Any, desc: Any, priority: int,
-            timeout_ms: int) -> None:
-        self.index.append(i)
-        self.kinds.append(kind)
-        self.specs.append((prepared, desc, priority, timeout_ms))
-
-
-def respond(req: Any, route: Route, e: Entry) -> InferResponse:
-    """The response of an answered entry: its outputs (a batch row, split when read), the
-    backend's response meta if any (e.g. ``lumen.truncated``), its batch's figures."""
-    out = e.outcome
-    return _respond(req, out, e.row if type(out) is Rows else -1, e.batch_size, e.queue_us,
-                    e.compute_us, e.item.length, route.version)

@@ -68,10 +68,10 @@ def test_rows_split_once_and_deliver_a_row_each(scheduler, messages):
     asyncio.run(main())
 
 
-def test_route_of_reads_the_claimed_route(scheduler):
-    assert scheduler.route_of({"lumen.input.kind": "tensor"}) == "tensor"
-    assert scheduler.route_of({}) == scheduler.route_of(None) == "raw"
-    assert scheduler.route_of({"lumen.input.kind": ["tensor"]}) == "raw"  # not yet validated
+def test_route_of_reads_the_claimed_route(dispatch):
+    assert dispatch.route_of({"lumen.input.kind": "tensor"}) == "tensor"
+    assert dispatch.route_of({}) == dispatch.route_of(None) == "raw"
+    assert dispatch.route_of({"lumen.input.kind": ["tensor"]}) == "raw"  # not yet validated
 
 
 def test_correlation_ids_are_made_when_read(messages):
@@ -181,7 +181,8 @@ class _X:
         self.x = x
 
 
-def test_dispatcher_infer_and_infer_many_end_to_end(scheduler):
+def test_dispatcher_infer_and_infer_many_end_to_end(impl):
+    scheduler, dispatch = impl.scheduler, impl.dispatch
     class Backend:
         contract = lc.TensorContract()
         stateful = prepare_off_loop = accepts_text = False
@@ -193,8 +194,8 @@ def test_dispatcher_infer_and_infer_many_end_to_end(scheduler):
             return _X(float(len(payload)))
 
     async def main():
-        d = scheduler.Dispatcher(1024, None)
-        route = scheduler.Route("t", "3", Backend(), _batcher(scheduler, max_queue_size=64))
+        d = dispatch.Dispatcher(1024, None)
+        route = dispatch.Route("t", "3", Backend(), _batcher(scheduler, max_queue_size=64))
         d.routes = {"t": route}
         d.ready = True
         resp = await d.infer(lc.InferRequest("t", b"abc"))
@@ -215,3 +216,26 @@ def test_dispatcher_infer_and_infer_many_end_to_end(scheduler):
             await d.infer(lc.InferRequest("t", b"abc"))
         assert route.holds == 0
     asyncio.run(main())
+
+
+def test_a_group_larger_than_the_queue_is_a_400_naming_the_limit(scheduler):
+    err = scheduler.group_too_large("t", 12, 8)
+    assert isinstance(err, lc.InvalidArgument) and err.field == "input"
+    assert "12 inputs" in err.message and "max_queue_size = 8" in err.message
+
+
+def test_text_prep_takes_only_plain_short_text(dispatch):
+    class Enc:
+        def __init__(self, text):
+            self.ids = [101] + [ord(c) for c in text] + [102]
+
+    prep = dispatch.TextPrep(Enc, "sig", 6, 10, frozenset({"text/plain"}))
+    item = prep.prepare(lc.InferRequest("t", "abc", "text/plain"), "abc")
+    assert item.length == 5 and item.signature == "sig" and item.tensors[0].dtype == np.int64
+    assert prep.prepare(lc.InferRequest("t", b"ab", "text/plain"), memoryview(b"ab")).length == 4
+    for req, payload in ((lc.InferRequest("t", "abc", "text/html"), "abc"),  # other mime
+                         (lc.InferRequest("t", "abc", "text/plain", {"k": "v"}), "abc"),
+                         (lc.InferRequest("t", "abcdefg", "text/plain"), "abcdefg"),  # > 6 ids
+                         (lc.InferRequest("t", "", "text/plain"), ""),
+                         (lc.InferRequest("t", b"\xff", "text/plain"), memoryview(b"\xff"))):
+        assert prep.prepare(req, payload) is None  # the backend's to prepare (or refuse)

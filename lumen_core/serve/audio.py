@@ -433,7 +433,7 @@ async def file_reply(app: Any, request: Any, task: str) -> Any:
     mime = request.headers.get("content-type", "")
     body = await read_body(request, file_limit(mime, app.max_body))
     meta = dict(request.query_params)
-    result = await app._until_done_or_gone(request, run_file(app.runtime, task, body, mime, meta))
+    result = await app.until_done_or_gone(request, run_file(app.runtime, task, body, mime, meta))
     return Response(codec.dumps(result), media_type="application/json")
 
 

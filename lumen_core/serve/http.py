@@ -146,7 +146,7 @@ class HttpApp:
         self.access_log = access_log
         self.version = version
         self.draining = False
-        ep = self._endpoint
+        ep = self.endpoint
         self.app = Starlette(routes=[
             Route("/v1/infer/{task}", ep("/v1/infer/{task}", self.infer), methods=["POST"]),
             Route("/v1/embeddings", ep("/v1/embeddings", self.embeddings), methods=["POST"]),
@@ -170,7 +170,7 @@ class HttpApp:
         await self.app(scope, receive, send)
 
     # -- plumbing -------------------------------------------------------------------------
-    def _endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]],
+    def endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]],
                   errors: Callable[[LumenError], Response] = error_response,
                   admin: bool = False) -> Callable:
         """Wrap a route: check the API key (an admin key when ``admin``), LumenError -> JSON
@@ -226,7 +226,7 @@ class HttpApp:
 
         return endpoint
 
-    async def _read_body(self, request: Request, field: str) -> bytes:
+    async def read_body(self, request: Request, field: str) -> bytes:
         """The whole body, refused with 413 as soon as it is known to exceed the limit: from
         Content-Length before reading anything, else while counting the streamed chunks."""
         limit = self.max_body
@@ -257,7 +257,7 @@ class HttpApp:
             return chunks[0]
         return b"".join(chunks)
 
-    async def _until_done_or_gone(self, request: Request, work: Awaitable) -> Any:
+    async def until_done_or_gone(self, request: Request, work: Awaitable) -> Any:
         """Await ``work`` while watching for ``http.disconnect``; a client that hangs up
         cancels it (and with it the queued runtime request(s)), raising ClientGone.
 
@@ -288,13 +288,13 @@ class HttpApp:
             state["waiting"] = False
             watcher.cancel()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.draining:
             raise Unavailable("the server is shutting down; not accepting new requests")
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, request: Request) -> Response:
-        self._check_open()
+        self.check_open()
         task = request.path_params["task"]
         headers = request.headers
         params = request.query_params
@@ -304,11 +304,11 @@ class HttpApp:
             return await audio.file_reply(self, request, task)
         if params:
             self._check_options(task, params)
-        body = await self._read_body(request, "payload")
+        body = await self.read_body(request, "payload")
         meta = self.keys.scoped_meta(dict(request.query_params), request.state.key_scope)
         req = InferRequest(task, body, headers.get("content-type", ""), meta,
                            headers.get("x-correlation-id", ""))
-        resp = await self._until_done_or_gone(request, self.runtime.infer(req))
+        resp = await self.until_done_or_gone(request, self.runtime.infer(req))
         _merge_task_meta(resp)
         accept = headers.get("accept", "")
         if OCTET_STREAM in accept and JSON not in accept:
@@ -353,13 +353,13 @@ class HttpApp:
             headers["Lumen-Meta-" + k] = v
         return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
 
-    async def _json_body(self, request: Request, route: str) -> Any:
+    async def json_body(self, request: Request, route: str) -> Any:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != JSON:
             raise UnsupportedMediaType(f"{route} takes a JSON body; send "
                                        f"'Content-Type: application/json', not {ctype!r}",
                                        "Content-Type")
-        return codec.loads(await self._read_body(request, "body"), "the body", "body")
+        return codec.loads(await self.read_body(request, "body"), "the body", "body")
 
     def _embedding_tasks(self) -> dict:
         """``{task: its description}`` of the tasks that produce embeddings."""
@@ -384,8 +384,8 @@ class HttpApp:
         return desc
 
     async def embeddings(self, request: Request) -> Response:
-        self._check_open()
-        obj = await self._json_body(request, "/v1/embeddings")
+        self.check_open()
+        obj = await self.json_body(request, "/v1/embeddings")
         model, items, fmt, meta = self._parse_embeddings(obj)
         desc = self._embedding_task(model)
         if desc is not None and (KEY_EMBEDDING_DIMENSIONS in meta or KEY_EMBEDDING_TYPE in meta) \
@@ -409,7 +409,7 @@ class HttpApp:
         try:
             if len(reqs) == 1:
                 try:
-                    results = [await self._until_done_or_gone(request, rt.infer(reqs[0]))]
+                    results = [await self.until_done_or_gone(request, rt.infer(reqs[0]))]
                 except LumenError as exc:
                     if exc.field == "payload":  # the body's name for the text
                         exc.field = "input"
@@ -418,7 +418,7 @@ class HttpApp:
                 # each item is its own request (batched by the runtime) and has its own
                 # outcome; the first error in index order answers the call, as one bad input
                 # fails an OpenAI request, naming the item
-                results = await self._until_done_or_gone(request, rt.infer_many(reqs))
+                results = await self.until_done_or_gone(request, rt.infer_many(reqs))
                 for i, res in enumerate(results):
                     if isinstance(res, LumenError):
                         if res.field == "payload":
@@ -501,8 +501,8 @@ class HttpApp:
         a list of ``{"id", "text", "special", "start", "stop"}`` (character offsets), cut as
         the task cuts what it embeds unless ``truncate`` is false.  ``model`` may be left out
         when one task tokenizes."""
-        self._check_open()
-        obj = await self._json_body(request, "/v1/tokenize")
+        self.check_open()
+        obj = await self.json_body(request, "/v1/tokenize")
         if not isinstance(obj, dict):
             raise InvalidArgument("the body must be a JSON object", "body")
         inp = obj.get("inputs", obj.get("input"))

@@ -65,6 +65,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import native
 from ..batching.signature import signature
 from ..config import Option
 from ..contract import (
@@ -603,6 +604,15 @@ class TextEmbeddingBackend(TaskBackend):
         self.tokenizer = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._reducer = _Reducer(tok)  # at load, so that no request pays its probe
+
+    def text_fast_path(self) -> "native.dispatch.TextPrep":
+        """Plain text (no options, UTF-8, short, not truncated) prepared by the request path in
+        C: the same ids and item :meth:`prepare_raw` makes for it."""
+        mimes = frozenset({TEXT_MIME, f"{TEXT_MIME}; charset={DEFAULT_CHARSET}",
+                           f"{TEXT_MIME};charset={DEFAULT_CHARSET}"})
+        return native.dispatch.TextPrep(self.tokenizer.encode, self._signature,
+                                         self.max_seq_length,
+                                         min(LONG_TEXT_CHARS, self.inline_prepare_max_bytes), mimes)
 
     def batching_options(self) -> dict:
         return {"max_batch_tokens": self.max_batch_tokens}

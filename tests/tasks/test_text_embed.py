@@ -492,3 +492,34 @@ def test_a_model_without_a_pooled_output_refuses_normalize_false(prepared_home, 
     assert ok.outputs["embedding"].shape == (te.EMBEDDING_DIM,)
     assert err.field == "normalize" and "'pooled'" in err.message
     assert desc["embedding"]["normalize_false"] is False
+
+
+def test_plain_text_fast_path_makes_the_backends_item(rt):
+    """The request path prepares plain text in C (scheduler.TextPrep); it must make exactly the
+    item the backend makes, and hand everything else back to the backend."""
+    from lumen_core import native
+
+    route = rt.tasks["text_embed"]
+    backend = route.backend
+    fast = backend.text_fast_path()
+    texts = ["hello", "Héllo wörld, ünïcode!", "a " * 200, "🙂 emoji and CJK 汉字", "x"]
+    for text in texts:
+        for payload, mime in ((text, "text/plain; charset=utf-8"),
+                              (memoryview(text.encode()), "text/plain")):
+            req = lc.InferRequest("text_embed", payload, mime)
+            desc = native.descriptor.parse_meta(req.meta, len(text.encode()), route.contract)
+            got = fast.prepare(req, payload)
+            want = backend.prepare(req, desc, payload)
+            assert got is not None and got.signature == want.signature
+            assert got.length == want.length
+            np.testing.assert_array_equal(np.asarray(got.tensors[0]), np.asarray(want.tensors[0]))
+    # not the common case: the backend's (options, other charsets, truncation, bad text)
+    assert fast.prepare(lc.InferRequest("text_embed", "hi", "text/plain", {"normalize": "false"}),
+                        "hi") is None
+    assert fast.prepare(lc.InferRequest("text_embed", b"hi", "text/plain; charset=latin-1"),
+                        memoryview(b"hi")) is None
+    long = "word " * 400  # more tokens than max_seq_length: truncation is the backend's
+    assert fast.prepare(lc.InferRequest("text_embed", long, "text/plain"), long) is None
+    assert fast.prepare(lc.InferRequest("text_embed", b"\xff", "text/plain"),
+                        memoryview(b"\xff")) is None
+    assert fast.prepare(lc.InferRequest("text_embed", "", "text/plain"), "") is None
