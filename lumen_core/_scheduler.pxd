@@ -56,9 +56,17 @@ cdef class Admission:
     cdef public bint closed, stopping, started
     cdef public dict queues
     cdef public list idle, deadlines
-    cdef public long long delay_ns, timer_ns
+    cdef public long long delay_ns, timer_ns, target_ns
+    cdef public bint cost_ready
+    cdef public double cost_fixed_ns, cost_item_ns
+    cdef public Py_ssize_t cost_batch, cost_workers
 
     cpdef admit(self, Py_ssize_t n)
+    @cython.locals(b=Py_ssize_t, w=Py_ssize_t, ahead=Py_ssize_t, fixed=double, item=double,
+                   batch_ns=double, wait=double)
+    cpdef long long predicted_ns(self, Py_ssize_t k)
+    @cython.locals(limit="long long", wait="long long", drain="long long", retry="long long")
+    cpdef check_latency(self, Py_ssize_t n, long long timeout_ns)
     @cython.locals(now="long long", e=Entry)
     cpdef Entry submit(self, object item, object desc=*, int priority=*, long long timeout_ms=*)
     @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group)

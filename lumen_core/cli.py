@@ -488,6 +488,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("nothing to measure: give --url URL, --target NAME=URL or --in-process")
     key = api_key(args)
     texts = loadgen.make_corpus(args.corpus_size, args.seed)
+    if args.rate is not None:
+        return _bench_open_loop(args, targets, key, texts)
     count = args.count or len(texts)
     results: list = []
 
@@ -605,8 +607,46 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_infer)
 
 
+def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str],
+                     texts: list) -> int:
+    """``lumen bench --rate R``: open-loop Poisson arrivals, per target (see loadgen.py)."""
+    import json
+
+    from . import loadgen
+
+    if not args.rate > 0 or not args.duration > 0:
+        raise ValueError(f"--rate and --duration must be > 0, got {args.rate} and "
+                         f"{args.duration}")
+    results: list = []
+
+    async def run_all() -> None:
+        for name, url in targets:
+            results.append(await loadgen.bench_http_open_loop(
+                url, texts, args.rate, args.duration, args.model, args.target_ms, args.seed,
+                name, api_key=key))
+        if args.in_process:
+            rt = _build_runtime(args.config, only_task=args.model)
+            async with rt:
+                results.append(await loadgen.bench_runtime_open_loop(
+                    rt, texts, args.rate, args.duration, args.model, args.target_ms,
+                    args.seed))
+
+    _run(run_all())
+    for r in results:
+        print(loadgen.format_open_loop(r))
+        if r.first_error:
+            print(f"{r.target}: first client error: {r.first_error}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in results], f, indent=1)
+    if args.plot:
+        loadgen.plot_open_loop(results, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .loadgen import DEFAULT_SEED, DEFAULT_SIZE, DEFAULT_TASK
+    from .loadgen import DEFAULT_SEED, DEFAULT_SIZE, DEFAULT_TARGET_MS, DEFAULT_TASK
 
     p = sub.add_parser("bench", help="load-test an OpenAI-style embeddings endpoint (ours or a peer's)",
                        description="Closed-loop load over the seeded text corpus: one text per "
@@ -628,7 +668,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus-size", type=_at_least_one, default=DEFAULT_SIZE)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--plot", metavar="PNG", help="draw throughput/latency vs concurrency (matplotlib)")
+    p.add_argument("--rate", type=float, default=None, metavar="R",
+                   help="open loop instead: Poisson arrivals at R requests/s whatever the "
+                        "answers; reports per second and in total sent, ok within --target-ms, "
+                        "429, 504, other errors, p50/p95/p99 of the ok ones and goodput")
+    p.add_argument("--duration", type=float, default=30.0, metavar="S",
+                   help="with --rate: seconds of sending (default 30)")
+    p.add_argument("--target-ms", type=float, default=DEFAULT_TARGET_MS, metavar="MS",
+                   help=f"with --rate: an ok answer counts as good within this (default "
+                        f"{DEFAULT_TARGET_MS})")
+    p.add_argument("--plot", metavar="PNG", help="draw throughput/latency vs concurrency "
+                                                 "(with --rate: latency and outcomes over time; "
+                                                 "matplotlib)")
     p.add_argument("--api-key", default=None, metavar="KEY", help=API_KEY_HELP)
     p.set_defaults(func=cmd_bench)
 

@@ -116,6 +116,10 @@ class ServerConfig:
                 f"admin_api_keys=<{len(self.admin_api_keys)} keys>)")
 
 
+#: the largest ``[tasks.batching] latency_target_ms`` (an hour: beyond it, use deadlines)
+MAX_LATENCY_TARGET_MS = 3_600_000
+
+
 @dataclass
 class BatchingConfig:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
@@ -125,6 +129,11 @@ class BatchingConfig:
     default_timeout_ms: int = 0
     priority_levels: int = 1
     default_priority_level: int = 0  # 0: the lowest level (priority_levels)
+    #: end-to-end latency target (ms) of a request inside the server; 0: none (issue 30).
+    #: With one, batches are sized so the oldest waiting request is answered within it, and
+    #: a request predicted to finish past it (or past its deadline) is refused at admission
+    #: with 429 and a Retry-After (a stateful task: only the start of a new sequence)
+    latency_target_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -419,6 +428,7 @@ def _parse_batching(r: _Reader) -> BatchingConfig:
         max_queue_size=r.get("max_queue_size", int, DEFAULT_MAX_QUEUE_SIZE, lo=1),
         default_timeout_ms=r.get("default_timeout_ms", int, 0, lo=0),
         priority_levels=r.get("priority_levels", int, 1, lo=1, hi=MAX_PRIORITY_LEVELS),
+        latency_target_ms=r.get("latency_target_ms", int, 0, lo=0, hi=MAX_LATENCY_TARGET_MS),
     )
     b.default_priority_level = r.get("default_priority_level", int, 0, lo=0,
                                      hi=b.priority_levels)

@@ -559,10 +559,11 @@ class Runtime:
         return {name: t.backend.describe() for name, t in self.tasks.items()}
 
     def load(self) -> dict:
-        """``{task: {pending, in_flight, padding_ratio[, steps][, active_sequences, backlog]}}``
-        now, summed over a task's versions: queued requests, running batches, padded share of
-        token slots; for ensembles the per-step counters; for stateful tasks the sequences
-        holding a slot and those waiting."""
+        """``{task: {pending, in_flight, padding_ratio[, cost][, steps][, active_sequences,
+        backlog]}}`` now, summed over a task's versions: queued requests, running batches,
+        padded share of token slots; the head version's learnt cost model and latency target
+        (``QueuePolicy.cost_figures``; not for ensembles); for ensembles the per-step counters;
+        for stateful tasks the sequences holding a slot and those waiting."""
         out: dict = {}
         for t in self._loaded_tasks():  # summed over a task's versions
             b = t.batcher
@@ -572,6 +573,10 @@ class Runtime:
             load["pending"] += b.pending
             load["in_flight"] += b.in_flight
             load["padding_ratio"] = max(load["padding_ratio"], t.padding_ratio)
+            if t is self.tasks.get(t.name):  # the head version's learnt cost (issue 30)
+                cost = b.cost_figures()
+                if cost is not None:
+                    load["cost"] = cost
             for key, value in b.counters().items():  # the batcher's own (Batcher.counters)
                 if isinstance(value, dict):  # an ensemble's per-step table: the head's
                     if t is self.tasks.get(t.name):

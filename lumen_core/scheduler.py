@@ -292,7 +292,8 @@ class Admission:
     __slots__ = ("name", "max_queue_size", "levels", "lock", "pending", "running", "closed",
                  "stopping", "started", "loop", "queues", "idle", "delay_ns", "ready_live",
                  "deadlines", "deadline_count", "compact_at", "timer", "timer_ns", "trace",
-                 "on_batch", "idle_event")
+                 "on_batch", "idle_event", "target_ns", "cost_ready", "cost_fixed_ns",
+                 "cost_item_ns", "cost_batch", "cost_workers")
 
     def __init__(self, name: str, max_queue_size: int, levels: int = 1, delay_ns: int = 0,
                  ready_live: int = 1, on_batch: Optional[Callable[[int, int], None]] = None):
@@ -318,6 +319,17 @@ class Admission:
         self.trace = None  # the runtime's tracing.Tracing when tracing is on
         self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
         self.idle_event = None  # asyncio.Event while somebody drains
+        # latency target (issue 30): 0 = none.  With one, a request whose predicted completion
+        # falls past the target (or its deadline) is refused at admission (check_latency).
+        # The cost_* fields are the task's learnt cost (batching/cost.py), written once per
+        # finished batch by QueuePolicy.learn: a batch of n costs cost_fixed_ns + n *
+        # cost_item_ns, batches run cost_batch at a time on cost_workers engine instances
+        self.target_ns = 0
+        self.cost_ready = False
+        self.cost_fixed_ns = 0.0
+        self.cost_item_ns = 0.0
+        self.cost_batch = 1
+        self.cost_workers = 1
 
     # -- admission (loop thread) ------------------------------------------------------------
     def admit(self, n: int) -> None:
@@ -329,6 +341,43 @@ class Admission:
         if self.pending + n > self.max_queue_size:
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
                              f"retry later", None, OVERLOAD_RETRY_AFTER_S)
+
+    def predicted_ns(self, k: int) -> int:
+        """Under the lock: ns until the ``k``-th request in line (counting every pending one)
+        would be answered, at the learnt cost: the whole batches ahead of its own, run
+        ``cost_workers`` at a time, then its own (partial) batch, after what is left of the
+        batches running now (half of one each, on average)."""
+        b = self.cost_batch
+        fixed = self.cost_fixed_ns
+        item = self.cost_item_ns
+        batch_ns = fixed + b * item
+        ahead = (k - 1) // b  # whole batches before the one it runs in
+        w = self.cost_workers
+        wait = ahead * batch_ns / w + fixed + (k - ahead * b) * item
+        if self.running:
+            wait += self.running * batch_ns / (2 * w)
+        return int(wait)
+
+    def check_latency(self, n: int, timeout_ns: int) -> None:
+        """Under the lock, with a latency target: raise ``Overloaded`` (429, Retry-After the
+        predicted drain time) when ``n`` more requests would be answered past the target or
+        past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are never dropped
+        for them: the refusal happens before anything is queued."""
+        limit = self.target_ns
+        what = "latency target"
+        if 0 < timeout_ns < limit:
+            limit = timeout_ns
+            what = "deadline"
+        wait = self.predicted_ns(self.pending + n)
+        if wait <= limit:
+            return
+        drain = self.predicted_ns(self.pending) if self.pending else wait
+        retry = max(1, -(-drain // 1_000_000_000))
+        raise Overloaded(f"task {self.name!r} cannot answer within its {what} of "
+                         f"{limit // 1_000_000} ms: {self.pending} requests queued ahead drain "
+                         f"in about {(drain + 500_000) // 1_000_000} ms at the learnt rate, so "
+                         f"this one would finish in about {(wait + 500_000) // 1_000_000} ms; "
+                         f"refused at once (nothing was queued), retry in {retry} s", None, retry)
 
     def submit(self, item: Any, desc: Any = None, priority: int = 1,
                timeout_ms: int = 0) -> Entry:
@@ -347,6 +396,8 @@ class Admission:
         try:
             if self.closed or self.pending >= self.max_queue_size:
                 self.admit(1)
+            if self.target_ns and self.cost_ready:
+                self.check_latency(1, timeout_ms * 1_000_000)
             self.enqueue(e, sig)
             self.pending += 1
             self.wake_if_formable(e.queue)
@@ -381,6 +432,8 @@ class Admission:
         lock.acquire()
         try:
             self.admit(n)
+            if self.target_ns and self.cost_ready:
+                self.check_latency(n, min([s[3] for s in specs if s[3] > 0] or [0]) * 1_000_000)
             for k in range(n):
                 self.enqueue(entries[k], sigs[k])
             self.pending += n

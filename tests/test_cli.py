@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import onnx_models as M
@@ -152,6 +153,71 @@ def test_bench_against_a_live_server(tmp_path, capsys, embed_server):
     for r in rows:
         assert r["rps"] > 0 and r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
     assert "(100%)" in err  # not a terminal: plain progress lines
+
+
+def test_bench_open_loop_against_a_live_server(tmp_path, capsys, embed_server):
+    out_json, png = tmp_path / "open.json", tmp_path / "open.png"
+    rc, out, err = run_cli(capsys, "bench", "--target", f"ours={embed_server.url}", "--rate",
+                           "40", "--duration", "0.3", "--target-ms", "10000", "--json",
+                           str(out_json), "--plot", str(png))
+    assert rc == 0, err
+    assert loadgen.OPEN_HEADER in out and "goodput (ok within 10000 ms)" in out
+    (r,) = json.loads(out_json.read_text())
+    assert r["target"] == "ours" and r["rate"] == 40 and r["sent"] > 0
+    assert r["ok"] == r["ok_in_target"] == r["sent"]  # light load: every answer in time
+    assert r["refused"] == r["deadline"] == r["errors"] == 0
+    assert sum(s["sent"] for s in r["per_second"]) == r["sent"]
+    assert r["goodput"] == pytest.approx(r["ok_in_target"] / 0.3)
+    assert png.stat().st_size > 0
+
+
+def test_bench_open_loop_in_process_with_a_latency_target(tmp_path, capsys, tmp_path_factory,
+                                                         monkeypatch):
+    monkeypatch.setenv("LUMEN_HOME", str(S.prepared_home(tmp_path_factory)))
+    cfg = tmp_path / "lumen.toml"
+    cfg.write_text('[[tasks]]\nname = "text_embed"\nbackend = "text_embedding"\n'
+                   'model_id = "all-minilm-l6-v2"\n[tasks.batching]\nlatency_target_ms = 60000\n')
+    out_json = tmp_path / "open.json"
+    rc, out, err = run_cli(capsys, "bench", "--in-process", "--config", str(cfg), "--rate",
+                           "40", "--duration", "0.3", "--json", str(out_json))
+    assert rc == 0, err
+    (r,) = json.loads(out_json.read_text())
+    assert r["target"] == "in-process" and r["sent"] > 0
+    assert r["ok"] == r["sent"] and r["refused"] == r["errors"] == 0
+
+
+def test_open_loop_sends_whatever_the_answers():
+    """Arrivals keep their Poisson schedule while earlier requests are still unanswered."""
+    answer_s = 0.3
+
+    async def call(i):
+        await asyncio.sleep(answer_s)
+        return 200
+
+    async def main():
+        t0 = time.perf_counter()
+        outcomes, first, seconds = await loadgen.open_loop(call, 10, 100.0, 0.2, seed=1)
+        return outcomes, first, seconds, time.perf_counter() - t0
+
+    outcomes, first, seconds, took = asyncio.run(main())
+    assert len(outcomes) > 5 and first == "" and seconds == 0.2
+    assert all(sent_at < 0.2 and status == 200 for sent_at, status, _ in outcomes)
+    assert took < 0.2 + 2 * answer_s  # a closed loop would take len(outcomes) * 0.3 s
+
+
+def test_open_loop_summary_counts_each_outcome_per_second():
+    outcomes = [(0.1, 200, 0.010), (0.2, 200, 0.030), (0.5, 429, 0.002), (1.2, 504, 1.0),
+                (1.3, 200, 0.020), (1.4, 500, 0.1), (1.9, 0, 0.0)]
+    r = loadgen.open_loop_summary("t", 7.0, 25.0, 2.0, outcomes)
+    assert (r.sent, r.ok, r.ok_in_target, r.refused, r.deadline, r.errors) == (7, 3, 2, 1, 1, 2)
+    assert r.goodput == 1.0  # 2 good answers over 2 s
+    assert r.latency_ms["p50"] == pytest.approx(20.0) and r.latency_ms["p99"] == pytest.approx(30.0)
+    assert r.refusal_ms["p50"] == pytest.approx(2.0)
+    first, second = r.per_second
+    assert (first["second"], first["sent"], first["ok"], first["refused"]) == (0, 3, 2, 1)
+    assert (second["sent"], second["deadline"], second["errors"], second["ok_in_target"]) == (
+        4, 1, 2, 1)
+    assert "total" in loadgen.format_open_loop(r)
 
 
 def test_bench_counts_errors_from_a_wrong_model(capsys, embed_server):

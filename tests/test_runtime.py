@@ -407,5 +407,8 @@ def test_load_query_reports_queue_state(model_dir):
             return idle, rt.load()
 
     idle, after = asyncio.run(main())
+    cost = idle["mlp"].pop("cost")  # the learnt cost model (issue 30): one sample a batch
     assert idle == {"mlp": {"pending": 0, "in_flight": 0, "padding_ratio": 0.0}}
     assert after["mlp"]["pending"] == 0
+    assert cost["latency_target_ms"] == 0 and cost["workers"] == 1
+    assert after["mlp"]["cost"]["samples"] == cost["samples"] + 1

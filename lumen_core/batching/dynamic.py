@@ -156,9 +156,13 @@ class DynamicBatcher(QueuePolicy):
     """Per-task dynamic batcher over a pool of runners (one worker thread each)."""
 
     def __init__(self, name: str, config: BatchingConfig, runners: Sequence[Runner],
-                 on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0):
+                 on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0,
+                 refuse: bool = True):
         """``max_batch_tokens > 0`` turns on length-aware formation for items with ``.length``
-        (token budget per batch, padded slots counted); 0 keeps strict FIFO batches."""
+        (token budget per batch, padded slots counted); 0 keeps strict FIFO batches.
+        ``config.latency_target_ms`` sizes batches to the target (``fit``) and, unless
+        ``refuse`` is False (an ensemble's steps: their requests were admitted already),
+        refuses at admission the requests that cannot make it (``Admission.check_latency``)."""
         preferred = tuple(config.preferred_batch_sizes)
         # a queue this long forms a batch at once, whatever max_queue_delay_us says
         ready = min(config.max_batch_size, preferred[-1]) if preferred else config.max_batch_size
@@ -169,6 +173,10 @@ class DynamicBatcher(QueuePolicy):
         self._preferred = preferred
         self._max_tokens = max(0, int(max_batch_tokens))
         self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
+        self._target_ns = config.latency_target_ms * 1_000_000
+        if refuse:
+            self.target_ns = self._target_ns
+        self.batch_limit = config.max_batch_size
         self._init_workers(name, runners)
 
     def queued(self) -> list:
@@ -192,8 +200,11 @@ class DynamicBatcher(QueuePolicy):
 
     def finished(self, worker: Worker, batch: Batch, results: Any,
                  compute_us: int) -> Optional[Batch]:
-        self.completions.put(batch.entries, results, compute_us)
         with self.lock:
+            if not isinstance(results, BaseException):  # a failed worker's time means nothing
+                self.learn(len(batch.entries), batch.extra or 0, compute_us)
+            # handed back after learning: a caller that has its answer sees its batch learnt
+            self.completions.put(batch.entries, results, compute_us)
             return self._next_locked(worker)
 
     def _next_locked(self, worker: Worker) -> Optional[Batch]:
@@ -218,6 +229,22 @@ class DynamicBatcher(QueuePolicy):
             if fits and cap < self._max_batch:
                 return fits[-1]
         return cap
+
+    def fit(self, size: int, age_ns: int) -> int:
+        """With a latency target: the largest batch (up to ``size``) whose predicted compute
+        still answers a head that has waited ``age_ns`` within the target, so batches shrink
+        as the oldest request's wait runs over.  A head that cannot make it whatever runs is
+        late either way: the batch keeps ``size`` so the requests behind it keep theirs."""
+        item = self.cost_item_ns
+        if item <= 0.0:
+            return size
+        n = int((self._target_ns - age_ns - self.cost_fixed_ns) // item)
+        return size if n < 1 else min(size, n)
+
+    def operating_batch(self) -> int:
+        if self._target_ns:
+            return self.fit(self._max_batch, 0)
+        return self._max_batch
 
     def _ready_at(self, q: Any, head: Entry) -> int:
         """Monotonic ns at which ``q`` may form a batch (0: now)."""
@@ -247,16 +274,21 @@ class DynamicBatcher(QueuePolicy):
             if best is None:
                 return None, wake_at
             size = self._batch_size(best.live)
+            if self._target_ns and self.cost_ready:  # sized to the oldest request's target
+                size = self.fit(size, now - best_key[1])
+            tokens = 0
             if self._max_tokens:
                 entries = take_by_length(best, size, self._max_tokens, max(size, self._window),
                                          self, now)
+                if entries:  # ascending lengths: the batch is padded to its last one's
+                    tokens = len(entries) * _item_length(entries[-1])
             else:
                 entries = best.take(size, now, self)
             if not entries:  # everything it looked at had expired: look again
                 continue
             self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
             self.pending -= len(entries)
-            return Batch(entries, [e.item for e in entries]), 0
+            return Batch(entries, [e.item for e in entries], tokens), 0
         return None, 0
 
 

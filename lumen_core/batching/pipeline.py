@@ -228,6 +228,10 @@ class Pipeline(QueuePolicy):
         """Per-step batches, items, queue and compute times (``Batcher.counters``)."""
         return {"steps": self.step_stats()}
 
+    def cost_figures(self) -> Optional[dict]:
+        """None: an ensemble runs no batches itself (each step's batcher learns its own)."""
+        return None
+
     # -- admission (loop thread): ``pending`` counts the flows -------------------------------
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Any:
         """Admit one request; its ``waiter`` resolves with the flow's result or error."""
@@ -327,7 +331,8 @@ def build_pipeline(name: str, config: BatchingConfig, specs: Sequence[StepSpec],
                 on_batch(_name, n, us)
 
         batcher = DynamicBatcher(f"{name}.{spec.name}", spec.batching or config,
-                                 make_runners(spec), on_batch=step_batch, **spec.batcher_options)
+                                 make_runners(spec), on_batch=step_batch, refuse=False,
+                                 **spec.batcher_options)
         step = Step(spec, batcher)
         holder.append(step)
         steps.append(step)

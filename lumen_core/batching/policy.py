@@ -38,6 +38,7 @@ import asyncio
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
+from .cost import CostModel
 from .runner import CompletionQueue, Worker
 
 # the entry, its states and the admission state are the request path's compiled homes
@@ -85,6 +86,11 @@ class Batcher(Protocol):
         (summed over a task's versions) or, for an ensemble, a per-step table."""
         ...
 
+    def cost_figures(self) -> Optional[dict]:
+        """The learnt cost model and the latency target (``QueuePolicy.cost_figures``); None
+        for a batcher that runs no batches itself (an ensemble: its steps do)."""
+        ...
+
 
 class QueuePolicy(_sched.Admission):
     """Admission, deadlines, cancellation, delivery (``Admission``) and draining for one
@@ -99,10 +105,15 @@ class QueuePolicy(_sched.Admission):
                  on_batch: Optional[Callable[[int, int], None]] = None, levels: int = 1,
                  delay_ns: int = 0, ready_live: int = 1):
         super().__init__(name, max_queue_size, levels, delay_ns, ready_live, on_batch)
+        #: compute time per batch, learnt from the batches this batcher runs (cost.py)
+        self.cost = CostModel()
+        #: the batch size a full queue forms (``operating_batch``), for the predictions
+        self.batch_limit = 1
 
     # -- workers (one thread per runner, results back through one queue) --------------------
     def _init_workers(self, name: str, runners: Sequence[Any]) -> None:
         self.runners = list(runners)
+        self.cost_workers = max(1, len(self.runners))
         self.completions = CompletionQueue(self.deliver_batch)
         self.workers = [Worker(r, self, f"{name}#{i}", i, self.completions.flush)
                         for i, r in enumerate(self.runners)]
@@ -142,6 +153,32 @@ class QueuePolicy(_sched.Admission):
     def counters(self) -> dict:
         """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
         return {}
+
+    # -- the cost model (issue 30) -----------------------------------------------------------
+    def learn(self, n: int, tokens: int, compute_us: int) -> None:
+        """Under the lock, once per finished batch (never per request): learn its compute
+        time, then hand admission the figures its latency check reads (C fields)."""
+        m = self.cost
+        m.update(n, tokens, compute_us)
+        if m.ready:
+            fixed_us, item_us = m.linear()
+            self.cost_fixed_ns = fixed_us * 1000.0
+            self.cost_item_ns = item_us * 1000.0
+            self.cost_batch = max(1, self.operating_batch())
+            self.cost_ready = True
+
+    def operating_batch(self) -> int:
+        """The batch a full queue forms for a request that just arrived (formation's size)."""
+        return self.batch_limit
+
+    def cost_figures(self) -> Optional[dict]:
+        """See :class:`Batcher`: the model's snapshot, the batch size predictions assume,
+        the engine instances, the latency target (ms; 0: none)."""
+        out = self.cost.snapshot()
+        out["batch_size"] = self.cost_batch
+        out["workers"] = self.cost_workers
+        out["latency_target_ms"] = self.target_ns // 1_000_000
+        return out
 
     # -- draining ---------------------------------------------------------------------------
     async def drain(self) -> None:

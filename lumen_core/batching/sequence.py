@@ -153,6 +153,10 @@ class SequenceBatcher(QueuePolicy):
         else:
             self.capacity = self.max_batch
         self.runners = list(runners)
+        # a latency target refuses only the start of a new sequence (check_latency): a
+        # sequence once started is never refused mid-stream for latency
+        self.target_ns = batching.latency_target_ms * 1_000_000
+        self.batch_limit = self.max_batch
         spec = self.runners[0].spec
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
@@ -223,7 +227,7 @@ class SequenceBatcher(QueuePolicy):
         loop = self.loop
         now = time.monotonic_ns()
         with self.lock:
-            entry = self._enqueue(item, desc, loop.create_future(), now)
+            entry = self._enqueue(item, desc, loop.create_future(), now, timeout_ms)
             if timeout_ms > 0:  # formation refuses it once this passes, even if its timer is late
                 entry.deadline_ns = now + timeout_ms * 1_000_000
             new_seq = self._sweep is None and self._seqs
@@ -253,7 +257,7 @@ class SequenceBatcher(QueuePolicy):
                 for item, desc, _priority, timeout_ms in specs:
                     known = desc.sequence_id in self._seqs
                     gone = self._gone.get(desc.sequence_id)
-                    e = self._enqueue(item, desc, group, now)
+                    e = self._enqueue(item, desc, group, now, timeout_ms)
                     if timeout_ms > 0:
                         e.deadline_ns = now + timeout_ms * 1_000_000
                     entries.append(e)
@@ -278,7 +282,7 @@ class SequenceBatcher(QueuePolicy):
                 self.arm(e)
         return group, entries
 
-    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int) -> Entry:
+    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int, timeout_ms: int = 0) -> Entry:
         """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
         if self.closed:
             self.admit(1)  # raises Unavailable
@@ -298,6 +302,8 @@ class SequenceBatcher(QueuePolicy):
         if seq is None:
             if not start:
                 raise self._unknown(sid)
+            if self.target_ns and self.cost_ready:  # only a new sequence may be refused
+                self.check_latency(1, timeout_ms * 1_000_000)
             seq = _Sequence(sid, self._corrid_value(sid), now)
             self._seqs[sid] = seq
             self._gone.pop(sid, None)
@@ -438,9 +444,11 @@ class SequenceBatcher(QueuePolicy):
 
     def finished(self, worker: Worker, batch: Batch, results: Any,
                  compute_us: int) -> Optional[Batch]:
-        self.completions.put(batch.entries, results, compute_us)
         lane = self._lanes[worker.index]
         with self.lock:
+            if not isinstance(results, BaseException):  # a failed worker's time means nothing
+                self.learn(len(batch.entries), 0, compute_us)
+            self.completions.put(batch.entries, results, compute_us)  # after learning
             self._settle(lane, batch, results)
             return self._next_locked(worker, lane)
 

@@ -141,8 +141,22 @@ class RuntimeCollector:
         step_requests = CounterMetricFamily(
             f"{NAMESPACE}_step_requests", "Requests that ran through an ensemble step.",
             labels=["task", "step"])
+        cost = GaugeMetricFamily(
+            f"{NAMESPACE}_batch_cost_seconds", "The task's learnt compute time per batch "
+            "(a + b n + c tokens, fitted online over its batches): term 'fixed' (a batch's "
+            "intercept), 'item' (per item, tokens at their mean per item), 'token' (per "
+            "padded token slot).", labels=["task", "term"])
+        target = GaugeMetricFamily(f"{NAMESPACE}_latency_target_seconds",
+                                   "The task's [tasks.batching] latency_target_ms (0: none).",
+                                   labels=["task"])
         for name, load in self.runtime.load().items():
             pending.add_metric([name], float(load["pending"]))
+            c = load.get("cost")
+            if c is not None:
+                cost.add_metric([name, "fixed"], c["batch_fixed_us"] / 1e6)
+                cost.add_metric([name, "item"], c["batch_item_us"] / 1e6)
+                cost.add_metric([name, "token"], c["per_token_us"] / 1e6)
+                target.add_metric([name], c["latency_target_ms"] / 1e3)
             in_flight.add_metric([name], float(load["in_flight"]))
             padding.add_metric([name], float(load["padding_ratio"]))
             if "active_sequences" in load:  # a stateful task
@@ -150,7 +164,8 @@ class RuntimeCollector:
             for step, st in load.get("steps", {}).items():  # an ensemble (batching/pipeline.py)
                 step_queue.add_metric([name, step], st["queue_us"] / 1e6)
                 step_requests.add_metric([name, step], float(st["requests"]))
-        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests)
+        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests, cost,
+                    target)
         caches = self.runtime.cache_stats() if hasattr(self.runtime, "cache_stats") else {}
         if caches:
             yield from _cache_families(caches)

@@ -82,6 +82,20 @@ def test_ensemble_step_queue_series():
                    for name, labels in s)  # a plain task has no step series
 
 
+def test_learnt_cost_and_latency_target_gauges():
+    """The cost model of ``load()["cost"]`` (batching/cost.py) as gauges, in seconds."""
+    cost = {"batch_fixed_us": 2000.0, "batch_item_us": 300.0, "per_token_us": 5.0,
+            "latency_target_ms": 500}
+    load = {"pending": 0, "in_flight": 0, "padding_ratio": 0.0, "cost": cost}
+    rt = types.SimpleNamespace(ready=True, load=lambda: {"t": load})
+    s = _samples(PrometheusObserver(rt))
+    m = S.metric
+    assert m(s, "lumen_batch_cost_seconds", task="t", term="fixed") == pytest.approx(0.002)
+    assert m(s, "lumen_batch_cost_seconds", task="t", term="item") == pytest.approx(0.0003)
+    assert m(s, "lumen_batch_cost_seconds", task="t", term="token") == pytest.approx(5e-6)
+    assert m(s, "lumen_latency_target_seconds", task="t") == pytest.approx(0.5)
+
+
 def test_each_observer_has_its_own_registry():
     a, b = PrometheusObserver(_fake_runtime(False)), PrometheusObserver(_fake_runtime(False))
     a.request("t", "raw", "ok", 10)

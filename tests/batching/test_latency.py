@@ -1,0 +1,283 @@
+"""Latency targets (issue 30): the learnt cost model, target-sized formation and early refusal.
+
+Deterministic: the cost model is fed known cost curves directly (``CostModel.update`` /
+``QueuePolicy.learn``), and the refusal arithmetic reads only the admission's state (pending,
+running, the learnt figures): the clock cancels out of "predicted completion past the target",
+so a gated fake worker (one batch provably running) makes every refusal exact.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+from test_batching import FakeWorker, Item, cfg, wait_started
+from test_sequence import _register, accumulator_model, config, req  # noqa: F401 - _register: autouse
+
+import lumen_core as lc
+from lumen_core.batching.cost import COST_MIN_SAMPLES, CostModel
+from lumen_core.batching.dynamic import DynamicBatcher
+from lumen_core.config import ConfigError, parse_config
+from lumen_core.errors import DeadlineExceeded, Overloaded
+
+
+def curve(n, tokens):
+    """A known cost curve (us): 2 ms a batch, 300 us an item, 5 us a padded token slot."""
+    return 2000.0 + 300.0 * n + 5.0 * tokens
+
+
+# ----------------------------------------------------------------------------- the cost model
+def test_cost_model_converges_on_a_known_curve():
+    rng = random.Random(7)
+    m = CostModel()
+    for _ in range(60):
+        n = rng.randint(1, 32)
+        tokens = n * rng.randint(5, 200)
+        m.update(n, tokens, curve(n, tokens) * (1 + rng.uniform(-0.01, 0.01)))
+    a, b, c = m.theta
+    assert a == pytest.approx(2000, rel=0.1)
+    assert b == pytest.approx(300, rel=0.1)
+    assert c == pytest.approx(5, rel=0.03)
+    for n, tokens in ((1, 10), (16, 16 * 40), (32, 32 * 200)):
+        assert m.predict_us(n, tokens) == pytest.approx(curve(n, tokens), rel=0.02)
+    assert m.ready
+
+
+def test_cost_model_follows_a_drifting_curve_and_never_winds_up_on_one_size():
+    m = CostModel()
+    for _ in range(200):  # every batch the same size: the fit is exact where batches are
+        m.update(32, 0, 10_000.0)
+    assert m.predict_us(32) == pytest.approx(10_000, rel=1e-3)
+    assert m.theta[2] == 0.0  # no tokens seen: no token term
+    for i in range(800):  # the engine slows down 2x: the model follows (forgetting)
+        n = 1 + i % 32
+        m.update(n, 0, 2 * (1000.0 + 280.0 * n))
+    assert m.predict_us(32) == pytest.approx(2 * (1000 + 280 * 32), rel=0.01)
+    assert m.predict_us(1) == pytest.approx(2 * 1280, rel=0.05)
+    fixed, item = m.linear()
+    assert fixed == pytest.approx(2000, rel=0.05) and item == pytest.approx(560, rel=0.01)
+
+
+def test_batcher_learns_once_per_batch_and_reports_it():
+    async def main():
+        w = FakeWorker()
+        b = DynamicBatcher("t", cfg(max_batch_size=4), [w])
+        await asyncio.gather(*[b.infer(Item(i)) for i in range(10)])
+        await b.drain()
+        await b.close()
+        return b, w
+
+    b, w = asyncio.run(main())
+    assert b.cost.samples == len(w.batches)  # one update per finished batch
+    fig = b.cost_figures()
+    assert fig["samples"] == len(w.batches) and fig["latency_target_ms"] == 0
+    assert fig["batch_size"] == b.cost_batch and fig["workers"] == 1
+
+
+def learnt(b, n_samples=COST_MIN_SAMPLES, fixed_us=2000.0, item_us=1000.0):
+    """Feed ``b`` a noise-free linear curve (sizes 1..4) as its workers would."""
+    with b.lock:
+        for i in range(n_samples * 4):
+            n = 1 + i % 4
+            b.learn(n, 0, fixed_us + item_us * n)
+
+
+def test_learn_hands_admission_the_curve():
+    b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=10), [FakeWorker()])
+    with b.lock:
+        b.learn(2, 0, 4000)
+    assert not b.cost_ready  # too few batches: nothing is refused yet
+    learnt(b)
+    assert b.cost_ready
+    assert b.cost_fixed_ns == pytest.approx(2e6, rel=1e-3)
+    assert b.cost_item_ns == pytest.approx(1e6, rel=1e-3)
+    assert b.cost_batch == 4 and b.target_ns == 10_000_000
+
+
+# ----------------------------------------------------------------------------- formation
+def test_formation_fits_the_batch_to_the_oldest_requests_target():
+    b = DynamicBatcher("t", cfg(max_batch_size=32, latency_target_ms=10), [FakeWorker()])
+    learnt(b, fixed_us=1500.0)  # a batch of n: 1.5 ms + n ms
+    ms = 1_000_000
+    assert b.fit(32, 0) == 8  # 1.5 + 8 <= 10 ms
+    assert b.fit(4, 0) == 4  # never above what formation offered
+    assert b.fit(32, 4 * ms) == 4  # the head waited 4 ms: 4 + 1.5 + 4 <= 10
+    assert b.fit(32, 7 * ms) == 1
+    assert b.fit(32, 9 * ms) == 32  # late whatever runs: the others keep a full batch
+    assert b.operating_batch() == 8
+    plain = DynamicBatcher("p", cfg(max_batch_size=32), [FakeWorker()])
+    learnt(plain)
+    assert plain.operating_batch() == 32 and plain.target_ns == 0
+
+
+def test_target_sized_batches_under_a_queue():
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        # refuse=False (as an ensemble's steps): formation alone, nothing refused
+        b = DynamicBatcher("t", cfg(max_batch_size=16, latency_target_ms=60_000), [w],
+                           refuse=False)
+        # 1 s a batch + 10 s an item: 5 items fit a 60 s target.  No forgetting and many
+        # batches, so the fake worker's own (tiny) batch times barely move the fit
+        b.cost = CostModel(forgetting=1.0)
+        with b.lock:
+            for i in range(2000):
+                b.learn(1 + i % 4, 0, 1e6 + 1e7 * (1 + i % 4))
+        first = asyncio.ensure_future(b.infer(Item(0)))
+        await wait_started(w)
+        rest = [asyncio.ensure_future(b.infer(Item(i))) for i in range(1, 13)]
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, *rest)
+        await b.close()
+        return w
+
+    w = asyncio.run(main())
+    assert [len(x) for x in w.batches] == [1, 5, 5, 2]
+
+
+# ----------------------------------------------------------------------------- refusal
+def test_refusal_is_exact_and_immediate_and_admitted_requests_all_run():
+    """Target 10 ms, a batch of n costs 2 + n ms, batches of 4, one batch running (half of
+    its 6 ms still ahead, on average): the k-th queued request is predicted at
+    ((k-1)//4)*6 + 2 + (k - 4*((k-1)//4)) + 3 ms, so k = 1..4 (6..9 ms) are admitted and the
+    5th (12 ms) is refused."""
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=10), [w])
+        learnt(b)
+        running = asyncio.ensure_future(b.infer(Item(0)))
+        await wait_started(w)
+        assert [b.predicted_ns(k) / 1e6 for k in (1, 2, 3, 4, 5)] == pytest.approx(
+            [6, 7, 8, 9, 12], rel=1e-4)
+        admitted = [asyncio.ensure_future(b.infer(Item(i))) for i in (1, 2, 3, 4)]
+        await asyncio.sleep(0)
+        assert b.pending == 4
+        with pytest.raises(Overloaded) as refused:
+            await b.infer(Item(5))
+        assert b.pending == 4  # refused before anything was queued
+        gate.set()
+        res = await asyncio.gather(running, *admitted)
+        await b.close()
+        return refused.value, res
+
+    refused, res = asyncio.run(main())
+    assert [r.value for r in res] == [0, 2, 4, 6, 8]  # admitted: never dropped
+    assert refused.http_status == 429 and refused.code == "resource_exhausted"
+    assert refused.retry_after_s == 1  # the 4 queued drain in 9 ms: 1 s, at least
+    assert "latency target of 10 ms" in refused.message
+    assert "4 requests queued ahead drain in about 9 ms" in refused.message
+
+
+def test_a_deadline_tighter_than_the_target_is_refused_on_the_deadline():
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=1000), [w])
+        learnt(b)
+        running = asyncio.ensure_future(b.infer(Item(0)))
+        await wait_started(w)
+        queued = [asyncio.ensure_future(b.infer(Item(i))) for i in (1, 2)]
+        await asyncio.sleep(0)
+        # k = 3: 2 + 3 + 3 = 8 ms
+        with pytest.raises(Overloaded) as late:
+            b.submit(Item(3), None, 1, 7)
+        ok = b.submit(Item(4), None, 1, 8)
+        assert b.pending == 3
+        gate.set()
+        await asyncio.gather(running, *queued, ok.waiter, return_exceptions=True)
+        await b.close()
+        return late.value
+
+    late = asyncio.run(main())
+    assert "deadline of 7 ms" in late.message
+
+
+def test_groups_are_refused_whole():
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=10), [w])
+        learnt(b)
+        running = asyncio.ensure_future(b.infer(Item(0)))
+        await wait_started(w)
+        with pytest.raises(Overloaded):
+            b.submit_many([(Item(i), None, 1, 0) for i in range(5)])  # the 5th would be late
+        assert b.pending == 0
+        group, entries = b.submit_many([(Item(i), None, 1, 0) for i in range(4)])
+        gate.set()
+        await asyncio.gather(running, group.future)
+        await b.close()
+        return [e.result() for e in entries]
+
+    assert asyncio.run(main()) == [0, 2, 4, 6]
+
+
+def test_deadlines_priorities_and_cancellation_keep_their_semantics_with_a_target():
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=1, priority_levels=2,
+                                    latency_target_ms=3_600_000), [w])
+        learnt(b, fixed_us=0.0, item_us=1.0)  # cheap: nothing here is refused
+        running = asyncio.ensure_future(b.infer(Item(0), priority=2))
+        await wait_started(w)
+        low = asyncio.ensure_future(b.infer(Item(1), priority=2))
+        high = asyncio.ensure_future(b.infer(Item(2), priority=1))
+        doomed = asyncio.ensure_future(b.infer(Item(3), priority=2, timeout_ms=20))
+        gone = asyncio.ensure_future(b.infer(Item(4), priority=2))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(DeadlineExceeded):
+            await doomed
+        gate.set()
+        await asyncio.gather(running, low, high)
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await b.close()
+        return w
+
+    w = asyncio.run(main())
+    assert w.seen() == [0, 2, 1]  # high before low; the expired and the cancelled never ran
+
+
+# ----------------------------------------------------------------------------- config
+def test_latency_target_config():
+    base = {"name": "t", "backend": "text_embedding", "model": "m.onnx"}
+    c = parse_config({"tasks": [dict(base, batching={"latency_target_ms": 500})]})
+    assert c.tasks[0].batching.latency_target_ms == 500
+    assert parse_config({"tasks": [base]}).tasks[0].batching.latency_target_ms == 0
+    with pytest.raises(ConfigError, match="latency_target_ms"):
+        parse_config({"tasks": [dict(base, batching={"latency_target_ms": -1})]})
+
+
+# ----------------------------------------------------------------------------- sequences
+@pytest.fixture(scope="module")
+def acc_path(tmp_path_factory):
+    return accumulator_model(tmp_path_factory.mktemp("seq") / "acc.onnx")
+
+
+def test_a_started_sequence_is_never_refused_only_a_new_start(acc_path):
+    cfg_ = config(acc_path, max_batch_size=4)
+    cfg_["tasks"][0]["batching"]["latency_target_ms"] = 1
+    x = np.ones(4, np.float32)
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg_) as rt:
+            b = rt.tasks["acc"].batcher
+            await rt.infer(req(1, x, start=True))
+            learnt(b, fixed_us=1e6, item_us=1e6)  # 1 s a batch: past the 1 ms target
+            assert b.cost_ready
+            mid = [await rt.infer(req(1, x)) for _ in range(3)]  # mid-stream: never refused
+            with pytest.raises(Overloaded):
+                await rt.infer(req(2, x, start=True))  # a new sequence: refused
+            assert not b.holds_sequence("2")
+            end = await rt.infer(req(1, x, end=True))
+            return mid, end
+
+    mid, end = asyncio.run(main())
+    np.testing.assert_allclose(end.outputs["y"], 5 * np.ones(4))
+    assert len(mid) == 3
