@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import socket
 import time
 
 import httpx
@@ -54,12 +53,6 @@ HOLD_QUEUE = 4
 HOLD_ONGOING = 2
 #: handle calls sent before and after the reconfigure of the swap test
 RECONF_LOAD = 96
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +207,7 @@ def cluster(prepared_home):
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Caller, for the workers
-    port = _free_port()
+    port = S.free_port()
     with S.lumen_home_env(prepared_home):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": LR.replica_env()})
@@ -350,7 +343,8 @@ def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, referenc
     done = collections.Counter()
     killed = {}
 
-    def on_done(replica: str) -> None:
+    def on_done(label: str) -> None:
+        replica, _node = LR.parse_replica_label(label)
         done[replica] += 1
         if done[victim] == KILL_AFTER and not killed:  # the victim is serving: kill it
             killed["at"] = sum(done.values())
@@ -366,7 +360,7 @@ def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, referenc
         assert status == 200, (status, collections.Counter(failures))
         np.testing.assert_allclose(vec, ref[i], atol=TOL)
     assert all(f in (408, 429, 500, 502, 503) for f in failures), collections.Counter(failures)
-    served = collections.Counter(r for _s, r, _v in results)
+    served = collections.Counter(LR.parse_replica_label(r)[0] for _s, r, _v in results)
     assert served[victim] >= KILL_AFTER  # what it answered before it died stays answered
     # Ray replaces the replica; the deployment is whole again
     deadline = time.monotonic() + RAY_WAIT_S
@@ -404,8 +398,11 @@ def test_command_joins_the_cluster_serves_and_stops_on_sigterm(cluster, prepared
                              "--num-cpus", "0.25"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        note = proc.stdout.readline()  # the fixture's Serve runs: the command's options wait
+        assert "Ray Serve already runs" in note, note
         line = proc.stdout.readline()
-        assert line.startswith(f"lumen on Ray: {url} (1 replica(s) x 0.25 CPU"), \
+        assert line.startswith("lumen on Ray: the running Serve's ingress, at its host and port "
+                               "(1 replica(s) x 0.25 CPU"), \
             (line, proc.stderr.read() if proc.poll() is not None else "")
         r = httpx.post(f"{url}/v1/embeddings", json={"model": "text_embed", "input": texts[2]},
                        timeout=60)
