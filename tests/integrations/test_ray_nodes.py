@@ -41,6 +41,9 @@ LOAD_MAX_S = 40.0
 HUNG_S = 30.0
 #: seconds of load kept once the deployment is whole again (the rate after recovery)
 AFTER_RECOVERY_S = 2.0
+#: the autoscaling test's delays (Ray's defaults: 30 s up, 600 s down, 30 s look-back)
+FAST_AUTOSCALING = {"upscale_delay_s": 1.0, "downscale_delay_s": 2.0, "look_back_period_s": 2.0,
+                    "metrics_interval_s": 0.5}
 #: how a request whose connection closed without a reply ends (httpx's exception names)
 DROPPED = ("RemoteProtocolError", "ReadError")
 #: the rate once the deployment is whole again, as a fraction of the rate before the loss:
@@ -291,3 +294,40 @@ def test_command_on_the_cluster_says_serve_runs_and_stops_on_sigterm_in_time(nod
             proc.wait()
     assert LR.APP_NAME not in serve.status().applications
     assert ray.is_initialized() and len(_node_names()) >= 3  # the cluster still runs
+
+
+def test_max_replicas_scales_up_under_load_and_down_when_idle(nodes):
+    """``--max-replicas``: one replica under 64 clients (more ongoing requests than the target,
+    half of max_ongoing_requests) gets a second; idle, the deployment returns to one.  Ray's
+    delays (30 s up, 600 s down) are shortened here; the target is Lumen's."""
+    url, _cluster, _workers, spec = nodes
+    cfg = LR.parse_spec(spec)
+    auto = dict(LR.deployment_options(cfg, 1, REPLICA_CPUS, max_replicas=2)["autoscaling_config"],
+                **FAST_AUTOSCALING)
+    assert auto["target_ongoing_requests"] < CLIENTS  # 64 clients are more than one replica's
+    serve.run(LR.build_app(spec, num_replicas=1, num_cpus=REPLICA_CPUS, max_replicas=2,
+                           options={"autoscaling_config": auto}),
+              name=LR.APP_NAME, route_prefix="/")
+    _wait_running(1)
+    record: list = []
+    marks: dict = {}
+
+    async def scenario() -> None:
+        until = asyncio.Event()
+        load = asyncio.create_task(_load(url, until, record))
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(_wait_running, 2)
+        finally:
+            until.set()
+            await asyncio.wait_for(load, HUNG_S + 5)
+        marks["up_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        await asyncio.to_thread(_wait_running, 1)
+        marks["down_s"] = time.monotonic() - t1
+
+    asyncio.run(asyncio.wait_for(scenario(), 2 * RAY_WAIT_S))
+    outcomes = collections.Counter(o for _t, _d, o, _n in record)
+    print(f"\nautoscaling: 1 -> 2 replicas {marks['up_s']:.1f} s into the load, back to 1 "
+          f"{marks['down_s']:.1f} s after it; requests {dict(outcomes)}")
+    assert set(outcomes) == {200}, outcomes  # no request lost while it scaled
