@@ -174,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args)
     for flag, value in (("--replicas", args.replicas), ("--max-replicas", args.max_replicas),
-                        ("--num-cpus", args.num_cpus), ("--ray-address", args.ray_address)):
+                        ("--num-cpus", args.num_cpus), ("--ray-address", args.ray_address),
+                        ("--ray-ingress", args.ray_ingress)):
         if value is not None:
             raise ValueError(f"{flag} is a Ray option: add --ray")
     from .serve.server import LumenServer  # first: a missing [serve] extra is one message
@@ -207,7 +208,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
     if args.watch:
         raise ValueError("--watch does not apply with --ray: a new config reaches the replicas "
                          "as the deployment's user_config (README, \"More than one machine\")")
-    from .integrations.ray import DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
+    from .integrations.ray import DEFAULT_INGRESS, DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
 
     replicas = args.replicas or DEFAULT_REPLICAS
     if args.max_replicas is not None and args.max_replicas < replicas:
@@ -217,7 +218,8 @@ def _serve_ray(args: argparse.Namespace) -> int:
     try:
         return serve_forever(args.config, replicas,
                              args.num_cpus if args.num_cpus is not None else DEFAULT_NUM_CPUS,
-                             args.max_replicas, args.host, args.http_port, args.ray_address)
+                             args.max_replicas, args.host, args.http_port, args.ray_address,
+                             ingress=args.ray_ingress or DEFAULT_INGRESS)
     finally:
         undo()
 
@@ -579,6 +581,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
                      help="the Ray cluster to join, e.g. ray://head:10001 or head:6379 "
                           "(default: $RAY_ADDRESS, else a new local instance)")
+    ray.add_argument("--ray-ingress", choices=("haproxy", "proxy"), default=None,
+                     help="Ray Serve's ingress when this command starts Serve: haproxy (the "
+                          "default; the Python proxy with a warning where Ray has no HAProxy "
+                          "binary) or proxy (Ray's Python proxy)")
     p.set_defaults(func=cmd_serve)
 
 
