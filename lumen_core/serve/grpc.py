@@ -213,12 +213,12 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         try:
             resp = await self._infer(msg, scope)
             reply = lumen_pb2.InferStreamResponse(correlation_id=cid, response=to_proto(resp))
-            if ticket is not None:
+            if ticket is not None and events is not None:
                 settled = events.settle(ticket, resp)
                 if settled:
                     reply.response.meta[KEY_VAD_EVENTS] = settled
         except LumenError as exc:
-            if ticket is not None:
+            if ticket is not None and events is not None:
                 events.settle(ticket, None)
             self._count("InferStream", exc.grpc_status)
             return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(exc))

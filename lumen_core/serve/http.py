@@ -32,7 +32,7 @@ import difflib
 import logging
 import re
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import numpy as np
 from starlette.applications import Starlette
@@ -102,7 +102,8 @@ class ClientGone(Exception):
     """The client disconnected before its reply was ready (nothing can be sent)."""
 
 
-def json_response(obj: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
+def json_response(obj: Any, status: int = 200,
+                  headers: Optional[Mapping[str, str]] = None) -> Response:
     return Response(codec.dumps(obj), status_code=status, headers=headers, media_type=JSON)
 
 
@@ -164,7 +165,7 @@ class HttpApp:
             WebSocketRoute("/v1/stream/{task}", ws.StreamEndpoint(
                 runtime, self.keys, lambda: self.draining,
                 runtime.config.server.read_timeout_ms / 1000.0)),
-        ], exception_handlers={HTTPException: routing_error})
+        ], exception_handlers={HTTPException: routing_error})  # type: ignore[dict-item]
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.app(scope, receive, send)
@@ -264,6 +265,7 @@ class HttpApp:
         The watcher cancels this task only while it is suspended in ``work`` (``waiting``),
         so a disconnect that races with completion can never cancel the reply path."""
         task = asyncio.current_task()
+        assert task is not None  # a route runs in its request's task
         state = {"waiting": True, "gone": False}
         receive = request.receive
 

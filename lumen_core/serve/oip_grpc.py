@@ -295,6 +295,7 @@ class OipServicer:
         if len(values) != math.prod(shape):
             raise InvalidArgument(f"input {name!r}: contents has {len(values)} elements, shape "
                                   f"{list(shape)} needs {math.prod(shape)}", "contents")
+        assert dtype is not None  # BYTES (no dtype) returned above
         try:
             return np.asarray(values, dtype=DTYPES[dtype])
         except (OverflowError, ValueError):

@@ -203,6 +203,7 @@ class LumenServer:
             if len(busy) == 1:
                 raise busy[0]
             raise OSError(busy[0].errno, "; and ".join(e.strerror or str(e) for e in busy))
+        assert sock is not None  # bound, or busy held the error raised above
         self.http_port = sock.getsockname()[1]
         limits = self.limits
         forwarded = rt.config.server.forwarded_allow_ips
@@ -213,7 +214,9 @@ class LumenServer:
         config = uvicorn.Config(RequestContext(self.http, access_log=self.access_log),
                                 log_level=self._log_level, access_log=False, log_config=None,
                                 lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
+                                # uvicorn annotates int; it waits a float too
+                                timeout_graceful_shutdown=self.grace_s,  # type: ignore[arg-type]
+                                backlog=BACKLOG,
                                 server_header=False, date_header=False,
                                 http=protocol_class(limits),
                                 h11_max_incomplete_event_size=limits.max_header_bytes,

@@ -212,10 +212,10 @@ class OcrBackend(TaskBackend):
         self._outs = {s: m.outputs[0].name for s, m in self._models.items()}
         any_side = (1, MAX_TENSOR_SIDE)
         self.contract = TensorContract(
-            specs=(TensorSpec("uint8", "NHWC", {RGB_UINT8_ID},
+            specs=(TensorSpec("uint8", "NHWC", frozenset({RGB_UINT8_ID}),
                               ((1, 1), any_side, any_side, (CHANNELS, CHANNELS))),),
             model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids={RGB_UINT8_ID})
+            raw_preprocess_ids=frozenset({RGB_UINT8_ID}))
         self.model = self._models["det"]
         return self.model
 
@@ -263,7 +263,8 @@ class OcrBackend(TaskBackend):
         ori = np.ascontiguousarray(rgb[:, :, ::-1])
         ori_h, ori_w = ori.shape[:2]
         img, rh, rw = P.resize_within_bounds(ori)
-        det = top = None
+        det: Optional[np.ndarray] = None
+        top = 0
         if img is not None:
             img, top = P.vertical_padding(img)
             det = P.det_resize(img)
@@ -281,8 +282,10 @@ class OcrBackend(TaskBackend):
             if not np.isfinite(p).all():
                 out.append(InternalError("the detector produced a non-finite value"))
                 continue
-            boxes, _scores = P.db_boxes(p, it.img.shape[0], it.img.shape[1])
-            out.append((boxes, [P.crop(it.img, b) for b in boxes]))
+            img = it.img
+            assert img is not None  # an image that vanished at the stride never reaches det
+            boxes, _scores = P.db_boxes(p, img.shape[0], img.shape[1])
+            out.append((boxes, [P.crop(img, b) for b in boxes]))
         return out
 
     def _cls_post(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:

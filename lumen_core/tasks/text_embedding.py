@@ -399,7 +399,7 @@ class _Reducer:
 
     @staticmethod
     def _solid(norm, pre) -> list:
-        skip = set()
+        skip: set[int] = set()
         for lo, hi in ((0xD800, 0xE000), *_CJK_BLOCKS):
             skip.update(range(lo, hi))
         cats = _SOLID_CATEGORIES
@@ -464,7 +464,8 @@ def _rewrite(pattern: "re.Pattern", keep: int, tail: Optional["re.Pattern"], tex
     for m in pattern.finditer(text):
         a, b = m.span()
         kept = m.group(keep) if keep else " "
-        end = tail.search(text, a, b).start() - 1 if tail is not None else a + len(kept) - 1
+        # (tail is a `[...]*\Z`: it always matches, if only the empty string at b)
+        end = tail.search(text, a, b).start() - 1 if tail is not None else a + len(kept) - 1  # type: ignore[union-attr]
         pieces += (text[last:a], kept)
         spans.append((a - shift, a - shift + len(kept), a, b, end))
         shift += (b - a) - len(kept)
@@ -664,7 +665,7 @@ class TextEmbeddingBackend(TaskBackend):
                 continue
             out = res[i]
             # (a non-finite pooled row makes its normalised row non-finite: already withheld)
-            vec = pooled[i] if opts.pooled else out[OUTPUT]
+            vec = pooled[i] if opts.pooled and pooled is not None else out[OUTPUT]
             if opts.dims or opts.etype != "float":
                 vec = shape_embedding(vec, opts.dims, opts.etype, not opts.pooled)
             out = {**out, OUTPUT: vec}

@@ -154,6 +154,7 @@ class VadBackend(TaskBackend):
         inputs, outputs = read_io(path)
         in_names = [i[0] for i in inputs]
         out_names = [o[0] for o in outputs]
+        assert self.sequence is not None  # a stateful backend: effective_sequence set it
         plans = sequence_plans(self.sequence, cfg.source, cfg.key)
         check_model_io(plans, in_names, out_names, cfg.source, cfg.key)
         missing = [n for n in (INPUT, OUTPUT) if n not in in_names + out_names]
