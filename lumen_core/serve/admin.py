@@ -46,7 +46,7 @@ class AdminRoutes:
 
     def routes(self) -> list:
         def ep(name: str, fn: Any) -> Any:
-            return self.app._endpoint(name, fn, admin=True)
+            return self.app.endpoint(name, fn, admin=True)
 
         task = PREFIX + "/{task}"
         version = task + "/versions/{version}"
@@ -76,7 +76,7 @@ class AdminRoutes:
         model = None
         if int(request.headers.get("content-length") or 0) or \
                 request.headers.get("transfer-encoding"):
-            obj = await self.app._json_body(request, "load")
+            obj = await self.app.json_body(request, "load")
             if not isinstance(obj, dict) or set(obj) - {"model"}:
                 raise InvalidArgument("the body of a version load is {\"model\": path} or empty",
                                       "body")
@@ -94,5 +94,5 @@ class AdminRoutes:
         return self._reply(await self.rt.unload_version(p["task"], p["version"]))
 
     async def traffic(self, request: Request) -> Response:
-        obj = await self.app._json_body(request, "traffic")
+        obj = await self.app.json_body(request, "traffic")
         return self._reply(self.rt.set_traffic(request.path_params["task"], obj))

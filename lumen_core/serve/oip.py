@@ -97,7 +97,7 @@ class OipRoutes:
 
     def routes(self) -> list:
         def ep(name: str, fn: Callable) -> Callable:  # OIP's error shape, 401 included
-            return self.app._endpoint(name, fn, error_response)
+            return self.app.endpoint(name, fn, error_response)
 
         r = []
         for suffix in ("", "/versions/{version}"):
@@ -178,7 +178,7 @@ class OipRoutes:
 
     async def shm_register(self, request: Request) -> Response:
         caller = self._caller(request)
-        obj, _ = _split_body(await self.app._read_body(request, "body"), None)
+        obj, _ = _split_body(await self.app.read_body(request, "body"), None)
         self.shm.register(caller, request.path_params["name"], obj.get("key"),
                           obj.get("offset", 0), obj.get("byte_size"))
         return Response(b"", media_type=JSON)
@@ -189,10 +189,10 @@ class OipRoutes:
 
     async def infer(self, request: Request) -> Response:
         app = self.app
-        app._check_open()
+        app.check_open()
         task = request.path_params["task"]
         contract = check_model(self.rt, task, request.path_params.get("version", ""))
-        body = await app._read_body(request, "payload")
+        body = await app.read_body(request, "payload")
         encoding = request.headers.get("content-encoding")
         if encoding:
             body = _decompress(body, encoding, app.max_body)
@@ -222,7 +222,7 @@ class OipRoutes:
         version = request.path_params.get("version", "")
         if version:  # /versions/{v} pins the version (check_model knows it is loaded)
             req.meta[KEY_MODEL_VERSION] = version
-        resp = await app._until_done_or_gone(request, self.rt.infer(req))
+        resp = await app.until_done_or_gone(request, self.rt.infer(req))
         served = resp.stats.version if resp.stats is not None else ""
         return self._reply(resp, obj, params, served or contract.model_version, rid,
                            self._caller(request))

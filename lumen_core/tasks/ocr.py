@@ -73,8 +73,8 @@ DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 #: default bound of the detector input (pixels): just above the largest that rapidocr's
 #: geometry makes of any image with sides of 30..2000 pixels (2000x250 -> 5888x736 = 4.33 MP)
 DEFAULT_MAX_DET_PIXELS = 4_500_000
-#: default recognition budget of one request (sum of 48 x width over its lines; about 1.3 us
-#: of one core per pixel on the 2-core CI box)
+#: default recognition budget of one request (sum of 48 x width over its lines; what it costs:
+#: docs/ocr.md)
 DEFAULT_MAX_REC_PIXELS = 8_000_000
 #: largest side of a tensor-route image
 MAX_TENSOR_SIDE = 16384

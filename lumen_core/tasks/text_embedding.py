@@ -169,7 +169,7 @@ class EmbedRequest(PreparedModelRequest):
 
 
 class _Options:
-    """What one request asks beyond the defaults (``PreparedModelRequest.context``)."""
+    """What one request asks beyond the defaults (``EmbedRequest.options``)."""
 
     __slots__ = ("dims", "etype", "truncated", "pooled")
 
@@ -855,10 +855,9 @@ def default_task_table() -> dict:
     """The built-in ``text_embed`` task on the prepared all-MiniLM-L6-v2; ModelMissingError
     (naming ``lumen models prepare``) when it is not prepared."""
     require_model(MINILM)
-    # Two instances (threads per instance default to cores // instances): on the 2-core
-    # reference box two single-thread sessions ran the in-process corpus at 1.11x the offline
-    # best (sorted batches of 32, 2 threads) against 0.99x for one 2-thread session
-    # (bench/README.md, "text_embed (in process)").
+    # Two instances (threads per instance default to cores // instances): two single-thread
+    # sessions beat one 2-thread session on the in-process corpus (bench/README.md,
+    # "text_embed (in process)").
     return {"name": TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM,
             "model_version": "1", "instances": DEFAULT_INSTANCES}
 
