@@ -30,7 +30,7 @@ from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
 from .limits import HttpLimits, protocol_class
-from .logs import RequestContext, guard_uvicorn_logs, note_task
+from .logs import RequestContext, guard_uvicorn_logs
 from .metrics import PrometheusObserver
 from .shm import is_loopback
 
@@ -109,16 +109,6 @@ def read_tls(server_cfg: Any, cert: Optional[str] = None, key: Optional[str] = N
     return tuple(out)
 
 
-class _LoggedHttpApp(HttpApp):
-    """The HTTP app, telling the access log the task of a ``/v1/embeddings`` call (its body's
-    ``model``; ``/v1/infer/{task}`` has it in the path)."""
-
-    def _parse_embeddings(self, obj: Any) -> tuple:
-        parsed = super()._parse_embeddings(obj)
-        note_task(parsed[0])
-        return parsed
-
-
 class LumenServer:
     """HTTP + gRPC front of a :class:`~lumen_core.runtime.Runtime`.
 
@@ -151,7 +141,7 @@ class LumenServer:
         self.grace_s = grace_s
         self.observer = PrometheusObserver(runtime)
         # the access log is RequestContext's (one line with the task, sizes and correlation id)
-        self.http = _LoggedHttpApp(runtime, self.observer, keys=self.keys, access_log=False,
+        self.http = HttpApp(runtime, self.observer, keys=self.keys, access_log=False,
                                    version=self.version)
         self.access_log = access_log
         self.grpc: Optional[GrpcServer] = None
@@ -203,6 +193,7 @@ class LumenServer:
             if len(busy) == 1:
                 raise busy[0]
             raise OSError(busy[0].errno, "; and ".join(e.strerror or str(e) for e in busy))
+        assert sock is not None  # bound, or busy held the error raised above
         self.http_port = sock.getsockname()[1]
         limits = self.limits
         forwarded = rt.config.server.forwarded_allow_ips
@@ -213,7 +204,9 @@ class LumenServer:
         config = uvicorn.Config(RequestContext(self.http, access_log=self.access_log),
                                 log_level=self._log_level, access_log=False, log_config=None,
                                 lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
+                                # uvicorn annotates int; it waits a float too
+                                timeout_graceful_shutdown=self.grace_s,  # type: ignore[arg-type]
+                                backlog=BACKLOG,
                                 server_header=False, date_header=False,
                                 http=protocol_class(limits),
                                 h11_max_incomplete_event_size=limits.max_header_bytes,
