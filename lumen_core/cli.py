@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
+from . import __version__
 from .errors import LumenError
 
 EXIT_OK = 0
@@ -38,15 +39,6 @@ API_KEY_HELP = (f"send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; the
 #: exit status after stdout's reader went away (`lumen infer ... | head`): a process killed by
 #: SIGPIPE reports 128 + 13 to its shell
 EXIT_BROKEN_PIPE = 141
-
-
-def _package_version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("lumen-core")
-    except metadata.PackageNotFoundError:  # a source tree that is not installed
-        return "unknown"
 
 
 def missing_extra_message(exc: ModuleNotFoundError) -> str:
@@ -697,7 +689,7 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Lumen Core: task-wise ONNX Runtime inference.")
-    parser.add_argument("--version", action="version", version=f"lumen-core {_package_version()}")
+    parser.add_argument("--version", action="version", version=f"lumen-core {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _GROUPS:
         add(sub)

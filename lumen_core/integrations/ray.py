@@ -58,14 +58,16 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 from ray import serve
 
+from .. import __version__
 from ..config import LumenConfig, TaskConfig, parse_config, read_toml
 from ..errors import ConfigError, InvalidArgument, LumenError, Overloaded, Unavailable
 from ..request import InferRequest, InferResponse
 from ..runtime import Runtime
 from ..serve.auth import ApiKeys
+from ..serve.http import HttpApp
 from ..serve.logs import RequestContext
 from ..serve.metrics import PrometheusObserver
-from ..serve.server import SHUTDOWN_GRACE_S, _LoggedHttpApp, _package_version
+from ..serve.server import SHUTDOWN_GRACE_S
 
 log = logging.getLogger("lumen.ray")
 
@@ -225,9 +227,8 @@ class _Generation:
         self.spec = spec
         self.observer = PrometheusObserver(runtime)
         runtime.observer = self.observer  # after start: warm-up requests are not counted
-        self.http = _LoggedHttpApp(runtime, self.observer,
-                                   keys=ApiKeys.from_config(runtime.config.server),
-                                   version=version)
+        self.http = HttpApp(runtime, self.observer,
+                            keys=ApiKeys.from_config(runtime.config.server), version=version)
         self.app = RequestContext(self.http)
 
     async def stop(self) -> None:
@@ -328,7 +329,7 @@ class _LumenReplica:
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.threads = replica_threads(_assigned_cpus(num_cpus))
-        self.version = _package_version()
+        self.version = __version__
         self._lock = asyncio.Lock()
         self.generation = await self._start(config_spec(config))
         log.info("lumen replica %s ready on node %s: tasks %s, %d ORT thread(s)",

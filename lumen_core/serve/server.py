@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import uvicorn
 
+from .. import __version__
 from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
@@ -80,15 +81,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _package_version() -> str:
-    try:
-        from importlib import metadata
-
-        return metadata.version("lumen-core")
-    except Exception:  # noqa: BLE001 - a source tree that is not installed
-        return "unknown"
-
-
 def read_tls(server_cfg: Any, cert: Optional[str] = None, key: Optional[str] = None) -> Optional[tuple]:
     """(cert path, key path, cert PEM, key PEM) from the flags or ``[server] tls_*``; None for
     plain HTTP / insecure gRPC.  A missing or unreadable file is one OSError line."""
@@ -131,7 +123,7 @@ class LumenServer:
         guard_uvicorn_logs()  # no key or query string in uvicorn's lines, at any level
         self.tls = read_tls(server_cfg, tls_cert, tls_key)
         self.limits = HttpLimits.from_config(server_cfg)
-        self.version = _package_version()
+        self.version = __version__
         self.runtime = runtime
         self.host = host if host is not None else server_cfg.host
         self.http_port = http_port if http_port is not None else server_cfg.http_port
@@ -142,7 +134,7 @@ class LumenServer:
         self.observer = PrometheusObserver(runtime)
         # the access log is RequestContext's (one line with the task, sizes and correlation id)
         self.http = HttpApp(runtime, self.observer, keys=self.keys, access_log=False,
-                                   version=self.version)
+                            version=self.version)
         self.access_log = access_log
         self.grpc: Optional[GrpcServer] = None
         self._uvicorn: Optional[_Uvicorn] = None
