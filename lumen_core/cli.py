@@ -696,15 +696,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_missing_error() -> type:
+def _model_missing_error() -> type[Exception]:
     from . import errors
 
-    cls = getattr(errors, "ModelMissingError", None)
+    cls: Optional[type[Exception]] = getattr(errors, "ModelMissingError", None)
     if cls is None:
         try:
-            from .errors import ModelMissingError as cls
+            from .errors import ModelMissingError
         except ModuleNotFoundError:  # the [cpu] extra is missing: nothing raises it then
             return LumenError
+        cls = ModelMissingError
     return cls
 
 

@@ -103,12 +103,12 @@ class Runtime:
         self._caches: dict = {}
         # instance attributes: ``await rt.infer(req)`` calls the compiled dispatcher directly,
         # with no Python frame between the caller and the request path
-        self.infer = self._dispatch.infer
-        self.infer_many = self._dispatch.infer_many
+        self.infer = self._dispatch.infer  # type: ignore[method-assign]
+        self.infer_many = self._dispatch.infer_many  # type: ignore[method-assign]
         if any(tc.cache is not None for tc in config.tasks):
             # a runtime without caches runs the dispatcher untouched (not one extra check)
-            self.infer = self._infer_cached
-            self.infer_many = self._infer_many_cached
+            self.infer = self._infer_cached  # type: ignore[method-assign]
+            self.infer_many = self._infer_many_cached  # type: ignore[method-assign]
 
     @property
     def tasks(self) -> dict:
@@ -496,6 +496,7 @@ class Runtime:
         if self._thread is None:
             return
         loop = self._loop
+        assert loop is not None  # a background thread runs only once started
         asyncio.run_coroutine_threadsafe(self.stop(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join()

@@ -325,7 +325,8 @@ class _LumenReplica:
     ``num_cpus`` is what the builder asked Ray for (Ray's own figure wins when it has one).
     """
 
-    async def __init__(self, config: Any = None, num_cpus: float = DEFAULT_NUM_CPUS):
+    async def __init__(self, config: Any = None,  # type: ignore[misc]  # Ray Serve awaits it
+                       num_cpus: float = DEFAULT_NUM_CPUS):
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.threads = replica_threads(_assigned_cpus(num_cpus))
@@ -509,7 +510,7 @@ def start_serve(host: str, port: int, ingress: str = DEFAULT_INGRESS,
         notes.append("warning: no HAProxy binary (install ray[serve] on Linux for the bundled "
                      "one, or set RAY_SERVE_HAPROXY_BINARY_PATH): using Ray's Python proxy")
         ingress = "proxy"
-    extra = {} if proxy_location is None else {"proxy_location": proxy_location}
+    extra: dict[str, Any] = {} if proxy_location is None else {"proxy_location": proxy_location}
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s},
                 controller_options={"runtime_env": {"env_vars": ingress_env(ingress)}}, **extra)
     return ingress, notes
