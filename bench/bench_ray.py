@@ -18,7 +18,10 @@ comparison repeats ``--rounds`` times so the spread shows.  The load average is 
 and after: the box is shared, and the figures move with what else runs.
 
     python bench/bench_ray.py [--count 512] [--concurrency 16 64] [--rounds 3]
-    RAY_SERVE_ENABLE_HA_PROXY=1 python bench/bench_ray.py ...   # Ray's HAProxy ingress instead
+    python bench/bench_ray.py --ingress proxy ...   # Ray's Python proxy instead of HAProxy
+
+The ingress is ``lumen serve --ray``'s (:func:`lumen_core.integrations.ray.start_serve`):
+HAProxy by default, the Python proxy with ``--ingress proxy`` (or where Ray has no HAProxy).
 """
 from __future__ import annotations
 
@@ -88,6 +91,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--corpus-size", type=int, default=loadgen.DEFAULT_SIZE)
     ap.add_argument("--json", help="write every result here")
+    ap.add_argument("--ingress", choices=LR.INGRESSES, default=LR.DEFAULT_INGRESS,
+                    help="Ray Serve's ingress (default: lumen serve --ray's, HAProxy)")
     args = ap.parse_args()
 
     table = default_task_table()
@@ -96,16 +101,16 @@ def main() -> int:
     model_dir = str(models.model_dir(models.MINILM))
     texts = loadgen.make_corpus(args.corpus_size, loadgen.DEFAULT_SEED)
     port = free_port()
-    ingress = ("HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1)"
-               if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Ray's Python proxy")
     print(f"load average before: {load_avg()}; {REPLICAS} replicas x {REPLICA_CPUS:g} CPU x "
-          f"{THREADS} ORT thread each; ingress: {ingress}; {args.count} requests per run "
+          f"{THREADS} ORT thread each; {args.count} requests per run "
           f"(+{args.warmup} warm-up)", flush=True)
     ray.init(num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": LR.replica_env()})
     results: list = []
+    ingress = args.ingress
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        ingress, notes = LR.start_serve("127.0.0.1", port, args.ingress)
+        print(f"ingress: {ingress}", *notes, sep="; ", flush=True)
         lumen_cfg = {"tasks": [dict(table, instances=1, intra_op_threads=THREADS)]}
         serve.run(LR.build_app(lumen_cfg, num_replicas=REPLICAS, num_cpus=REPLICA_CPUS),
                   name="lumen", route_prefix="/lumen")
@@ -130,7 +135,7 @@ def main() -> int:
         serve.shutdown()
         ray.shutdown()
     print(f"load average after: {load_avg()}")
-    print("\nratios lumen-ray / ray-batch per round (req/s; p99 latency):")
+    print(f"\nratios lumen-ray / ray-batch per round (req/s; p99 latency; ingress: {ingress}):")
     for c in args.concurrency:
         ratios, p99s = [], []
         for rnd in range(args.rounds):

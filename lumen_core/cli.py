@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
+from . import __version__
 from .errors import LumenError
 
 EXIT_OK = 0
@@ -38,15 +39,6 @@ API_KEY_HELP = (f"send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; the
 #: exit status after stdout's reader went away (`lumen infer ... | head`): a process killed by
 #: SIGPIPE reports 128 + 13 to its shell
 EXIT_BROKEN_PIPE = 141
-
-
-def _package_version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("lumen-core")
-    except metadata.PackageNotFoundError:  # a source tree that is not installed
-        return "unknown"
 
 
 def missing_extra_message(exc: ModuleNotFoundError) -> str:
@@ -174,7 +166,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args)
     for flag, value in (("--replicas", args.replicas), ("--max-replicas", args.max_replicas),
-                        ("--num-cpus", args.num_cpus), ("--ray-address", args.ray_address)):
+                        ("--num-cpus", args.num_cpus), ("--ray-address", args.ray_address),
+                        ("--ray-ingress", args.ray_ingress)):
         if value is not None:
             raise ValueError(f"{flag} is a Ray option: add --ray")
     from .serve.server import LumenServer  # first: a missing [serve] extra is one message
@@ -207,7 +200,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
     if args.watch:
         raise ValueError("--watch does not apply with --ray: a new config reaches the replicas "
                          "as the deployment's user_config (README, \"More than one machine\")")
-    from .integrations.ray import DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
+    from .integrations.ray import DEFAULT_INGRESS, DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
 
     replicas = args.replicas or DEFAULT_REPLICAS
     if args.max_replicas is not None and args.max_replicas < replicas:
@@ -217,7 +210,8 @@ def _serve_ray(args: argparse.Namespace) -> int:
     try:
         return serve_forever(args.config, replicas,
                              args.num_cpus if args.num_cpus is not None else DEFAULT_NUM_CPUS,
-                             args.max_replicas, args.host, args.http_port, args.ray_address)
+                             args.max_replicas, args.host, args.http_port, args.ray_address,
+                             ingress=args.ray_ingress or DEFAULT_INGRESS)
     finally:
         undo()
 
@@ -579,6 +573,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
                      help="the Ray cluster to join, e.g. ray://head:10001 or head:6379 "
                           "(default: $RAY_ADDRESS, else a new local instance)")
+    ray.add_argument("--ray-ingress", choices=("haproxy", "proxy"), default=None,
+                     help="Ray Serve's ingress when this command starts Serve: haproxy (the "
+                          "default; the Python proxy with a warning where Ray has no HAProxy "
+                          "binary) or proxy (Ray's Python proxy)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -691,22 +689,23 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Lumen Core: task-wise ONNX Runtime inference.")
-    parser.add_argument("--version", action="version", version=f"lumen-core {_package_version()}")
+    parser.add_argument("--version", action="version", version=f"lumen-core {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _GROUPS:
         add(sub)
     return parser
 
 
-def _model_missing_error() -> type:
+def _model_missing_error() -> type[Exception]:
     from . import errors
 
-    cls = getattr(errors, "ModelMissingError", None)
+    cls: Optional[type[Exception]] = getattr(errors, "ModelMissingError", None)
     if cls is None:
         try:
-            from .errors import ModelMissingError as cls
+            from .errors import ModelMissingError
         except ModuleNotFoundError:  # the [cpu] extra is missing: nothing raises it then
             return LumenError
+        cls = ModelMissingError
     return cls
 
 

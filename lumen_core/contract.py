@@ -97,7 +97,7 @@ INT64_MAX = (1 << 63) - 1
 EMBEDDING_TYPES: dict[str, str] = {"float": "fp32", "int8": "int8", "uint8": "uint8",
                                    "binary": "int8", "ubinary": "uint8"}
 #: the fixed range of int8 / uint8 quantisation: every component of an L2-normalised vector
-#: lies in it, so none saturates; 256 levels of width (hi - lo) / 255 (see text_embedding.py)
+#: lies in it, so none saturates; 256 levels of width (hi - lo) / 255 (see tasks/embedding_output.py)
 EMBEDDING_QUANT_RANGE = (-1.0, 1.0)
 
 # --------------------------------------------------------------------------- dtypes, layouts

@@ -325,7 +325,7 @@ def parse_shape(text: str) -> tuple:
         raise _bad(KEY_SHAPE, f"{KEY_SHAPE} must be a JSON array of ints like [1,3,224,224], "
                               f"got {_short(text)}")
     i += 1
-    dims = []
+    dims: list[int] = []
     while True:
         while i < n and text[i] in ws:
             i += 1

@@ -66,7 +66,7 @@ class DenseTensor:
 
     def __init__(self, make_signature: Callable[..., Any], max_cached: int = 256):
         self.make_signature = make_signature
-        self.signatures = {}
+        self.signatures: dict[tuple, Any] = {}
         self.max_cached = max_cached
 
     def prepare(self, desc: Any, payload: Any) -> scheduler.Prepared:
@@ -147,9 +147,9 @@ class Route:
         self.backend = backend
         self.contract = backend.contract
         self.batcher = batcher
-        self.router = None
+        self.router: Optional[Callable[[Any], Route]] = None
         self.holds = 0
-        self.cache = None
+        self.cache: Any = None  # cache.ResponseCache
         self.priority_levels = priority_levels
         self.default_priority = default_priority or priority_levels
         self.default_timeout_ms = default_timeout_ms
@@ -215,12 +215,12 @@ class Dispatcher:
     __slots__ = ("routes", "ready", "closing", "max_payload", "observe", "trace", "pool")
 
     def __init__(self, max_payload: int, pool: Any):
-        self.routes = {}
+        self.routes: dict[str, Route] = {}
         self.ready = False
         self.closing = False
         self.max_payload = max_payload
-        self.observe = None
-        self.trace = None
+        self.observe: Optional[Callable[..., None]] = None
+        self.trace: Any = None  # tracing.Tracing
         self.pool = pool
 
     # -- routing and validation --------------------------------------------------------------
@@ -411,7 +411,7 @@ class Dispatcher:
         """
         out = [None] * len(requests)
         t0 = _monotonic_ns()
-        groups = {}  # id(route) -> _Items
+        groups: dict[int, _Items] = {}  # id(route) -> _Items
         try:
             late = self.many_prepare(requests, out, groups, t0)
             for i in late:  # inputs prepared off the loop
@@ -531,9 +531,9 @@ class _Items:
 
     def __init__(self, route: Route):
         self.route = route
-        self.index = []
-        self.kinds = []
-        self.specs = []
+        self.index: list[int] = []
+        self.kinds: list[str] = []
+        self.specs: list[tuple] = []
         self.group = None
         self.entries = None
 

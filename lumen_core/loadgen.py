@@ -263,6 +263,7 @@ class Connection:
 
     async def _exchange(self, body: bytes) -> tuple:
         writer, reader = self.writer, self.reader
+        assert writer is not None and reader is not None  # _open ran
         writer.write(self._head + str(len(body)).encode() + b"\r\n\r\n" + body)
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
@@ -320,40 +321,41 @@ async def _closed_loop(call: Callable, n_items: int, concurrency: int, count: in
     """``concurrency`` workers share a counter; each call(i) is timed.  Returns
     (latencies, errors, first_error, seconds)."""
     latencies: list = []
-    state = {"next": 0, "errors": 0, "first": ""}
+    counts = {"next": 0, "errors": 0}
+    first = [""]
 
     async def worker(w: int) -> None:
         while True:
-            i = state["next"]
+            i = counts["next"]
             if i >= count:
                 return
-            state["next"] = i + 1
+            counts["next"] = i + 1
             t0 = time.perf_counter()
             try:
                 await asyncio.wait_for(call(w, i % n_items), REQUEST_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
-                state["errors"] += 1
-                if not state["first"]:
-                    state["first"] = f"{type(exc).__name__}: {exc}"[:300]
+                counts["errors"] += 1
+                if not first[0]:
+                    first[0] = f"{type(exc).__name__}: {exc}"[:300]
                 continue
             latencies.append(time.perf_counter() - t0)
 
-    async def ticker() -> None:
+    async def ticker(bar: Progress) -> None:
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
-            progress.update(len(latencies) + state["errors"])
+            bar.update(len(latencies) + counts["errors"])
 
-    tick = asyncio.ensure_future(ticker()) if progress is not None else None
+    tick = asyncio.ensure_future(ticker(progress)) if progress is not None else None
     t0 = time.perf_counter()
     try:
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     finally:
         seconds = time.perf_counter() - t0
-        if tick is not None:
+        if tick is not None and progress is not None:
             tick.cancel()
-            progress.update(len(latencies) + state["errors"])
+            progress.update(len(latencies) + counts["errors"])
             progress.close()
-    return latencies, state["errors"], state["first"], seconds
+    return latencies, counts["errors"], first[0], seconds
 
 
 async def bench_http(url: str, texts: Sequence[str], concurrency: int, count: int,
@@ -527,7 +529,8 @@ async def open_loop(call: Callable, n_items: int, rate: float, duration: float, 
     rng = random.Random(seed)
     outcomes: list = []
     tasks: set = set()
-    state = {"first": "", "done": 0}
+    first = [""]
+    done = [0]
     loop = asyncio.get_running_loop()
     t0 = loop.time()
 
@@ -536,10 +539,10 @@ async def open_loop(call: Callable, n_items: int, rate: float, duration: float, 
         try:
             status = await asyncio.wait_for(call(i), REQUEST_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
-            if not state["first"]:
-                state["first"] = f"{type(exc).__name__}: {exc}"[:300]
+            if not first[0]:
+                first[0] = f"{type(exc).__name__}: {exc}"[:300]
         outcomes.append((sent_at, status, loop.time() - t0 - sent_at))
-        state["done"] += 1
+        done[0] += 1
 
     i = 0
     at = rng.expovariate(rate)
@@ -549,8 +552,8 @@ async def open_loop(call: Callable, n_items: int, rate: float, duration: float, 
             await asyncio.sleep(delay)
         if len(tasks) >= MAX_OPEN_IN_FLIGHT:
             outcomes.append((at, 0, 0.0))
-            if not state["first"]:
-                state["first"] = f"client: more than {MAX_OPEN_IN_FLIGHT} requests in flight"
+            if not first[0]:
+                first[0] = f"client: more than {MAX_OPEN_IN_FLIGHT} requests in flight"
         else:
             t = asyncio.ensure_future(one(i % n_items, at))
             tasks.add(t)
@@ -558,13 +561,13 @@ async def open_loop(call: Callable, n_items: int, rate: float, duration: float, 
         i += 1
         at += rng.expovariate(rate)
         if progress is not None and i % 64 == 0:
-            progress.update(state["done"])
+            progress.update(done[0])
     if tasks:
         await asyncio.gather(*list(tasks))
     if progress is not None:
-        progress.update(state["done"])
+        progress.update(done[0])
         progress.close()
-    return outcomes, state["first"], duration
+    return outcomes, first[0], duration
 
 
 async def bench_http_open_loop(url: str, texts: Sequence[str], rate: float, duration: float,

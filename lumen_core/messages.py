@@ -60,6 +60,7 @@ class InferRequest:
         self._cid = value or ""
 
     def __repr__(self) -> str:
+        n: object
         try:
             n = memoryview(self.payload).nbytes
         except TypeError:
@@ -117,9 +118,10 @@ class InferResponse:
     def __init__(self, correlation_id: str, task: str, outputs: Dict[str, Any],
                  meta: Optional[Dict[str, str]] = None, stats: Optional[ResponseStats] = None):
         self._cid = correlation_id
-        self._req = None
+        self._req: Optional[InferRequest] = None
         self.task = task
-        self._outputs = outputs
+        # a dict, or a batch's outputs whose row(i) splits out this response's (self._row >= 0)
+        self._outputs: Any = outputs
         self._row = -1
         self._meta = meta
         self._stats = stats

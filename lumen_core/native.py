@@ -21,6 +21,12 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # the type checker reads the pure-Python twins: each is the definition its compiled module
+    # mirrors, so ``native.messages.InferRequest`` has the twin's type
+    from . import assemble, descriptor, dispatch, image, messages, notify, scheduler  # noqa: F401
 
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 

@@ -18,16 +18,11 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from . import native, tracing
-from .batching.dynamic import DynamicBatcher
-from .batching.pipeline import build_pipeline
 from .batching.policy import group_too_large
-from .batching.runner import BatchRunner
-from .batching.sequence import SequenceBatcher
-from .cache import MISS, ResponseCache
+from .cache import MISS
 from .config import LumenConfig, TaskConfig, load_config, parse_config
 from .contract import KEY_MODEL_VERSION, TensorContract
 from .dispatch import route_of
-from .engine.ort import make_instances
 from .errors import (
     InternalError,
     InvalidArgument,
@@ -35,10 +30,10 @@ from .errors import (
     TaskNotFound,
     Unavailable,
 )
+from .loading import Observer, Task, TaskLoader
 from .prepare_pool import PreparePool
 from .request import InferRequest, InferResponse, new_infer_request
-from .tasks import backend_class, default_task_table, default_task_tables
-from .tasks.base import TaskBackend
+from .tasks import default_task_table, default_task_tables
 from .versions import Lifecycle
 
 log = logging.getLogger("lumen")
@@ -49,41 +44,6 @@ SYNC_WAIT_S = None
 TOKEN_DTYPE, TOKEN_LAYOUT = "int64", "NL"
 #: the mime of ``str`` payloads (``text_request``)
 TEXT_MIME = "text/plain; charset=utf-8"
-
-
-class Observer:
-    """Metrics hooks; the serve layer installs a Prometheus implementation.  No-ops here (and
-    with this base class installed the runtime skips the calls and their timing entirely)."""
-
-    def request(self, task: str, route: str, code: str, e2e_us: int,
-                queue_us: int = 0, compute_us: int = 0, version: str = "") -> None:
-        """One finished request (``code`` is ``ok`` or an error code; ``version`` the task
-        version that served it, empty when none was chosen yet)."""
-
-    def batch(self, task: str, size: int, compute_us: int) -> None:
-        """One finished batch."""
-
-
-class Task(native.dispatch.Route):
-    """A loaded version of a task: its dispatch record (``scheduler.Route``: backend,
-    contract, batcher, policy defaults, router, holds, cache) plus what the runtime keeps
-    for it -- its config, engine instances and their runners."""
-
-    def __init__(self, config: TaskConfig, backend: TaskBackend, instances: list, runners: list,
-                 batcher: Any):
-        b = config.batching
-        super().__init__(config.name, config.model_version, backend, batcher, b.priority_levels,
-                         b.default_priority_level, b.default_timeout_ms)
-        self.config = config
-        self.instances = instances
-        self.runners = runners
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded / all token slots over the task's life (0 for non-ragged tasks)."""
-        real = sum(r.stats.get("real_tokens", 0) for r in self.runners)
-        total = sum(r.stats.get("padded_tokens", 0) for r in self.runners)
-        return (total - real) / total if total else 0.0
 
 
 class Runtime:
@@ -101,14 +61,16 @@ class Runtime:
         self._lifecycle = Lifecycle(self)
         #: task name -> ResponseCache of the loaded tasks with [tasks.cache]
         self._caches: dict = {}
+        #: builds task versions (loading.py); its batchers report to ``self.observer``
+        self._loader = TaskLoader(lambda: self._observer, self._dispatch, self._caches)
         # instance attributes: ``await rt.infer(req)`` calls the compiled dispatcher directly,
         # with no Python frame between the caller and the request path
-        self.infer = self._dispatch.infer
-        self.infer_many = self._dispatch.infer_many
+        self.infer = self._dispatch.infer  # type: ignore[method-assign]
+        self.infer_many = self._dispatch.infer_many  # type: ignore[method-assign]
         if any(tc.cache is not None for tc in config.tasks):
             # a runtime without caches runs the dispatcher untouched (not one extra check)
-            self.infer = self._infer_cached
-            self.infer_many = self._infer_many_cached
+            self.infer = self._infer_cached  # type: ignore[method-assign]
+            self.infer_many = self._infer_many_cached  # type: ignore[method-assign]
 
     @property
     def tasks(self) -> dict:
@@ -190,82 +152,7 @@ class Runtime:
     def load_task(self, tc: TaskConfig) -> Task:
         """Build one task version from its config: backend, engine instances, batcher (not
         started; the lifecycle starts and warms it up before it takes traffic)."""
-        try:
-            cls = backend_class(tc.backend)
-        except KeyError:
-            from .errors import ConfigError
-            from .tasks import BACKENDS
-
-            raise ConfigError(tc.source, f"{tc.key}.backend",
-                              f"unknown backend {tc.backend!r} (known: {', '.join(sorted(BACKENDS))})") from None
-        backend = cls(tc)
-        spec = backend.load()
-        steps = backend.steps()
-        if steps is not None:  # an ensemble: one batcher per step (batching/pipeline.py)
-            return self._load_pipeline(tc, backend, steps)
-        instances = make_instances(spec, tc.name, tc.device, tc.instances, tc.intra_op_threads,
-                                   tc.allow_spinning)
-        runners = [BatchRunner(inst, backend.postprocess) for inst in instances]
-        on_batch = self._batch_observer(tc.name)
-        if backend.stateful:
-            batcher: Any = SequenceBatcher(tc.name, tc.batching,
-                                           getattr(backend, "sequence", None) or tc.sequence,
-                                           runners, on_batch=on_batch)
-        else:
-            batcher = DynamicBatcher(tc.name, tc.batching, runners, on_batch=on_batch,
-                                     **backend.batching_options())
-        trace = self._dispatch.trace
-        if trace is not None:
-            trace.versions[tc.name] = tc.model_version
-            batcher.trace = trace
-        task = Task(tc, backend, instances, runners, batcher)
-        if tc.cache is not None:
-            if backend.stateful:
-                from .errors import ConfigError
-
-                raise ConfigError(tc.source, f"{tc.key}.cache",
-                                  f"task {tc.name!r} is stateful (sequences): its responses "
-                                  f"depend on the sequence's state and cannot be cached; "
-                                  f"remove [tasks.cache]")
-            # one cache per task name, shared by its versions (the version is in every key)
-            cache = self._caches.get(tc.name)
-            if cache is None:
-                cache = self._caches[tc.name] = ResponseCache(tc.name, tc.cache.max_bytes,
-                                                              tc.cache.ttl_s)
-            task.cache = cache
-        return task
-
-    def _load_pipeline(self, tc: TaskConfig, backend: TaskBackend, steps: list) -> Task:
-        """An ensemble task: each step its own engine instances and dynamic batcher; step
-        batches reach the observer as ``<task>.<step>``."""
-        instances: list = []
-
-        def make_runners(step: Any) -> list:
-            made = make_instances(step.model, f"{tc.name}.{step.name}", tc.device, step.instances,
-                                  step.intra_op_threads or tc.intra_op_threads, tc.allow_spinning)
-            instances.extend(made)
-            return [BatchRunner(inst, step.postprocess) for inst in made]
-
-        def on_batch(step: str, n: int, compute_us: int) -> None:
-            obs = self._observer
-            if type(obs) is not Observer:
-                obs.batch(f"{tc.name}.{step}", n, compute_us)
-
-        batcher = build_pipeline(tc.name, tc.batching, steps, backend.flow,
-                                 make_runners, on_batch)
-        trace = self._dispatch.trace
-        if trace is not None:  # request spans per ocr request, batch spans per step
-            trace.versions[tc.name] = tc.model_version
-            for step in batcher.steps.values():
-                step.batcher.trace = trace
-        return Task(tc, backend, instances, batcher.runners, batcher)
-
-    def _batch_observer(self, name: str):
-        def on_batch(n: int, compute_us: int) -> None:
-            obs = self._observer
-            if type(obs) is not Observer:
-                obs.batch(name, n, compute_us)
-        return on_batch
+        return self._loader.load(tc)
 
     async def warmup(self, task: Task) -> None:
         """Run the backend's warm-up requests through the whole request path, on ``task``
@@ -304,7 +191,7 @@ class Runtime:
             await self.close_task(task)
         self._dispatch.routes = {}
         self._lifecycle.forget()
-        self._caches = {}
+        self._caches.clear()
 
     async def close_task(self, task: Task) -> None:
         """Close one task version: its batcher (refusing what it still holds) and engines."""
@@ -496,6 +383,7 @@ class Runtime:
         if self._thread is None:
             return
         loop = self._loop
+        assert loop is not None  # a background thread runs only once started
         asyncio.run_coroutine_threadsafe(self.stop(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join()

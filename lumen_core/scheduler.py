@@ -122,13 +122,13 @@ class Entry:
         self.batch_size = 0
         self.compute_us = 0
         self.queue = queue
-        self.seq = None
+        self.seq: Any = None
         self.start = False
         self.end = False
         self.was_open = True
-        self.span = None
-        self.route = None  # the Route (task version) the Dispatcher admitted it for
-        self.kind = RAW  # its metrics route
+        self.span: Any = None
+        self.route: Any = None  # the Route (task version) the Dispatcher admitted it for
+        self.kind: str = RAW  # its metrics route
         self.t0 = 0  # when the Dispatcher took it (monotonic ns; observed requests only)
 
     @property
@@ -232,7 +232,7 @@ class SignatureQueue:
 
     def __init__(self, signature: Any, levels: int):
         self.signature = signature
-        self.levels = [_deque() for _ in range(levels)]
+        self.levels: list[_deque] = [_deque() for _ in range(levels)]
         self.live = 0
 
     def head(self) -> Optional[Entry]:
@@ -306,19 +306,19 @@ class Admission:
         self.closed = False
         self.stopping = False
         self.started = False
-        self.loop = None
-        self.queues = {}
-        self.idle = []  # the wake locks of workers waiting for work
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.queues: dict[Any, SignatureQueue] = {}
+        self.idle: list = []  # the wake locks of workers waiting for work
         self.delay_ns = delay_ns
         self.ready_live = ready_live  # a queue this long forms a batch without waiting
-        self.deadlines = []
+        self.deadlines: list[tuple] = []
         self.deadline_count = 0
         self.compact_at = DEADLINE_COMPACT_MIN
-        self.timer = None
+        self.timer: Optional[asyncio.TimerHandle] = None
         self.timer_ns = 0
-        self.trace = None  # the runtime's tracing.Tracing when tracing is on
+        self.trace: Any = None  # the runtime's tracing.Tracing when tracing is on
         self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
-        self.idle_event = None  # asyncio.Event while somebody drains
+        self.idle_event: Optional[asyncio.Event] = None  # asyncio.Event while somebody drains
         # latency target (issue 30): 0 = none.  With one, a request whose predicted completion
         # falls past the target (or its deadline) is refused at admission (check_latency).
         # The cost_* fields are the task's learnt cost (batching/cost.py), written once per
@@ -433,7 +433,7 @@ class Admission:
             self.start()
         n = len(specs)
         group = Group(_Future(loop=self.loop), n)
-        entries = []
+        entries: list[Entry] = []
         if not n:
             group.future.set_result(None)
             return group, entries
@@ -534,7 +534,9 @@ class Admission:
         if self.timer is not None:
             self.timer.cancel()
         self.timer_ns = at_ns
-        self.timer = self.loop.call_later(max(0, at_ns - _monotonic_ns()) / 1e9,
+        loop = self.loop
+        assert loop is not None  # started: the first submit binds the loop
+        self.timer = loop.call_later(max(0, at_ns - _monotonic_ns()) / 1e9,
                                           self.expire_due)
 
     def expire_due(self) -> None:

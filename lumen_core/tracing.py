@@ -163,8 +163,12 @@ class Tracing:
         """``infer_many``'s entries for one task: one request span each."""
         for route, e in zip(routes, entries, strict=True):
             self._request_span(task.name, route, e)
-        group.future.add_done_callback(
-            lambda f: [self.finish(e, f.cancelled()) for e in entries])
+
+        def done(f: Any) -> None:
+            for e in entries:
+                self.finish(e, f.cancelled())
+
+        group.future.add_done_callback(done)
 
     def _request_span(self, task: str, route: str, entry: Any) -> Any:
         span = self._tracer.start_span(

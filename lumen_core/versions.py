@@ -1,12 +1,15 @@
-"""Model versions of a task: the traffic split, the per-request choice of a version, and the
-lifecycle of each version (load beside the old one, warm up, take traffic atomically, drain the
-old one, unload it) behind ``rt.reload``, ``rt.set_traffic``, the admin API and ``--watch``.
+"""Model versions of a task: the lifecycle of each version (load beside the old one, warm up,
+take traffic atomically, drain the old one, unload it) behind ``rt.reload``,
+``rt.set_traffic``, the admin API and ``--watch``.  The traffic split and the per-request
+choice of a version are :mod:`lumen_core.routing`; model files on disk (states, revisions,
+waiting for a writer, the admin loads' path check) are :mod:`lumen_core.watch`.
 
 How it sits in the runtime: every loaded version is a :class:`~lumen_core.runtime.Task` of its
 own (own sessions, batcher, warm-up; the version is in its execution signature), and
 ``Runtime.tasks[name]`` holds the task's *head*: the version with the largest share of traffic.
 A task that serves one version has ``head.router = None``, so the request path pays one
-attribute test for versions.  With several, ``head.router`` is a :class:`Router` built once per
+attribute test for versions.  With several, ``head.router`` is a
+:class:`~lumen_core.routing.Router` built once per
 change of the set or the split: a pin (``lumen.model.version``), a sticky key
 (``lumen.route.key``) or a weighted draw picks the version.  Swaps replace ``Runtime.tasks[name]``
 and the router in one step on the loop thread, so a request sees either the old set or the new.
@@ -20,15 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import os
-import random
-import stat as stat_mod
-import sys
 import threading
 import time
-from bisect import bisect_right
 from collections import deque
 from typing import Any, Iterable, Mapping, Optional
 
@@ -39,266 +37,33 @@ from .config import (
     load_config,
     parse_config,
     task_versions,
-    traffic_weight,
 )
-from .contract import KEY_MODEL_VERSION, KEY_ROUTE_KEY, KEY_SEQUENCE_ID, MAX_META_VALUE_CHARS
 from .errors import (
     ConfigError,
     InvalidArgument,
-    PayloadTooLarge,
-    PermissionDenied,
     TaskNotFound,
     Unavailable,
+)
+from .routing import Router, check_traffic, effective_split, head_version, version_key
+from .watch import (
+    STABLE_QUIET_S,
+    WATCH_INTERVAL_S,
+    FileWatch,
+    Stopped,
+    file_hash,
+    file_state,
+    stable_revision,
+    wait_stable,
 )
 
 log = logging.getLogger("lumen.lifecycle")
 
 #: states of a version instance (the admin API shows them)
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
-#: bytes read at a time while hashing a model file
-HASH_CHUNK_BYTES = 1 << 20
-#: a changed file is loaded once its size and mtime stayed the same this long (no half-written
-#: file is ever loaded)
-STABLE_QUIET_S = 0.2
-#: a file still changing after this long is loaded as it is then (and failing, reported)
-STABLE_MAX_WAIT_S = 30.0
-#: ``lumen serve --watch``: seconds between two looks at the config and model files
-WATCH_INTERVAL_S = 1.0
 #: seconds between two checks while a retired version drains
 DRAIN_POLL_S = 0.005
 #: lifecycle events kept per task for the admin API
 MAX_EVENTS = 64
-_POINTS = float(1 << 64)
-#: sticky keys whose version a router remembers (a new router, i.e. a new split, starts
-#: empty), and the bytes their strings may take in all; past either, a key's version is
-#: computed from its hash every time (the same answer, a little more work)
-MAX_STICKY_KEYS = 65536
-MAX_STICKY_BYTES = 16 << 20
-#: the most characters of a requested model path quoted back in an error
-MAX_PATH_ECHO = 200
-_random = random.random
-
-
-def version_key(v: str) -> tuple:
-    """Sort key of version labels: numeric labels by value, before any others by text."""
-    return (0, int(v), v) if v.isdigit() else (1, 0, v)
-
-
-def route_point(key: str) -> float:
-    """A sticky key's point in ``[0, 1)``: stable across processes and restarts (so replicas
-    agree), unlike ``hash()``."""
-    d = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(d, "little") / _POINTS
-
-
-def file_state(path: str) -> Optional[tuple]:
-    """(size, mtime_ns, inode) of ``path``, or None when it does not exist."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-class Stopped(Exception):
-    """The runtime stopped while a worker thread was still reading a model file."""
-
-
-def file_hash(path: str, stop: Optional[threading.Event] = None) -> str:
-    """sha256 of the file's content (the revision a version is loaded from); Stopped as soon
-    as ``stop`` is set (a shutdown never waits for a big file to be read)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK_BYTES):
-            if stop is not None and stop.is_set():
-                raise Stopped(path)
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def wait_stable(path: str, quiet_s: float = STABLE_QUIET_S,
-                max_wait_s: float = STABLE_MAX_WAIT_S,
-                stop: Optional[threading.Event] = None) -> Optional[tuple]:
-    """Block until ``path`` keeps its state for ``quiet_s`` (a writer has finished); its state
-    then (None: it does not exist).  Runs on a worker thread; Stopped when ``stop`` is set."""
-    t_end = time.monotonic() + max_wait_s
-    st = file_state(path)
-    while True:
-        if stop is not None and stop.wait(quiet_s):
-            raise Stopped(path)
-        if stop is None:
-            time.sleep(quiet_s)
-        now = file_state(path)
-        if now == st or time.monotonic() >= t_end:
-            return now
-        st = now
-
-
-def stable_revision(path: str, quiet_s: float = STABLE_QUIET_S,
-                    stop: Optional[threading.Event] = None) -> tuple:
-    """(state, sha256) of ``path`` once its writer has finished; (None, "") when it does not
-    exist or cannot be read.  One worker-thread hop for the whole check."""
-    st = wait_stable(path, quiet_s, stop=stop)
-    if st is None:
-        return None, ""
-    try:
-        return st, file_hash(path, stop)
-    except OSError:
-        return st, ""
-
-
-def confine_model(path: str, root: str, max_bytes: int, field: str = "model") -> str:
-    """The model file an admin load names, checked before anything reads it; the real path.
-
-    A relative ``path`` is taken under ``root`` (``[server] model_root``, or the config file's
-    folder); the real path (symlinks followed) must lie under the real ``root``, and nothing
-    is looked up for a path outside it, so the answer tells nothing about what exists there.
-    Under the root it must be an existing regular file (or a model directory) of at most
-    ``max_bytes`` (``[server] admin_max_model_bytes``): a device (``/dev/zero``), a FIFO or a
-    socket is refused at once, never read."""
-    if "\x00" in path:
-        raise InvalidArgument("a model path holds no NUL character", field)
-    if not root:
-        raise PermissionDenied("this server takes no model path over the admin API: set "
-                               "[server] model_root (or serve from a config file: its folder "
-                               "is the root), or load the versions its config names", field)
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, path))
-    if os.path.commonpath([real, real_root]) != real_root:
-        raise PermissionDenied(f"model {path[:MAX_PATH_ECHO]!r} is not under the model root "
-                               f"{root} ([server] model_root); admin loads name files there",
-                               field)
-    try:
-        st = os.stat(real)
-    except OSError as exc:
-        raise InvalidArgument(f"model {path[:MAX_PATH_ECHO]!r}: {exc.strerror or exc} (under "
-                              f"the model root {root})", field) from None
-    if stat_mod.S_ISDIR(st.st_mode):
-        return real  # a model directory (the ocr backend's): its backend opens named files
-    if not stat_mod.S_ISREG(st.st_mode):
-        raise InvalidArgument(f"model {path[:MAX_PATH_ECHO]!r} is not a regular file", field)
-    if st.st_size > max_bytes:
-        raise PayloadTooLarge(f"model {path[:MAX_PATH_ECHO]!r} is {st.st_size} bytes; the limit "
-                              f"is {max_bytes} ([server] admin_max_model_bytes)", field)
-    return real
-
-
-def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
-    """``{version: weight}`` over the serving versions: the requested weights of those that
-    serve; when none of them has a positive weight (no split configured, or its versions are
-    not loaded), the highest version takes everything."""
-    serving = sorted(serving, key=version_key)
-    split = {v: float(requested.get(v, 0.0)) for v in serving}
-    if not any(split.values()):
-        split = {v: 0.0 for v in serving}
-        if serving:
-            split[serving[-1]] = 100.0
-    return split
-
-
-def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
-    """``weights`` as ``{version: float}``, or InvalidArgument (field ``traffic``) naming what
-    is wrong: a version that does not serve, a weight that is not a number in
-    ``0..MAX_TRAFFIC_WEIGHT``, no weight."""
-    serving = sorted(serving, key=version_key)
-    if not isinstance(weights, Mapping) or not weights:
-        raise InvalidArgument(f"traffic of task {task!r} must be a non-empty object "
-                              f"{{version: weight}} (versions: {', '.join(serving)})", "traffic")
-    out = {}
-    for v, w in weights.items():
-        if v not in serving:
-            raise InvalidArgument(f"task {task!r} has no loaded version {v!r} (loaded: "
-                                  f"{', '.join(serving)}); load it first", "traffic")
-        try:
-            out[str(v)] = traffic_weight(w)
-        except ValueError as exc:
-            raise InvalidArgument(f"traffic weight of version {v!r} {exc}", "traffic") from None
-    if not any(out.values()):
-        raise InvalidArgument(f"traffic of task {task!r} gives every version weight 0; give "
-                              f"one a positive weight", "traffic")
-    return out
-
-
-class Router:
-    """Picks the version of one request of a task with several (installed as ``head.router``).
-
-    Built once per change, read-only afterwards (but for the memo of sticky keys): the request
-    path makes no list.  Order of the checks: an open sequence stays on the version that holds
-    it (stateful tasks: ``sequences`` lists their versions, draining ones first), then a pin
-    (``lumen.model.version``), then the split -- a sticky key's point (a stateful task's
-    sequence id is its key), or a random one.
-    """
-
-    __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky",
-                 "sticky_bytes")
-
-    def __init__(self, name: str, serving: Mapping, split: Mapping,
-                 sequences: Iterable[Any] = ()):
-        self.name = name
-        self.by_version = dict(serving)
-        weighted = [(v, w) for v, w in sorted(split.items(), key=lambda kv: version_key(kv[0]))
-                    if w > 0]
-        self.tasks = tuple(serving[v] for v, _ in weighted)
-        cum, total = [], 0.0
-        for _v, w in weighted:
-            total += w
-            cum.append(total)
-        self.cum = tuple(cum)
-        self.total = total
-        self.sequences = tuple(sequences)
-        self._sticky: dict = {}  # route key -> its version's task, under this split
-        #: bytes of the remembered keys' strings (bounded by MAX_STICKY_BYTES)
-        self.sticky_bytes = 0
-
-    def __call__(self, meta: Any) -> Any:
-        try:
-            get = meta.get
-        except AttributeError:  # not a mapping: parse_meta refuses it with the right error
-            return self.tasks[0]
-        sid = None
-        if self.sequences:
-            sid = get(KEY_SEQUENCE_ID)
-            if sid is not None:
-                for t in self.sequences:
-                    if t.batcher.holds_sequence(sid):
-                        return t
-        v = get(KEY_MODEL_VERSION)
-        if v is not None:
-            t = self.by_version.get(v)
-            if t is None:
-                raise self._unknown(v)
-            return t
-        tasks = self.tasks
-        if len(tasks) == 1:
-            return tasks[0]
-        key = get(KEY_ROUTE_KEY) or sid
-        if type(key) is str and key:
-            if len(key) > MAX_META_VALUE_CHARS:
-                return tasks[0]  # parse_meta refuses the request: nothing hashed or kept
-            t = self._sticky.get(key)
-            if t is None:
-                t = self._pick(route_point(key))
-                size = sys.getsizeof(key)
-                if len(self._sticky) < MAX_STICKY_KEYS \
-                        and self.sticky_bytes + size <= MAX_STICKY_BYTES:
-                    self._sticky[key] = t
-                    self.sticky_bytes += size
-            return t
-        return self._pick(_random())
-
-    def _pick(self, point: float) -> Any:
-        """The version whose share of ``[0, total)`` holds ``point * total``."""
-        i = bisect_right(self.cum, point * self.total)
-        tasks = self.tasks
-        return tasks[i if i < len(tasks) else -1]
-
-    def _unknown(self, v: Any) -> InvalidArgument:
-        return InvalidArgument(f"{KEY_MODEL_VERSION} {str(v)[:64]!r} is not a loaded version of "
-                               f"task {self.name!r} (loaded: "
-                               f"{', '.join(sorted(self.by_version, key=version_key))})",
-                               KEY_MODEL_VERSION)
-
-
 class Instance:
     """One load of one version: what it was loaded from, its state, its Task once ready."""
 
@@ -355,7 +120,7 @@ class TaskVersions:
         return {"name": self.name,
                 "versions": [i.describe() for i in insts],
                 "traffic": split,
-                "default_version": _head_version(split),
+                "default_version": head_version(split),
                 "load_failures": dict(self.failures),
                 "last_error": next((e["error"] for e in reversed(self._errors())), None),
                 "events": [{k: v for k, v in e.items() if k not in ("task", "t_ns")}
@@ -363,12 +128,6 @@ class TaskVersions:
 
     def _errors(self) -> list:
         return [{"error": i.error} for i in sorted(self.failed.values(), key=lambda i: i.since)]
-
-
-def _head_version(split: Mapping) -> Optional[str]:
-    if not split:
-        return None
-    return max(split, key=lambda v: (split[v], version_key(v)))
 
 
 def _same_config(a: TaskConfig, b: TaskConfig) -> bool:
@@ -392,7 +151,7 @@ class Lifecycle:
         self.config_error: Optional[str] = None
         self.config_failures = 0
         self._watch: Optional[asyncio.Task] = None
-        self._seen: dict = {}  # watched path -> its state at the last look
+        self._files = FileWatch()
         #: seconds a changed file must stay unchanged before it is read (STABLE_QUIET_S)
         self.quiet_s = STABLE_QUIET_S
         self._config_state: Optional[tuple] = None
@@ -632,7 +391,7 @@ class Lifecycle:
                 old.router = None
             return
         split = tv.split()
-        head = serving[_head_version(split)]
+        head = serving[head_version(split)]
         sequences = [i.task for i in tv.draining if i.task.backend.stateful]
         if len(serving) > 1 and head.backend.stateful:
             sequences += list(serving.values())
@@ -732,9 +491,9 @@ class Lifecycle:
     def watch(self, interval_s: float = WATCH_INTERVAL_S) -> asyncio.Task:
         """Start watching the config file and every version's model file (idempotent)."""
         if self._watch is None or self._watch.done():
-            self._seen = {p: file_state(p) for p in self.watched_paths()}
+            self._files.reset(self.watched_paths())
             src = self.rt.config.source
-            if self._config_hash is None and src in self._seen:
+            if self._config_hash is None and src in self._files.seen:
                 self._config_hash = file_hash(src)  # the content the runtime started from
             self._watch = asyncio.ensure_future(self._watch_loop(interval_s))
         return self._watch
@@ -742,10 +501,7 @@ class Lifecycle:
     def changed_paths(self) -> set:
         """Watched files whose state differs from the last look (a path new to the watch,
         e.g. the model of a version the admin API loaded, is recorded, not a change)."""
-        now = {p: file_state(p) for p in self.watched_paths()}
-        changed = {p for p, st in now.items() if p in self._seen and self._seen[p] != st}
-        self._seen = now
-        return changed
+        return self._files.changed(self.watched_paths())
 
     async def _watch_loop(self, interval_s: float) -> None:
         """Reconcile on file changes only: a changed config file re-reads the config (which
@@ -762,7 +518,7 @@ class Lifecycle:
                     await self.reload(read_config=read)
                 except Exception:  # noqa: BLE001 - the watcher must outlive any one reload
                     log.exception("lumen: reload after a file change failed")
-                self._seen = {p: file_state(p) for p in self.watched_paths()}
+                self._files.reset(self.watched_paths())
 
     def stop_loading(self) -> None:
         """Model-file reads in progress give up (Unavailable) and no new load starts: a

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import pathlib
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -186,3 +187,10 @@ def to_toml(cfg: dict) -> str:
                 out.append(f"[tasks.{k}]")
                 out += [f"{kk} = {val(vv)}" for kk, vv in v.items()]
     return "\n".join(out) + "\n"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server this test starts elsewhere: Ray's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import lumen_core as lc
-from lumen_core.versions import FAILED, READY, file_state, wait_stable
+from lumen_core.versions import FAILED, READY
+from lumen_core.watch import file_state, wait_stable
 
 D = 4
 #: concurrent in-process callers during the load test

@@ -1,5 +1,5 @@
 """Model versions of a task: config, pinning (``lumen.model.version``), the traffic split,
-sticky route keys, ``set_traffic`` and the version every response names (versions.py)."""
+sticky route keys, ``set_traffic`` and the version every response names (versions.py, routing.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +10,11 @@ import onnx_models as M
 import pytest
 
 import lumen_core as lc
-from lumen_core import versions
+from lumen_core import routing
 from lumen_core.config import MAX_TRAFFIC_WEIGHT, parse_config, task_versions
 from lumen_core.contract import MAX_META_VALUE_CHARS
 from lumen_core.errors import ConfigError
-from lumen_core.versions import Router, check_traffic, effective_split, route_point, version_key
+from lumen_core.routing import Router, check_traffic, effective_split, route_point, version_key
 
 D = 4
 
@@ -112,7 +112,7 @@ def test_refused_route_keys_are_not_remembered_and_the_memo_is_bounded(monkeypat
     for i in range(20):
         r({"lumen.route.key": f"{i}{long_key}"})
     assert r.sticky_bytes == 0
-    monkeypatch.setattr(versions, "MAX_STICKY_BYTES", 64 * 1024)
+    monkeypatch.setattr(routing, "MAX_STICKY_BYTES", 64 * 1024)
     for i in range(2000):
         assert r({"lumen.route.key": f"{i:04d}" + "x" * 1000}) in (a, b)
     assert 0 < r.sticky_bytes <= 64 * 1024

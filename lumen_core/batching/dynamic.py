@@ -274,8 +274,8 @@ class DynamicBatcher(QueuePolicy):
             if best is None:
                 return None, wake_at
             size = self._batch_size(best.live)
-            if self._target_ns and self.cost_ready:  # sized to the oldest request's target
-                size = self.fit(size, now - best_key[1])
+            if self._target_ns and self.cost_ready and best_key is not None:
+                size = self.fit(size, now - best_key[1])  # sized to the oldest's target
             tokens = 0
             if self._max_tokens:
                 entries = take_by_length(best, size, self._max_tokens, max(size, self._window),

@@ -238,7 +238,7 @@ class Pipeline(QueuePolicy):
         if not self.started:
             self.start()
         self.admit(1)
-        e = self._entry(item, self.loop.create_future(), priority, timeout_ms)
+        e = self._entry(item, self.bound_loop.create_future(), priority, timeout_ms)
         self._launch(e)
         return e
 
@@ -246,7 +246,7 @@ class Pipeline(QueuePolicy):
         """``[(item, desc, priority, timeout_ms), ...]`` admitted as a unit: (group, entries)."""
         if not self.started:
             self.start()
-        group = Group(self.loop.create_future(), len(specs))
+        group = Group(self.bound_loop.create_future(), len(specs))
         if not specs:
             group.future.set_result(None)
             return group, []
@@ -266,7 +266,7 @@ class Pipeline(QueuePolicy):
     def _launch(self, e: Any) -> None:
         ctx = StepContext(self, e, e.priority, e.timeout_ms)
         self.pending += 1
-        self._flows[e] = self.loop.create_task(self._run(ctx))
+        self._flows[e] = self.bound_loop.create_task(self._run(ctx))
         if e.deadline_ns:
             self.arm(e)
 

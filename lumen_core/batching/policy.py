@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
 from .cost import CostModel
-from .runner import CompletionQueue, Worker
+from .runner import Batch, CompletionQueue, Worker
 
 # the entry, its states and the admission state are the request path's compiled homes
 _sched = native.scheduler
@@ -112,11 +112,11 @@ class QueuePolicy(_sched.Admission):
 
     # -- workers (one thread per runner, results back through one queue) --------------------
     def _init_workers(self, name: str, runners: Sequence[Any]) -> None:
-        self.runners = list(runners)
-        self.cost_workers = max(1, len(self.runners))
+        self._runners = list(runners)
+        self.cost_workers = max(1, len(self._runners))
         self.completions = CompletionQueue(self.deliver_batch)
         self.workers = [Worker(r, self, f"{name}#{i}", i, self.completions.flush)
-                        for i, r in enumerate(self.runners)]
+                        for i, r in enumerate(self._runners)]
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Bind to the running loop and start the worker threads (idempotent)."""
@@ -149,6 +149,28 @@ class QueuePolicy(_sched.Admission):
     def queued(self) -> list:  # pragma: no cover - overridden
         """Under the lock: every entry still queued."""
         raise NotImplementedError
+
+    # -- formation (the workers' side: runner.BatchSource), each batcher its own way ----------
+    def next_batch(self, worker: Worker) -> Optional[Batch]:  # pragma: no cover - overridden
+        """Block until a batch is due for ``worker``; None when the batcher stops."""
+        raise NotImplementedError
+
+    def finished(self, worker: Worker, batch: Batch, results: Any,
+                 compute_us: int) -> Optional[Batch]:  # pragma: no cover - overridden
+        """Hand ``results`` back, then (same lock) the next batch, as ``next_batch``."""
+        raise NotImplementedError
+
+    @property
+    def runners(self) -> list:
+        """The runners (one per engine instance) the batcher's workers drive."""
+        return self._runners
+
+    @property
+    def bound_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the batcher runs on (bound by ``start``, i.e. the first submit)."""
+        loop = self.loop
+        assert loop is not None, f"batcher {self.name!r} is not started"
+        return loop
 
     def counters(self) -> dict:
         """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""

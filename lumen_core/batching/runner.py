@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, cast
 
 from .. import native
 from ..engine.state import StatefulPlan
@@ -42,6 +42,12 @@ class Runner(Protocol):
 
     def execute(self, items: Sequence[Any]) -> list:
         """Run one batch; return one result (or LumenError) per item, in order."""
+
+
+class _HookedRunner(Runner, Protocol):
+    """A runner that calls ``before_run`` just before its model runs (``BatchRunner``)."""
+
+    before_run: Optional[Callable[[], None]]
 
 
 class BatchRunner:
@@ -81,8 +87,8 @@ class BatchRunner:
         if len(results) != len(items):  # before any commit: a retry must not commit twice
             raise InternalError(f"postprocess returned {len(results)} results for "
                                 f"{len(items)} items")
-        for plan in self._commits:
-            plan.commit(items, outputs)
+        for plan in self._commits:  # stateful plans: ``items`` is their SequenceBatch
+            plan.commit(cast(Any, items), outputs)
         if stats:
             total = self.stats
             for k, v in stats.items():
@@ -156,7 +162,7 @@ class Worker:
         # a runner that cannot call back before its run gets the flush before execute
         self._hooked = hasattr(runner, "before_run")
         if self._hooked:
-            runner.before_run = flush
+            cast(_HookedRunner, runner).before_run = flush
         self.thread = threading.Thread(target=self._main, name=f"lumen-{name}", daemon=True)
 
     def start(self) -> None:
@@ -237,6 +243,8 @@ class CompletionQueue:
                 self._wake(self._w)
             else:
                 try:
+                    if self._loop is None:
+                        raise RuntimeError("not attached")
                     self._loop.call_soon_threadsafe(self._drain)
                 except RuntimeError:  # the loop closed: nobody waits for these results
                     self._items.clear()
@@ -259,7 +267,8 @@ class CompletionQueue:
         self._drain()
         if self._r >= 0:
             try:
-                self._loop.remove_reader(self._r)
+                if self._loop is not None:
+                    self._loop.remove_reader(self._r)
             except (RuntimeError, ValueError):  # the loop is already closed
                 pass
             os.close(self._r)

@@ -67,7 +67,7 @@ from ..engine.state import SequenceBatch, SlotStore, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
 from .dynamic import BatchResult
 from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, Group, QueuePolicy
-from .runner import Batch, Runner, Worker
+from .runner import Batch, BatchRunner, Worker
 
 #: how many ended / idled-out ids are remembered for a precise error message
 MAX_REMEMBERED_IDS = 4096
@@ -141,7 +141,7 @@ class SequenceBatcher(QueuePolicy):
     """
 
     def __init__(self, name: str, batching: BatchingConfig, sequence: Optional[SequenceConfig],
-                 runners: Sequence[Runner], on_batch: Optional[Callable[[int, int], None]] = None):
+                 runners: Sequence[BatchRunner], on_batch: Optional[Callable[[int, int], None]] = None):
         super().__init__(name, batching.max_queue_size, on_batch)
         seq = sequence or SequenceConfig()
         self.seq_config = seq
@@ -152,17 +152,16 @@ class SequenceBatcher(QueuePolicy):
             self.capacity = max(seq.max_candidate_sequences or self.max_batch, self.max_batch)
         else:
             self.capacity = self.max_batch
-        self.runners = list(runners)
         # a latency target refuses only the start of a new sequence (check_latency): a
         # sequence once started is never refused mid-stream for latency
         self.target_ns = batching.latency_target_ms * 1_000_000
         self.batch_limit = self.max_batch
-        spec = self.runners[0].spec
+        spec = runners[0].spec
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
                                    if getattr(p, "kind", None) == "CORRID"), None)
         self._lanes = [_Lane(i, self.capacity, spec.inputs)
-                       for i in range(len(self.runners))]
+                       for i in range(len(runners))]
         self._seqs: dict = {}
         self._backlog: deque = deque()
         self._gone: OrderedDict = OrderedDict()  # sid -> ENDED | IDLED
@@ -220,11 +219,11 @@ class SequenceBatcher(QueuePolicy):
             raise
         return BatchResult.of(entry)
 
-    def submit(self, item: Any, desc: Any, priority: int = 1, timeout_ms: int = 0) -> Entry:
+    def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""
         if not self.started:
             self.start()
-        loop = self.loop
+        loop = self.bound_loop
         now = time.monotonic_ns()
         with self.lock:
             entry = self._enqueue(item, desc, loop.create_future(), now, timeout_ms)
@@ -242,7 +241,7 @@ class SequenceBatcher(QueuePolicy):
         first request that cannot be accepted raises and un-admits the ones before it."""
         if not self.started:
             self.start()
-        loop = self.loop
+        loop = self.bound_loop
         group = Group(loop.create_future(), len(specs))
         entries: list = []
         if not specs:
@@ -357,7 +356,9 @@ class SequenceBatcher(QueuePolicy):
         """The CORRID control value of a new sequence (its id, as the declared dtype)."""
         if self._corrid != "int":
             return sid
-        kind = self._corrid_dtype.kind
+        dtype = self._corrid_dtype
+        assert dtype is not None  # an integer CORRID control declares its dtype
+        kind = dtype.kind
         lo, hi = (0, UINT64_MAX) if kind == "u" else (INT64_MIN, INT64_MAX)
         try:
             value = int(sid, 10)
@@ -365,7 +366,7 @@ class SequenceBatcher(QueuePolicy):
             value = None
         if value is None or not lo <= value <= hi:
             raise InvalidArgument(f"task {self.name!r} passes the sequence id to its model as a "
-                                  f"{self._corrid_dtype.name} CORRID: {KEY_SEQUENCE_ID} must be an "
+                                  f"{dtype.name} CORRID: {KEY_SEQUENCE_ID} must be an "
                                   f"integer in {lo}..{hi}, got {sid[:40]!r}", KEY_SEQUENCE_ID)
         return value
 
@@ -416,7 +417,7 @@ class SequenceBatcher(QueuePolicy):
                     self._release(seq, IDLED)
             again = bool(self._seqs)  # also while draining: backlogged ones may need slots
         if again:
-            self._sweep = self.loop.call_later(self._sweep_s, self._sweep_idle)
+            self._sweep = self.bound_loop.call_later(self._sweep_s, self._sweep_idle)
 
     # -- queue policy (under the lock) ------------------------------------------------------
     def unqueue(self, entry: Entry) -> None:
@@ -529,7 +530,7 @@ class SequenceBatcher(QueuePolicy):
         slots = np.empty(n, dtype=np.intp)
         start = np.empty(n, dtype=bool)
         end = np.empty(n, dtype=bool)
-        corrid = [] if self._corrid else None
+        corrid: Optional[list] = [] if self._corrid else None
         for i, s in enumerate(seqs):
             q = s.queue
             e = q.popleft()

@@ -23,7 +23,7 @@ from .session import session_options
 
 def output_shape(o: OutputSpec, n: int) -> tuple:
     """The batch shape of a bindable output: ``item_shape`` with ``n`` at its batch axis."""
-    item = tuple(o.item_shape)
+    item = tuple(o.item_shape or ())
     return item[:o.batch_axis] + (n,) + item[o.batch_axis:]
 
 

@@ -70,7 +70,7 @@ class RaggedInput(InputPlan):
         real = native.assemble.gather_ragged([it.tensors[self.slot] for it in items], ids, mask,
                                              self.pad_value)
         out = {self.name: ids}
-        if mask is not None:
+        if mask is not None and self.mask_name:
             out[self.mask_name] = mask
         stats["real_tokens"] = stats.get("real_tokens", 0) + real
         stats["padded_tokens"] = stats.get("padded_tokens", 0) + ids.size

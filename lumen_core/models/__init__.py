@@ -157,6 +157,7 @@ def _prepare_one(name: str, root: pathlib.Path, force: bool, say: ProgressFn) ->
     manifest = read_manifest(directory)
     if (
         not force
+        and manifest is not None
         and _manifest_current(manifest, name, preparer)
         and manifest.get("source") == source
         and outputs_intact(directory, manifest, deep=True)

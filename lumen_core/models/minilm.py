@@ -78,12 +78,10 @@ POOL_MIN_COUNT = 1e-9
 NORMALIZE_EPS = 1e-12
 # Fused vs plain graph on the self-check sentences: both are fp32 with the same math.
 FUSED_TOLERANCE = 1e-5
-# Whether prepare keeps the transformer optimizer's fully fused graph.  Measured on the 2-core
-# CPU box, ORT 1.32, 2 intra-op threads, no spinning, calls interleaved: the fused graph
-# matched the plain one to 1.5e-7 but was 5-8% slower at 16x48 and 32x32 tokens and no faster
-# at 1x16 or 32x128 (the CPU Attention / EmbedLayerNormalization kernels lose to MLAS
-# FusedMatMul + Softmax here).  bench/bench_minilm_graph.py prints both against the torch
-# exports; flip this if a later ONNX Runtime turns that around.
+# Whether prepare keeps the transformer optimizer's fully fused graph.  The fused graph matches
+# the plain one but was slower on CPU (the Attention / EmbedLayerNormalization kernels lose to
+# MLAS FusedMatMul + Softmax; bench/README.md, "MiniLM graph").  bench/bench_minilm_graph.py
+# prints both against the torch exports; flip this if a later ONNX Runtime turns that around.
 FUSE = False
 SELF_CHECK_TEXTS = (
     "A dynamic batcher groups requests that share an execution signature.",

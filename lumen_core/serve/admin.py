@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from ..config import model_root
 from ..errors import InvalidArgument
-from ..versions import confine_model
+from ..watch import confine_model
 from . import codec
 
 PREFIX = "/v1/admin/tasks"

@@ -45,6 +45,7 @@ from ..tasks.vad_segments import (
     segment_options,
     segments_json,
 )
+from .body import read_body
 
 SAMPLE_RATE = 16000
 CHUNK_SAMPLES = 512
@@ -401,29 +402,6 @@ def wants_file(runtime: Any, task: str, mime: str, query: Any) -> bool:
             and segment_task(runtime, task) is not None)
 
 
-async def read_body(request: Any, limit: tuple, field: str = "payload") -> bytes:
-    """The whole body, refused with 413 as soon as it is known to exceed ``limit`` (bytes,
-    what sets it: :func:`file_limit`)."""
-    nbytes, why = limit
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):
-            raise InvalidArgument(f"bad Content-Length header {declared[:40]!r}", "Content-Length")
-        if int(declared) > nbytes:
-            raise PayloadTooLarge(f"the audio file is {declared[:40]} bytes; the limit is "
-                                  f"{nbytes} bytes ({why})", field)
-    chunks: list = []
-    total = 0
-    async for chunk in request.stream():
-        if chunk:
-            total += len(chunk)
-            if total > nbytes:
-                raise PayloadTooLarge(f"the audio file exceeds the limit of {nbytes} bytes "
-                                      f"({why})", field)
-            chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
 async def file_reply(app: Any, request: Any, task: str) -> Any:
     """The whole-file route of the HTTP app ``app``: ``{"segments", "duration_ms"}``."""
     from starlette.responses import Response
@@ -431,7 +409,8 @@ async def file_reply(app: Any, request: Any, task: str) -> Any:
     from . import codec
 
     mime = request.headers.get("content-type", "")
-    body = await read_body(request, file_limit(mime, app.max_body))
+    limit, setting = file_limit(mime, app.max_body)
+    body = await read_body(request, limit, "payload", "the audio file", setting)
     meta = dict(request.query_params)
     result = await app.until_done_or_gone(request, run_file(app.runtime, task, body, mime, meta))
     return Response(codec.dumps(result), media_type="application/json")

@@ -70,7 +70,7 @@ def tensor_view(arr: np.ndarray) -> memoryview:
     """The little-endian bytes of ``arr`` as a flat ``uint8`` memoryview, without a copy when
     ``arr`` is already little-endian and contiguous.  A ``uint8`` view rather than
     ``memoryview.cast``: ``cast`` refuses a zero-size array (an empty output)."""
-    return memoryview(little_endian(arr).reshape(-1).view(np.uint8))
+    return memoryview(little_endian(arr).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def tensor_bytes(arr: np.ndarray) -> bytes:

@@ -147,11 +147,13 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self.stream_in_flight = 0
         self.stream_in_flight_bytes = 0
 
-    def count(self, method: str, status: str) -> None:
+    # -- shared with the Open Inference Protocol's servicer (oip_grpc.py) ------------------
+    def count_call(self, method: str, status: str) -> None:
+        """Count one finished call of ``method`` with its gRPC status (``/metrics``)."""
         if self.observer is not None:
             self.observer.transport_request("grpc", method, status)
 
-    def scope(self, context: grpc.aio.ServicerContext) -> Optional[str]:
+    def key_scope(self, context: grpc.aio.ServicerContext) -> Optional[str]:
         """The caller's key scope (None when keys are off); Unauthenticated without a key."""
         if not self.keys.enabled:
             return None
@@ -184,12 +186,12 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
 
     async def _unary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            resp = await self._infer(request, self.scope(context))
+            resp = await self._infer(request, self.key_scope(context))
         except LumenError as exc:
-            self.count("Infer", exc.grpc_status)
+            self.count_call("Infer", exc.grpc_status)
             context.set_trailing_metadata(error_metadata(exc))
             await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
-        self.count("Infer", "OK")
+        self.count_call("Infer", "OK")
         return to_proto(resp)
 
     async def _stream_one(self, msg: Any, scope: Optional[str],
@@ -213,37 +215,39 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         try:
             resp = await self._infer(msg, scope)
             reply = lumen_pb2.InferStreamResponse(correlation_id=cid, response=to_proto(resp))
-            if ticket is not None:
+            if ticket is not None and events is not None:
                 settled = events.settle(ticket, resp)
                 if settled:
                     reply.response.meta[KEY_VAD_EVENTS] = settled
         except LumenError as exc:
-            if ticket is not None:
+            if ticket is not None and events is not None:
                 events.settle(ticket, None)
-            self.count("InferStream", exc.grpc_status)
+            self.count_call("InferStream", exc.grpc_status)
             return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(exc))
         except Exception as exc:  # noqa: BLE001 - one bad reply must not stall the stream
             log.exception("unhandled error in InferStream")
             err = InternalError(f"internal server error: {exc}")
-            self.count("InferStream", err.grpc_status)
+            self.count_call("InferStream", err.grpc_status)
             return lumen_pb2.InferStreamResponse(correlation_id=cid, error=error_proto(err))
-        self.count("InferStream", "OK")
+        self.count_call("InferStream", "OK")
         return reply
 
-    def admitted(self, nbytes: int) -> None:
+    def stream_admitted(self, nbytes: int) -> None:
+        """A stream admitted a request of ``nbytes`` (the servicer's in-flight counts)."""
         self.stream_in_flight += 1
         self.stream_in_flight_bytes += nbytes
 
-    def answered(self, nbytes: int) -> None:
+    def stream_answered(self, nbytes: int) -> None:
+        """A stream answered a request admitted with ``nbytes``."""
         self.stream_in_flight -= 1
         self.stream_in_flight_bytes -= nbytes
 
     async def InferStream(self, request_iterator: AsyncIterator,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator:
         try:
-            scope = self.scope(context)
+            scope = self.key_scope(context)
         except LumenError as exc:
-            self.count("InferStream", exc.grpc_status)
+            self.count_call("InferStream", exc.grpc_status)
             context.set_trailing_metadata(error_metadata(exc))
             await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
@@ -252,7 +256,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         replies = windowed_replies(
             request_iterator, window, lambda msg: len(msg.payload),
             lambda msg: self._stream_one(msg, scope, events, carrier),
-            self.admitted, self.answered)
+            self.stream_admitted, self.stream_answered)
         try:
             async for reply in replies:
                 yield reply

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..runtime import Observer
@@ -121,7 +121,7 @@ class RuntimeCollector:
         # an empty description keeps registration from calling collect() on a cold runtime
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         pending = GaugeMetricFamily(f"{NAMESPACE}_pending_requests",
                                     "Requests queued and not yet in a batch.", labels=["task"])
         in_flight = GaugeMetricFamily(f"{NAMESPACE}_inflight_batches",

@@ -329,8 +329,8 @@ def _split_body(body: bytes, header_len: Optional[str]) -> tuple:
 
 
 def _input_data(inp: dict, name: str, datatype: Any, shape: tuple, ip: dict,
-                binary: memoryview, registry: Optional[shm.ShmRegistry] = None,
-                caller: Optional[shm.Caller] = None) -> Any:
+                binary: memoryview, registry: Optional[shm.ShmRegistry],
+                caller: shm.Caller) -> Any:
     """The input's tensor bytes (numeric) or its elements (BYTES), from a shared-memory
     region (``caller``'s), the binary part or ``data``."""
     view = shm.input_view(registry, caller, ip)
@@ -374,7 +374,7 @@ def _input_data(inp: dict, name: str, datatype: Any, shape: tuple, ip: dict,
 #: the JSON values each kind of numeric datatype takes: an integer datatype takes integers
 #: only (a float or a string is refused, never truncated or parsed into one), a float datatype
 #: numbers, BOOL booleans (``bool`` is an ``int`` to Python, so it is named apart)
-_JSON_TYPES = {"i": ({int}, "integers"), "u": ({int}, "integers"),
+_JSON_TYPES: dict[str, tuple[set[type], str]] = {"i": ({int}, "integers"), "u": ({int}, "integers"),
                "f": ({int, float}, "numbers"), "b": ({bool}, "booleans")}
 
 

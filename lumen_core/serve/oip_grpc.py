@@ -147,7 +147,7 @@ class OipServicer:
 
     # -- plumbing -------------------------------------------------------------------------
     async def _abort(self, context: Any, method: str, exc: LumenError) -> None:
-        self.base.count("oip." + method, exc.grpc_status)
+        self.base.count_call("oip." + method, exc.grpc_status)
         context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),
                                        (ERROR_FIELD_KEY, exc.field or "")))
         await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
@@ -158,14 +158,14 @@ class OipServicer:
     async def _authenticate(self, context: Any, method: str) -> None:
         """Abort the call UNAUTHENTICATED unless it carries a key (when keys are on)."""
         try:
-            self.base.scope(context)
+            self.base.key_scope(context)
         except LumenError as exc:
             await self._abort(context, method, exc)
 
     def _caller(self, context: Any) -> shm.Caller:
         """The caller's key scope (Unauthenticated without a key) and whether its peer is
         local, for shared memory (``.owner`` is the scope every request is keyed under)."""
-        return shm.grpc_caller(self.base.scope(context), context.peer(),
+        return shm.grpc_caller(self.base.key_scope(context), context.peer(),
                                context.invocation_metadata() or ())
 
     # -- health and metadata --------------------------------------------------------------
@@ -196,7 +196,7 @@ class OipServicer:
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
         try:
-            self.base.scope(context)
+            self.base.key_scope(context)
             m = oip.model_metadata(self.rt, request.name, request.version)
         except LumenError as exc:
             await self._abort(context, "ModelMetadata", exc)
@@ -295,6 +295,7 @@ class OipServicer:
         if len(values) != math.prod(shape):
             raise InvalidArgument(f"input {name!r}: contents has {len(values)} elements, shape "
                                   f"{list(shape)} needs {math.prod(shape)}", "contents")
+        assert dtype is not None  # BYTES (no dtype) returned above
         try:
             return np.asarray(values, dtype=DTYPES[dtype])
         except (OverflowError, ValueError):
@@ -346,7 +347,7 @@ class OipServicer:
             reply = await self._infer(request, self._caller(context))
         except LumenError as exc:
             await self._abort(context, "ModelInfer", exc)
-        self.base.count("oip.ModelInfer", "OK")
+        self.base.count_call("oip.ModelInfer", "OK")
         return reply
 
     async def _stream_one(self, msg: Any, caller: shm.Caller,
@@ -361,12 +362,12 @@ class OipServicer:
         try:
             reply = pb.ModelStreamInferResponse(infer_response=await self._infer(msg, caller))
         except LumenError as exc:
-            self.base.count("oip.ModelStreamInfer", exc.grpc_status)
+            self.base.count_call("oip.ModelStreamInfer", exc.grpc_status)
             return pb.ModelStreamInferResponse(
                 error_message=exc.message,
                 infer_response=pb.ModelInferResponse(
                     model_name=getattr(msg, "model_name", ""), id=getattr(msg, "id", "")))
-        self.base.count("oip.ModelStreamInfer", "OK")
+        self.base.count_call("oip.ModelStreamInfer", "OK")
         return reply
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator,  # noqa: N802
@@ -380,7 +381,8 @@ class OipServicer:
         carrier = call_metadata(context) if getattr(base.runtime, "tracing", None) else None
         replies = windowed_replies(
             request_iterator, window, _message_bytes,
-            lambda msg: self._stream_one(msg, caller, carrier), base.admitted, base.answered)
+            lambda msg: self._stream_one(msg, caller, carrier), base.stream_admitted,
+            base.stream_answered)
         try:
             async for reply in replies:
                 yield reply

@@ -128,7 +128,8 @@ def model_metadata(rt: Any, task: str, version: str = "") -> dict:
             dtype, shape = (spec if isinstance(spec, (list, tuple)) and len(spec) == 2
                             else (None, []))
             outputs.append({"name": name,
-                            "datatype": codec.OIP_DATATYPES.get(dtype, codec.OIP_BYTES),
+                            "datatype": (codec.OIP_DATATYPES.get(dtype, codec.OIP_BYTES) if dtype is not None
+                                         else codec.OIP_BYTES),
                             "shape": [-1 if not isinstance(d, int) or d == UNBOUNDED else d
                                       for d in shape]})
     return {"name": task, "versions": rt.versions(task),

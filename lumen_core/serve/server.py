@@ -26,11 +26,12 @@ from typing import Any, Iterable, Iterator, Optional
 
 import uvicorn
 
+from .. import __version__
 from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
 from .limits import HttpLimits, protocol_class
-from .logs import RequestContext, guard_uvicorn_logs, note_task
+from .logs import RequestContext, guard_uvicorn_logs
 from .metrics import PrometheusObserver
 from .shm import is_loopback
 
@@ -80,15 +81,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _package_version() -> str:
-    try:
-        from importlib import metadata
-
-        return metadata.version("lumen-core")
-    except Exception:  # noqa: BLE001 - a source tree that is not installed
-        return "unknown"
-
-
 def read_tls(server_cfg: Any, cert: Optional[str] = None, key: Optional[str] = None) -> Optional[tuple]:
     """(cert path, key path, cert PEM, key PEM) from the flags or ``[server] tls_*``; None for
     plain HTTP / insecure gRPC.  A missing or unreadable file is one OSError line."""
@@ -107,16 +99,6 @@ def read_tls(server_cfg: Any, cert: Optional[str] = None, key: Optional[str] = N
         except OSError as exc:
             raise OSError(f"TLS {what} {path!r}: {exc.strerror or exc}") from None
     return tuple(out)
-
-
-class _LoggedHttpApp(HttpApp):
-    """The HTTP app, telling the access log the task of a ``/v1/embeddings`` call (its body's
-    ``model``; ``/v1/infer/{task}`` has it in the path)."""
-
-    def _parse_embeddings(self, obj: Any) -> tuple:
-        parsed = super()._parse_embeddings(obj)
-        note_task(parsed[0])
-        return parsed
 
 
 class LumenServer:
@@ -141,7 +123,7 @@ class LumenServer:
         guard_uvicorn_logs()  # no key or query string in uvicorn's lines, at any level
         self.tls = read_tls(server_cfg, tls_cert, tls_key)
         self.limits = HttpLimits.from_config(server_cfg)
-        self.version = _package_version()
+        self.version = __version__
         self.runtime = runtime
         self.host = host if host is not None else server_cfg.host
         self.http_port = http_port if http_port is not None else server_cfg.http_port
@@ -151,8 +133,8 @@ class LumenServer:
         self.grace_s = grace_s
         self.observer = PrometheusObserver(runtime)
         # the access log is RequestContext's (one line with the task, sizes and correlation id)
-        self.http = _LoggedHttpApp(runtime, self.observer, keys=self.keys, access_log=False,
-                                   version=self.version)
+        self.http = HttpApp(runtime, self.observer, keys=self.keys, access_log=False,
+                            version=self.version)
         self.access_log = access_log
         self.grpc: Optional[GrpcServer] = None
         self._uvicorn: Optional[_Uvicorn] = None
@@ -203,6 +185,7 @@ class LumenServer:
             if len(busy) == 1:
                 raise busy[0]
             raise OSError(busy[0].errno, "; and ".join(e.strerror or str(e) for e in busy))
+        assert sock is not None  # bound, or busy held the error raised above
         self.http_port = sock.getsockname()[1]
         limits = self.limits
         forwarded = rt.config.server.forwarded_allow_ips
@@ -213,7 +196,9 @@ class LumenServer:
         config = uvicorn.Config(RequestContext(self.http, access_log=self.access_log),
                                 log_level=self._log_level, access_log=False, log_config=None,
                                 lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=self.grace_s, backlog=BACKLOG,
+                                # uvicorn annotates int; it waits a float too
+                                timeout_graceful_shutdown=self.grace_s,  # type: ignore[arg-type]
+                                backlog=BACKLOG,
                                 server_header=False, date_header=False,
                                 http=protocol_class(limits),
                                 h11_max_incomplete_event_size=limits.max_header_bytes,

@@ -327,7 +327,8 @@ def registry_for(runtime: Any) -> ShmRegistry:
         return reg
 
 
-def _region_of(registry: Optional[ShmRegistry], params: dict, what: str) -> Optional[tuple]:
+def _region_of(registry: Optional[ShmRegistry], params: dict,
+               what: str) -> Optional[tuple[Any, Any, Any]]:
     """(region name, offset, byte size) that a tensor's parameters name, or None when they
     name no region; ``what`` ("an input", "an output") words the errors."""
     name = params.get("shared_memory_region")
@@ -348,11 +349,17 @@ def output_write(registry: Optional[ShmRegistry], caller: Caller, params: dict,
     """Write an output into the caller's region its requested parameters name (its byte
     count), or None when they name none."""
     region = _region_of(registry, params, "an output")
-    return None if region is None else registry.write(caller, *region, data)
+    if region is None:
+        return None
+    assert registry is not None  # _region_of refused a region without one
+    return registry.write(caller, *region, data)
 
 
 def input_view(registry: Optional[ShmRegistry], caller: Caller,
                params: dict) -> Optional[memoryview]:
     """The input's bytes when its parameters name one of the caller's regions, else None."""
     region = _region_of(registry, params, "an input")
-    return None if region is None else registry.view(caller, *region)
+    if region is None:
+        return None
+    assert registry is not None  # _region_of refused a region without one
+    return registry.view(caller, *region)

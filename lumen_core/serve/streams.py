@@ -10,7 +10,8 @@ at most the window's bytes of replies waiting for it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+import functools
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
 
 
 def call_metadata(context: Any) -> dict:
@@ -86,7 +87,8 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
                            size_of: Callable[[Any], int], handle: Callable[[Any], Awaitable],
                            admitted: Callable[[int], None],
                            answered: Callable[[int], None],
-                           reply_size: Callable[[Any], int] = message_bytes) -> AsyncIterator:
+                           reply_size: Callable[[Any], int] = message_bytes
+                           ) -> AsyncGenerator[Any, None]:
     """The engine of a bidirectional stream (both gRPC services): read a message only while
     ``window`` has room for it, run ``handle(msg)`` for each concurrently, yield the replies as
     they finish (a reply waiting to be taken counts against the window at ``reply_size(reply)``
@@ -119,7 +121,7 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
                 admitted(nbytes)
                 task = asyncio.ensure_future(handle(msg))
                 running.add(task)
-                task.add_done_callback(lambda t, n=nbytes, c=charged: finished(n, c, t))
+                task.add_done_callback(functools.partial(finished, nbytes, charged))
             if running:
                 await asyncio.wait(set(running))
         finally:

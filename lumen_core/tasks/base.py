@@ -95,6 +95,11 @@ class TaskBackend(abc.ABC):
         request through them), or None for a single model (the default)."""
         return None
 
+    async def flow(self, ctx: Any, item: Any) -> Any:
+        """An ensemble's flow: one request through its steps (``ctx.run(step, items)``);
+        only backends whose :meth:`steps` are not None have one."""
+        raise NotImplementedError(f"backend {type(self).__name__} is not an ensemble")
+
     def batching_options(self) -> dict:
         """Extra keyword arguments for the task's ``DynamicBatcher`` (e.g. ``max_batch_tokens``
         for ragged inputs); read once at load."""

@@ -160,12 +160,12 @@ class ImageEmbeddingBackend(TaskBackend):
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         r = self.recipe
         self.contract = TensorContract(
-            specs=(TensorSpec("fp32", "NCHW", {r.preprocess_id},
+            specs=(TensorSpec("fp32", "NCHW", frozenset({r.preprocess_id}),
                               ((1, 1), (CHANNELS, CHANNELS), (size, size), (size, size))),
-                   TensorSpec("uint8", "NHWC", {r.uint8_id},
+                   TensorSpec("uint8", "NHWC", frozenset({r.uint8_id}),
                               ((1, 1), (size, size), (size, size), (CHANNELS, CHANNELS)))),
             model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids={r.preprocess_id})
+            raw_preprocess_ids=frozenset({r.preprocess_id}))
         item_shape = (CHANNELS, size, size)
         base = (self.name, self.model_id, cfg.model_version, "fp32", item_shape, "NCHW")
         self._item_shape = item_shape

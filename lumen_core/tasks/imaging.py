@@ -163,7 +163,7 @@ def _open_checked(
         )
     try:
         # BytesIO shares a bytes object's memory; any other buffer is copied once here
-        img = _PLUGINS[fmt](io.BytesIO(payload if isinstance(payload, bytes) else view))
+        img = _PLUGINS[fmt](io.BytesIO(payload if isinstance(payload, bytes) else view))  # type: ignore[abstract]
     except _DECODE_ERRORS as exc:
         raise InvalidArgument(f"payload is not a readable {fmt} image: {exc}", "payload") from None
     _check_pixels(img.width, img.height, max_pixels, short_side)

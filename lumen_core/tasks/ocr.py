@@ -73,8 +73,8 @@ DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 #: default bound of the detector input (pixels): just above the largest that rapidocr's
 #: geometry makes of any image with sides of 30..2000 pixels (2000x250 -> 5888x736 = 4.33 MP)
 DEFAULT_MAX_DET_PIXELS = 4_500_000
-#: default recognition budget of one request (sum of 48 x width over its lines; about 1.3 us
-#: of one core per pixel on the 2-core CI box)
+#: default recognition budget of one request (sum of 48 x width over its lines; what it costs:
+#: docs/ocr.md)
 DEFAULT_MAX_REC_PIXELS = 8_000_000
 #: largest side of a tensor-route image
 MAX_TENSOR_SIDE = 16384
@@ -212,10 +212,10 @@ class OcrBackend(TaskBackend):
         self._outs = {s: m.outputs[0].name for s, m in self._models.items()}
         any_side = (1, MAX_TENSOR_SIDE)
         self.contract = TensorContract(
-            specs=(TensorSpec("uint8", "NHWC", {RGB_UINT8_ID},
+            specs=(TensorSpec("uint8", "NHWC", frozenset({RGB_UINT8_ID}),
                               ((1, 1), any_side, any_side, (CHANNELS, CHANNELS))),),
             model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids={RGB_UINT8_ID})
+            raw_preprocess_ids=frozenset({RGB_UINT8_ID}))
         self.model = self._models["det"]
         return self.model
 
@@ -263,7 +263,8 @@ class OcrBackend(TaskBackend):
         ori = np.ascontiguousarray(rgb[:, :, ::-1])
         ori_h, ori_w = ori.shape[:2]
         img, rh, rw = P.resize_within_bounds(ori)
-        det = top = None
+        det: Optional[np.ndarray] = None
+        top = 0
         if img is not None:
             img, top = P.vertical_padding(img)
             det = P.det_resize(img)
@@ -281,8 +282,10 @@ class OcrBackend(TaskBackend):
             if not np.isfinite(p).all():
                 out.append(InternalError("the detector produced a non-finite value"))
                 continue
-            boxes, _scores = P.db_boxes(p, it.img.shape[0], it.img.shape[1])
-            out.append((boxes, [P.crop(it.img, b) for b in boxes]))
+            img = it.img
+            assert img is not None  # an image that vanished at the stride never reaches det
+            boxes, _scores = P.db_boxes(p, img.shape[0], img.shape[1])
+            out.append((boxes, [P.crop(img, b) for b in boxes]))
         return out
 
     def _cls_post(self, outputs: dict, items: Sequence[PreparedModelRequest]) -> list:

@@ -21,7 +21,7 @@ try:  # the [ocr] extra
     import cv2
     import pyclipper
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
-    cv2 = pyclipper = None
+    cv2 = pyclipper = None  # type: ignore[assignment]
     _IMPORT_ERROR: Optional[ImportError] = _exc
 else:
     _IMPORT_ERROR = None
@@ -179,7 +179,7 @@ def _box_score_fast(pred: np.ndarray, box: np.ndarray) -> float:
     mask = np.zeros((ymax - ymin + 1, xmax - xmin + 1), dtype=np.uint8)
     box[:, 0] -= xmin
     box[:, 1] -= ymin
-    cv2.fillPoly(mask, box.reshape(1, -1, 2).astype(np.int32), 1)
+    cv2.fillPoly(mask, box.reshape(1, -1, 2).astype(np.int32), 1)  # type: ignore[call-overload]
     return cv2.mean(pred[ymin:ymax + 1, xmin:xmax + 1], mask)[0]
 
 

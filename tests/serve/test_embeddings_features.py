@@ -19,7 +19,7 @@ import serve_support as S
 
 from lumen_core.runtime import Runtime
 from lumen_core.tasks import default_task_tables
-from lumen_core.tasks.text_embedding import shape_embedding
+from lumen_core.tasks.embedding_output import shape_embedding
 
 TOL = 1e-4
 SHORT = "text_embed_short"

@@ -1,5 +1,5 @@
 """Issue 12 item 6: long whitespace-free texts are shortened before tokenisation without
-changing one id (``text_embedding._Reducer``), so 16 MB costs a bounded tokenizer call."""
+changing one id (``text_reduce.Reducer``), so 16 MB costs a bounded tokenizer call."""
 from __future__ import annotations
 
 import random
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lumen_core import models
 from lumen_core.models import minilm
 from lumen_core.tasks import text_embedding as te
+from lumen_core.tasks import text_reduce
 
 MB16 = 16 * 1024 * 1024
 
@@ -75,7 +76,7 @@ def _expected(full, text, limit=te.DEFAULT_MAX_SEQ_LENGTH):
 
 
 def test_the_reducer_is_active_for_the_prepared_tokenizer(backend):
-    r = te._Reducer(backend.tokenizer)
+    r = text_reduce.Reducer(backend.tokenizer)
     assert r.ok
     assert r("a" * 5000) == "a" * 101
     assert r("é" * 5000) == "é" * 101
@@ -118,7 +119,7 @@ def test_results_equal_the_full_tokenisation(backend, full, text, off_loop, cut)
         assert not n or n > te.DEFAULT_MAX_SEQ_LENGTH
     else:
         assert ids == full.encode(text).ids and n == exp_n
-    assert full.encode(te._Reducer(backend.tokenizer)(text)).ids == full.encode(text).ids
+    assert full.encode(text_reduce.Reducer(backend.tokenizer)(text)).ids == full.encode(text).ids
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,0 +1,59 @@
+"""The README and the manual as a fresh clone has them (issue 27): the README fits on a few
+screens, links only what a clone holds, and names the extras `make demo` installs; `make test`
+runs the type checker and the manual's strict build.  (`mkdocs build --strict` itself checks
+the links inside docs/.)
+"""
+from __future__ import annotations
+
+import re
+
+from test_makefile import ROOT, make_dry_run
+
+README = ROOT / "README.md"
+#: the issue's bound on the README
+MAX_README_LINES = 250
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_readme_fits_with_a_contents_list():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_README_LINES, len(lines)
+    assert any(re.search(r"\]\(#", ln) for ln in lines[:40]), "no contents list near the top"
+
+
+def test_readme_links_resolve_in_a_clone():
+    text = README.read_text(encoding="utf-8")
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    links = LINK.findall(text)
+    assert links
+    for target in links:
+        assert "shared" not in target.split("/")[0:2], target  # ../shared is not in a clone
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        if not path:
+            assert anchor in anchors, target
+            continue
+        resolved = (ROOT / path).resolve()
+        assert resolved.is_relative_to(ROOT), target
+        assert resolved.exists(), target
+
+
+def test_readme_names_the_extras_make_demo_installs():
+    extras = re.search(r"^EXTRAS \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    text = README.read_text(encoding="utf-8")
+    assert f'pip install ".[{extras}]"' in text
+
+
+def test_make_test_runs_the_type_checker_and_the_strict_docs_build():
+    out = make_dry_run("test", "VENV=/nonexistent/venv")
+    assert re.search(r"^/nonexistent/venv/bin/mypy$", out, re.M), out
+    assert re.search(r"^/nonexistent/venv/bin/mkdocs build --strict", out, re.M), out
+    lint = make_dry_run("lint", "VENV=/nonexistent/venv")
+    assert "/nonexistent/venv/bin/mypy" in lint
