@@ -77,6 +77,7 @@ test-types:
 	$(VENV)/bin/mypy
 
 # the manual: `mkdocs build --strict` fails on a broken link, anchor or a page left out of nav
+# (never -q: mkdocs' quiet mode drops the warnings that --strict counts, and passes anyway)
 docs-check:
 	$(VENV)/bin/mkdocs build --strict --site-dir build/docs-site
 

@@ -55,5 +55,7 @@ def test_make_test_runs_the_type_checker_and_the_strict_docs_build():
     out = make_dry_run("test", "VENV=/nonexistent/venv")
     assert re.search(r"^/nonexistent/venv/bin/mypy$", out, re.M), out
     assert re.search(r"^/nonexistent/venv/bin/mkdocs build --strict", out, re.M), out
+    (docs,) = re.findall(r"^/nonexistent/venv/bin/mkdocs build .*$", out, re.M)
+    assert " -q" not in docs and "--quiet" not in docs, docs  # quiet hides what strict counts
     lint = make_dry_run("lint", "VENV=/nonexistent/venv")
     assert "/nonexistent/venv/bin/mypy" in lint

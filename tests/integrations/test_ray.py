@@ -54,6 +54,13 @@ HOLD_QUEUE = 4
 HOLD_ONGOING = 2
 #: handle calls sent before and after the reconfigure of the swap test
 RECONF_LOAD = 96
+#: the autoscaling test: its batch size (Lumen's target, half of max_ongoing_requests, is then
+#: 8 x 3 / 2 = 12 ongoing requests per replica), concurrent requests per round of load (well
+#: above the target), and Ray's delays shortened (its defaults: 30 s up, 600 s down)
+AUTOSCALE_BATCH = 8
+AUTOSCALE_LOAD = 96
+FAST_AUTOSCALING = {"upscale_delay_s": 1.0, "downscale_delay_s": 2.0, "look_back_period_s": 2.0,
+                    "metrics_interval_s": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +369,41 @@ def test_overload_past_rays_queue_is_a_fast_429_with_retry_after(cluster, tmp_pa
     assert all(r[1] == "1" and r[3] is None for r in refused)  # by Ray's proxy, Retry-After
     # refused at once: before any held request's batch delay had passed
     assert max(r[2] for r in refused) < min(r[2] for r in ok)
+
+
+def _running(app: str) -> int:
+    st = serve.status().applications[app].deployments[LR.DEPLOYMENT_NAME]
+    return st.replica_states.get("RUNNING", 0) if st.status == "HEALTHY" else -1
+
+
+def test_max_replicas_scales_up_under_load_and_down_when_idle(cluster, prepared_home):
+    """``--max-replicas``: one replica under more ongoing requests than Lumen's target gets a
+    second (every request answered meanwhile); idle, the deployment returns to one."""
+    url, _ = cluster
+    with S.lumen_home_env(prepared_home):
+        spec = LR.config_spec(_embed_config(max_batch_size=AUTOSCALE_BATCH))
+    cfg = LR.parse_spec(spec)
+    auto = dict(LR.deployment_options(cfg, 1, 0.25, max_replicas=2)["autoscaling_config"],
+                **FAST_AUTOSCALING)
+    assert auto["target_ongoing_requests"] == AUTOSCALE_BATCH * (cfg.tasks[0].instances + 1) // 2
+    serve.run(LR.build_app(spec, num_replicas=1, num_cpus=0.25, max_replicas=2,
+                           options={"autoscaling_config": auto}), name="auto",
+              route_prefix="/auto")
+    try:
+        t0 = time.monotonic()
+        while _running("auto") != 2:
+            assert time.monotonic() - t0 < RAY_WAIT_S, serve.status().applications["auto"]
+            results, failures = asyncio.run(_embed_all(f"{url}/auto", ["text"] * AUTOSCALE_LOAD))
+            assert failures == [] and {s for s, _r, _v in results} == {200}
+        up_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        while _running("auto") != 1:
+            assert time.monotonic() - t1 < RAY_WAIT_S, serve.status().applications["auto"]
+            time.sleep(0.25)
+        print(f"\nautoscaling: 1 -> 2 replicas {up_s:.1f} s into the load, back to 1 "
+              f"{time.monotonic() - t1:.1f} s after it")
+    finally:
+        serve.delete("auto")
 
 
 def _replica_actor(replica_id: str):

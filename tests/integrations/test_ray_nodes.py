@@ -41,9 +41,8 @@ LOAD_MAX_S = 40.0
 HUNG_S = 30.0
 #: seconds of load kept once the deployment is whole again (the rate after recovery)
 AFTER_RECOVERY_S = 2.0
-#: the autoscaling test's delays (Ray's defaults: 30 s up, 600 s down, 30 s look-back)
-FAST_AUTOSCALING = {"upscale_delay_s": 1.0, "downscale_delay_s": 2.0, "look_back_period_s": 2.0,
-                    "metrics_interval_s": 0.5}
+#: seconds the ingress may take to send requests to a new replica
+ANSWER_WAIT_S = 20.0
 #: how a request whose connection closed without a reply ends (httpx's exception names)
 DROPPED = ("RemoteProtocolError", "ReadError")
 #: the rate once the deployment is whole again, as a fraction of the rate before the loss:
@@ -119,8 +118,10 @@ def _wait_running(n: int, on=None) -> float:
     raise AssertionError(f"the deployment did not reach {n} running replicas: {st}")
 
 
-def _answered_by(url: str, calls: int) -> collections.Counter:
-    """Worker names that answered ``calls`` concurrent embeddings (each checked for 200)."""
+def _answered_by(url: str, calls: int, expect: set) -> collections.Counter:
+    """Worker names that answered rounds of ``calls`` concurrent embeddings (each a 200) until
+    every node of ``expect`` has answered (HAProxy adds a new replica once its health check
+    passed twice) or ANSWER_WAIT_S passed."""
     async def go() -> list:
         limits = httpx.Limits(max_connections=calls, max_keepalive_connections=calls)
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=HUNG_S) as client:
@@ -129,10 +130,12 @@ def _answered_by(url: str, calls: int) -> collections.Counter:
 
     names = _node_names()
     seen = collections.Counter()
-    for r in asyncio.run(go()):
-        assert r.status_code == 200, r.text
-        _replica, node = LR.parse_replica_label(r.headers["lumen-replica"])
-        seen[names.get(node, node)] += 1
+    deadline = time.monotonic() + ANSWER_WAIT_S
+    while set(seen) != expect and time.monotonic() < deadline:
+        for r in asyncio.run(go()):
+            assert r.status_code == 200, r.text
+            _replica, node = LR.parse_replica_label(r.headers["lumen-replica"])
+            seen[names.get(node, node)] += 1
     return seen
 
 
@@ -140,7 +143,7 @@ def test_two_replicas_land_one_per_worker_node_and_both_answer(nodes):
     url, _cluster, _workers, _spec = nodes
     placed = _replica_nodes()
     assert sorted(placed.values()) == sorted(WORKERS), placed
-    seen = _answered_by(url, 128)
+    seen = _answered_by(url, 64, set(WORKERS))
     assert set(seen) == set(WORKERS), seen  # the ingress reaches both nodes
     # describe() names the node too, as Ray sees it
     handle = serve.get_deployment_handle(LR.DEPLOYMENT_NAME, LR.APP_NAME)
@@ -243,7 +246,7 @@ def test_third_replica_lands_where_there_is_room(nodes):
     per_node = collections.Counter(placed.values())
     assert len(placed) == 3 and per_node["worker_c"] >= 1, placed
     assert "head" not in per_node and max(per_node.values()) * REPLICA_CPUS <= 1, placed
-    seen = _answered_by(url, 128)
+    seen = _answered_by(url, 64, set(per_node))
     assert set(seen) == set(per_node), seen
 
 
@@ -295,39 +298,3 @@ def test_command_on_the_cluster_says_serve_runs_and_stops_on_sigterm_in_time(nod
     assert LR.APP_NAME not in serve.status().applications
     assert ray.is_initialized() and len(_node_names()) >= 3  # the cluster still runs
 
-
-def test_max_replicas_scales_up_under_load_and_down_when_idle(nodes):
-    """``--max-replicas``: one replica under 64 clients (more ongoing requests than the target,
-    half of max_ongoing_requests) gets a second; idle, the deployment returns to one.  Ray's
-    delays (30 s up, 600 s down) are shortened here; the target is Lumen's."""
-    url, _cluster, _workers, spec = nodes
-    cfg = LR.parse_spec(spec)
-    auto = dict(LR.deployment_options(cfg, 1, REPLICA_CPUS, max_replicas=2)["autoscaling_config"],
-                **FAST_AUTOSCALING)
-    assert auto["target_ongoing_requests"] < CLIENTS  # 64 clients are more than one replica's
-    serve.run(LR.build_app(spec, num_replicas=1, num_cpus=REPLICA_CPUS, max_replicas=2,
-                           options={"autoscaling_config": auto}),
-              name=LR.APP_NAME, route_prefix="/")
-    _wait_running(1)
-    record: list = []
-    marks: dict = {}
-
-    async def scenario() -> None:
-        until = asyncio.Event()
-        load = asyncio.create_task(_load(url, until, record))
-        t0 = time.monotonic()
-        try:
-            await asyncio.to_thread(_wait_running, 2)
-        finally:
-            until.set()
-            await asyncio.wait_for(load, HUNG_S + 5)
-        marks["up_s"] = time.monotonic() - t0
-        t1 = time.monotonic()
-        await asyncio.to_thread(_wait_running, 1)
-        marks["down_s"] = time.monotonic() - t1
-
-    asyncio.run(asyncio.wait_for(scenario(), 2 * RAY_WAIT_S))
-    outcomes = collections.Counter(o for _t, _d, o, _n in record)
-    print(f"\nautoscaling: 1 -> 2 replicas {marks['up_s']:.1f} s into the load, back to 1 "
-          f"{marks['down_s']:.1f} s after it; requests {dict(outcomes)}")
-    assert set(outcomes) == {200}, outcomes  # no request lost while it scaled
