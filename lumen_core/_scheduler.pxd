@@ -51,7 +51,7 @@ cdef class SignatureQueue:
 
 cdef class Admission:
     cdef public object name, lock, loop, timer, trace, on_batch, idle_event
-    cdef public Py_ssize_t max_queue_size, levels, pending, running, ready_live
+    cdef public Py_ssize_t max_queue_size, levels, pending, running, running_items, ready_live
     cdef public Py_ssize_t deadline_count, compact_at
     cdef public bint closed, stopping, started
     cdef public dict queues

@@ -289,7 +289,8 @@ class Admission:
     ready size, or any request when ``max_queue_delay_us`` is 0.
     """
 
-    __slots__ = ("name", "max_queue_size", "levels", "lock", "pending", "running", "closed",
+    __slots__ = ("name", "max_queue_size", "levels", "lock", "pending", "running",
+                 "running_items", "closed",
                  "stopping", "started", "loop", "queues", "idle", "delay_ns", "ready_live",
                  "deadlines", "deadline_count", "compact_at", "timer", "timer_ns", "trace",
                  "on_batch", "idle_event", "target_ns", "cost_ready", "cost_fixed_ns",
@@ -303,6 +304,7 @@ class Admission:
         self.lock = _Lock()
         self.pending = 0  # live queued requests (admission)
         self.running = 0  # batches in flight
+        self.running_items = 0  # the requests in them (formation adds, delivery takes away)
         self.closed = False
         self.stopping = False
         self.started = False
@@ -346,7 +348,8 @@ class Admission:
         """Under the lock: ns until the ``k``-th request in line (counting every pending one)
         would be answered, at the learnt cost: the whole batches ahead of its own, run
         ``cost_workers`` at a time, then its own (partial) batch, after what is left of the
-        batches running now (half of one each, on average)."""
+        batches running now (half of each, on average: ``running`` batches of ``running_items``
+        requests in all)."""
         b = self.cost_batch
         fixed = self.cost_fixed_ns
         item = self.cost_item_ns
@@ -355,7 +358,7 @@ class Admission:
         w = self.cost_workers
         wait = ahead * batch_ns / w + fixed + (k - ahead * b) * item
         if self.running:
-            wait += self.running * batch_ns / (2 * w)
+            wait += (self.running * fixed + self.running_items * item) / (2 * w)
         return int(wait)
 
     def check_latency(self, n: int, timeout_ns: int, priority: int = 1) -> None:
@@ -378,7 +381,7 @@ class Admission:
             if wait <= limit:
                 return
         drain = self.predicted_ns(ahead) if ahead else wait
-        retry = max(1, -(-drain // 1_000_000_000))
+        retry = max(1, (drain + 999_999_999) // 1_000_000_000)  # whole seconds, rounded up
         raise Overloaded(f"task {self.name!r} cannot answer within its {what} of "
                          f"{limit // 1_000_000} ms: {ahead} requests queued ahead drain "
                          f"in about {(drain + 500_000) // 1_000_000} ms at the learnt rate, so "
@@ -608,6 +611,7 @@ class Admission:
         lock = self.lock
         lock.acquire()
         self.running -= 1
+        self.running_items -= len(entries)
         lock.release()
         if type(results) is not list and type(results) is not Rows:
             # the worker itself failed: every item gets it

@@ -288,6 +288,7 @@ class DynamicBatcher(QueuePolicy):
                 continue
             self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
             self.pending -= len(entries)
+            self.running_items += len(entries)
             return Batch(entries, [e.item for e in entries], tokens), 0
         return None, 0
 

@@ -548,6 +548,7 @@ class SequenceBatcher(QueuePolicy):
                 corrid.append(s.corrid)
         self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
         self.pending -= n
+        self.running_items += n
         lane.busy = True
         items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
         return Batch(entries, items, (seqs, start))
