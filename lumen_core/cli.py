@@ -610,7 +610,7 @@ def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str]
     """``lumen bench --rate R``: open-loop Poisson arrivals, per target (see loadgen.py)."""
     import json
 
-    from . import loadgen
+    from . import openloop
 
     if not args.rate > 0 or not args.duration > 0:
         raise ValueError(f"--rate and --duration must be > 0, got {args.rate} and "
@@ -619,32 +619,34 @@ def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str]
 
     async def run_all() -> None:
         for name, url in targets:
-            results.append(await loadgen.bench_http_open_loop(
+            results.append(await openloop.bench_http_open_loop(
                 url, texts, args.rate, args.duration, args.model, args.target_ms, args.seed,
                 name, api_key=key))
         if args.in_process:
             rt = _build_runtime(args.config, only_task=args.model)
             async with rt:
-                results.append(await loadgen.bench_runtime_open_loop(
+                results.append(await openloop.bench_runtime_open_loop(
                     rt, texts, args.rate, args.duration, args.model, args.target_ms,
                     args.seed))
 
     _run(run_all())
     for r in results:
-        print(loadgen.format_open_loop(r))
+        print(openloop.format_open_loop(r))
         if r.first_error:
             print(f"{r.target}: first client error: {r.first_error}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in results], f, indent=1)
     if args.plot:
-        loadgen.plot_open_loop(results, args.plot)
+        openloop.plot_open_loop(results, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return EXIT_OK
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .loadgen import DEFAULT_SEED, DEFAULT_SIZE, DEFAULT_TARGET_MS, DEFAULT_TASK
+    from .corpus import DEFAULT_SEED, DEFAULT_SIZE
+    from .loadgen import DEFAULT_TASK
+    from .openloop import DEFAULT_TARGET_MS
 
     p = sub.add_parser("bench", help="load-test an OpenAI-style embeddings endpoint (ours or a peer's)",
                        description="Closed-loop load over the seeded text corpus: one text per "
