@@ -136,15 +136,20 @@ def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
         # `only_task` alone: the reason it cannot be served here is the error
         rt = Runtime.default(only=only_task)
     else:
-        rt = Runtime.from_config(config)
-        names = [t.name for t in rt.config.tasks]
+        import dataclasses
+
+        from .config import load_config
+
+        cfg = load_config(config)
+        names = [t.name for t in cfg.tasks]
         if only_task is not None and only_task not in names:
             from .errors import TaskNotFound
 
             raise TaskNotFound(f"unknown task {only_task!r}; {config} has "
                                f"{', '.join(names) or 'no tasks'}", "task")
-        if only_task is not None:
-            rt.config.tasks = [t for t in rt.config.tasks if t.name == only_task]
+        if only_task is not None:  # a config of that one task (the file's is left as it is)
+            cfg = dataclasses.replace(cfg, tasks=[t for t in cfg.tasks if t.name == only_task])
+        rt = Runtime(cfg)
     if not rt.config.tasks:
         raise ValueError("no tasks to serve: no default model is prepared. Run `lumen models "
                          "prepare` first, or pass --config lumen.toml")
