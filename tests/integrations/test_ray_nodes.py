@@ -179,6 +179,7 @@ async def _load(url: str, until: "asyncio.Event", record: list) -> None:
         await asyncio.gather(*(client_loop(c) for c in range(CLIENTS)))
 
 
+@pytest.mark.slow
 def test_node_lost_under_load_every_request_answered(nodes, capsys):
     """64 clients; a worker node is removed mid-load.  No request hangs or gets a 500; every
     request sent once the node is gone succeeds; the few that fail were in flight on the lost
