@@ -42,6 +42,11 @@ a client can tell which replica, on which node, answered; ``describe()`` names b
 sent as separate ``/v1/infer`` calls may reach different replicas; use the WebSocket route
 (one connection, one replica) or one replica for them.
 
+The ingress (:func:`start_serve`, ``--ray-ingress``): Ray's HAProxy by default, with retries
+of a request a lost replica never answered and a 2 s drain period; Ray's Python proxy where
+there is no HAProxy binary, and for autoscaling (:func:`choose_ingress`).  Both reach replicas
+on every node; tests/integrations/test_ray_nodes.py runs a simulated cluster of several nodes.
+
 ``lumen serve --ray`` and ``python -m lumen_core.integrations.ray`` run :func:`serve_forever`.
 """
 from __future__ import annotations
