@@ -38,7 +38,8 @@ Settings (:func:`deployment_options`, from the Lumen config, so the two never di
   ``lumen serve --watch`` and SIGHUP use): no request is lost or refused while it changes.
 
 Every HTTP reply carries ``Lumen-Replica: <replica id>@<node id>`` (:func:`replica_label`) so
-a client can tell which replica, on which node, answered; ``describe()`` names both too.  Stateful tasks: Ray routes each HTTP request on its own, so a sequence
+a client can tell which replica, on which node, answered; ``describe()`` names both too.
+Stateful tasks: Ray routes each HTTP request on its own, so a sequence
 sent as separate ``/v1/infer`` calls may reach different replicas; use the WebSocket route
 (one connection, one replica) or one replica for them.
 
@@ -195,9 +196,8 @@ def deployment_options(cfg: LumenConfig, num_replicas: int = DEFAULT_REPLICAS,
 
     ``max_replicas`` above ``num_replicas`` turns on autoscaling between the two.  ``ingress``
     (:data:`INGRESSES`, the one :func:`start_serve` started) puts its settings in the replicas'
-    environment too: Ray reads them in every process, and a replica that does not know it runs
-    behind HAProxy reports no ongoing requests to the autoscaler (``--max-replicas`` never scaled
-    up behind HAProxy) and drains as if behind the Python proxy."""
+    environment too: Ray reads them in every process, and a replica decides from them how it
+    drains and whether it reports its ongoing requests to the autoscaler itself."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if not num_cpus > 0:
@@ -387,8 +387,8 @@ class _LumenReplica:
     async def describe(self) -> dict:
         """Which replica this is, on which node, its threads and its tasks' descriptions."""
         rt = self.generation.runtime
-        return {"replica": self.replica_id, "node": self.node_id, "pid": os.getpid(), "threads": self.threads,
-                "tasks": rt.describe(), "ready": rt.ready}
+        return {"replica": self.replica_id, "node": self.node_id, "pid": os.getpid(),
+                "threads": self.threads, "tasks": rt.describe(), "ready": rt.ready}
 
     # -- Ray's lifecycle hooks --------------------------------------------------------------
     async def check_health(self) -> None:
@@ -551,9 +551,9 @@ def serve_forever(config: Any = None, num_replicas: int = DEFAULT_REPLICAS,
                   address: Optional[str] = None, out: Any = None,
                   ingress: Optional[str] = None) -> int:
     """Join ``address`` (default ``$RAY_ADDRESS``) or start a local Ray instance, start Serve
-    with ``ingress`` (:func:`choose_ingress`, :func:`start_serve`), deploy, print the URL and the ingress, serve until
-    SIGTERM / SIGINT, then delete the application (Ray drains every replica) and stop what
-    was started here."""
+    with ``ingress`` (:func:`choose_ingress`, :func:`start_serve`), deploy, print the URL and
+    the ingress, serve until SIGTERM / SIGINT, then delete the application (Ray drains every
+    replica) and stop what was started here."""
     import ray
 
     spec = config_spec(config)
