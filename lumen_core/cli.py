@@ -205,7 +205,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
     if args.watch:
         raise ValueError("--watch does not apply with --ray: a new config reaches the replicas "
                          "as the deployment's user_config (README, \"More than one machine\")")
-    from .integrations.ray import DEFAULT_INGRESS, DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
+    from .integrations.ray import DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
 
     replicas = args.replicas or DEFAULT_REPLICAS
     if args.max_replicas is not None and args.max_replicas < replicas:
@@ -216,7 +216,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
         return serve_forever(args.config, replicas,
                              args.num_cpus if args.num_cpus is not None else DEFAULT_NUM_CPUS,
                              args.max_replicas, args.host, args.http_port, args.ray_address,
-                             ingress=args.ray_ingress or DEFAULT_INGRESS)
+                             ingress=args.ray_ingress)
     finally:
         undo()
 
@@ -581,7 +581,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-ingress", choices=("haproxy", "proxy"), default=None,
                      help="Ray Serve's ingress when this command starts Serve: haproxy (the "
                           "default; the Python proxy with a warning where Ray has no HAProxy "
-                          "binary) or proxy (Ray's Python proxy)")
+                          "binary, and with --max-replicas: Ray does not autoscale behind "
+                          "HAProxy) or proxy (Ray's Python proxy)")
     p.set_defaults(func=cmd_serve)
 
 
