@@ -41,6 +41,8 @@ LOAD_MAX_S = 40.0
 HUNG_S = 30.0
 #: seconds of load kept once the deployment is whole again (the rate after recovery)
 AFTER_RECOVERY_S = 2.0
+#: seconds after a node's removal during which the ingress may still route a request to it
+REROUTE_S = 2.0
 #: seconds the ingress may take to send requests to a new replica
 ANSWER_WAIT_S = 20.0
 #: how a request whose connection closed without a reply ends (httpx's exception names)
@@ -223,8 +225,10 @@ def test_node_lost_under_load_every_request_answered(nodes, capsys):
                       f"{o}")
     failed = [(t, d, o) for t, d, o, _n in record if o != 200]
     assert all(o in (408, 503) or o in DROPPED for _t, _d, o in failed), outcomes  # no 500
-    assert all(t < marks["removed"] and t + d >= marks["lost"] for t, d, _o in failed), \
-        failed  # only requests in flight on the lost node failed
+    # only requests in flight on the lost node, or sent before the ingress noticed it was gone
+    # (HAProxy's health check: a request sent just after the removal can still be routed there)
+    assert all(t < marks["removed"] + REROUTE_S and t + d >= marks["lost"]
+               for t, d, _o in failed), failed
     assert len(failed) <= CLIENTS // 2, outcomes
     assert max(d for _t, d, _o, _n in record) < HUNG_S  # none hung
     placed = _replica_nodes()
