@@ -33,7 +33,7 @@ import tempfile
 
 from bench_http import stop, wait_ready
 
-from lumen_core import loadgen
+from lumen_core import loadgen, openloop
 from lumen_core.tasks import default_task_table
 
 TASK = "text_embed"
@@ -92,7 +92,7 @@ def serve(config: pathlib.Path, home: str) -> tuple:
     return proc, url
 
 
-def summary(label: str, r: loadgen.OpenLoopResult) -> dict:
+def summary(label: str, r: openloop.OpenLoopResult) -> dict:
     return {"run": label, "rate": r.rate, "sent": r.sent, "ok": r.ok,
             "ok_in_target": r.ok_in_target, "429": r.refused, "504": r.deadline,
             "errors": r.errors, "ok_rps": r.ok / r.seconds, "goodput": r.goodput,
@@ -103,9 +103,9 @@ def summary(label: str, r: loadgen.OpenLoopResult) -> dict:
 async def open_runs(url: str, texts: list, label: str, rates: list, args) -> list:
     out = []
     for name, rate in rates:
-        r = await loadgen.bench_http_open_loop(url, texts, rate, args.duration, TASK,
+        r = await openloop.bench_http_open_loop(url, texts, rate, args.duration, TASK,
                                                args.target_ms, args.seed, f"{label} {name}")
-        print(loadgen.format_open_loop(r), flush=True)
+        print(openloop.format_open_loop(r), flush=True)
         out.append(r)
     return out
 
@@ -185,7 +185,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"results": results, "runs": [r.to_dict() for r in runs]}, f, indent=1)
     if args.plot:
-        loadgen.plot_open_loop(runs, args.plot)
+        openloop.plot_open_loop(runs, args.plot)
         print(f"plot written to {args.plot}")
     return 0 if ok else 1
 

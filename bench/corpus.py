@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 # The generator lives in the package (``lumen bench`` ships with it); this module re-exports it
 # so the benchmark scripts keep importing ``corpus`` and every tool sends the same texts.
-from lumen_core.loadgen import (  # noqa: F401
+from lumen_core.corpus import (  # noqa: F401
     DEFAULT_SEED,
     DEFAULT_SIZE,
     LENGTH_MIX,

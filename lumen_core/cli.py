@@ -136,15 +136,20 @@ def _build_runtime(config: Optional[str], only_task: Optional[str] = None):
         # `only_task` alone: the reason it cannot be served here is the error
         rt = Runtime.default(only=only_task)
     else:
-        rt = Runtime.from_config(config)
-        names = [t.name for t in rt.config.tasks]
+        import dataclasses
+
+        from .config import load_config
+
+        cfg = load_config(config)
+        names = [t.name for t in cfg.tasks]
         if only_task is not None and only_task not in names:
             from .errors import TaskNotFound
 
             raise TaskNotFound(f"unknown task {only_task!r}; {config} has "
                                f"{', '.join(names) or 'no tasks'}", "task")
-        if only_task is not None:
-            rt.config.tasks = [t for t in rt.config.tasks if t.name == only_task]
+        if only_task is not None:  # a config of that one task (the file's is left as it is)
+            cfg = dataclasses.replace(cfg, tasks=[t for t in cfg.tasks if t.name == only_task])
+        rt = Runtime(cfg)
     if not rt.config.tasks:
         raise ValueError("no tasks to serve: no default model is prepared. Run `lumen models "
                          "prepare` first, or pass --config lumen.toml")
@@ -200,7 +205,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
     if args.watch:
         raise ValueError("--watch does not apply with --ray: a new config reaches the replicas "
                          "as the deployment's user_config (README, \"More than one machine\")")
-    from .integrations.ray import DEFAULT_INGRESS, DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
+    from .integrations.ray import DEFAULT_NUM_CPUS, DEFAULT_REPLICAS, serve_forever
 
     replicas = args.replicas or DEFAULT_REPLICAS
     if args.max_replicas is not None and args.max_replicas < replicas:
@@ -211,7 +216,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
         return serve_forever(args.config, replicas,
                              args.num_cpus if args.num_cpus is not None else DEFAULT_NUM_CPUS,
                              args.max_replicas, args.host, args.http_port, args.ray_address,
-                             ingress=args.ray_ingress or DEFAULT_INGRESS)
+                             ingress=args.ray_ingress)
     finally:
         undo()
 
@@ -576,7 +581,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-ingress", choices=("haproxy", "proxy"), default=None,
                      help="Ray Serve's ingress when this command starts Serve: haproxy (the "
                           "default; the Python proxy with a warning where Ray has no HAProxy "
-                          "binary) or proxy (Ray's Python proxy)")
+                          "binary, and with --max-replicas: Ray does not autoscale behind "
+                          "HAProxy) or proxy (Ray's Python proxy)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -610,7 +616,7 @@ def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str]
     """``lumen bench --rate R``: open-loop Poisson arrivals, per target (see loadgen.py)."""
     import json
 
-    from . import loadgen
+    from . import openloop
 
     if not args.rate > 0 or not args.duration > 0:
         raise ValueError(f"--rate and --duration must be > 0, got {args.rate} and "
@@ -619,32 +625,34 @@ def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str]
 
     async def run_all() -> None:
         for name, url in targets:
-            results.append(await loadgen.bench_http_open_loop(
+            results.append(await openloop.bench_http_open_loop(
                 url, texts, args.rate, args.duration, args.model, args.target_ms, args.seed,
                 name, api_key=key))
         if args.in_process:
             rt = _build_runtime(args.config, only_task=args.model)
             async with rt:
-                results.append(await loadgen.bench_runtime_open_loop(
+                results.append(await openloop.bench_runtime_open_loop(
                     rt, texts, args.rate, args.duration, args.model, args.target_ms,
                     args.seed))
 
     _run(run_all())
     for r in results:
-        print(loadgen.format_open_loop(r))
+        print(openloop.format_open_loop(r))
         if r.first_error:
             print(f"{r.target}: first client error: {r.first_error}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in results], f, indent=1)
     if args.plot:
-        loadgen.plot_open_loop(results, args.plot)
+        openloop.plot_open_loop(results, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return EXIT_OK
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .loadgen import DEFAULT_SEED, DEFAULT_SIZE, DEFAULT_TARGET_MS, DEFAULT_TASK
+    from .corpus import DEFAULT_SEED, DEFAULT_SIZE
+    from .loadgen import DEFAULT_TASK
+    from .openloop import DEFAULT_TARGET_MS
 
     p = sub.add_parser("bench", help="load-test an OpenAI-style embeddings endpoint (ours or a peer's)",
                        description="Closed-loop load over the seeded text corpus: one text per "

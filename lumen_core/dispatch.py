@@ -98,8 +98,9 @@ class TextPrep:
         self.mimes = mimes
 
     def prepare(self, req: Any, payload: Any) -> Optional[scheduler.Prepared]:
-        if req.meta or req.payload_mime not in self.mimes:
-            return None
+        mime = req.payload_mime
+        if req.meta or type(mime) is not str or mime not in self.mimes:
+            return None  # (a mime that is not a str is the backend's to refuse, 415)
         if type(payload) is str:
             text = payload
         else:

@@ -16,7 +16,7 @@ import onnx_models as M
 import pytest
 import serve_support as S
 
-from lumen_core import cli, loadgen, models
+from lumen_core import cli, loadgen, models, openloop
 
 
 def run_cli(capsys, *argv: str) -> tuple:
@@ -161,7 +161,7 @@ def test_bench_open_loop_against_a_live_server(tmp_path, capsys, embed_server):
                            "40", "--duration", "0.3", "--target-ms", "10000", "--json",
                            str(out_json), "--plot", str(png))
     assert rc == 0, err
-    assert loadgen.OPEN_HEADER in out and "goodput (ok within 10000 ms)" in out
+    assert openloop.OPEN_HEADER in out and "goodput (ok within 10000 ms)" in out
     (r,) = json.loads(out_json.read_text())
     assert r["target"] == "ours" and r["rate"] == 40 and r["sent"] > 0
     assert r["ok"] == r["ok_in_target"] == r["sent"]  # light load: every answer in time
@@ -196,7 +196,7 @@ def test_open_loop_sends_whatever_the_answers():
 
     async def main():
         t0 = time.perf_counter()
-        outcomes, first, seconds = await loadgen.open_loop(call, 10, 100.0, 0.2, seed=1)
+        outcomes, first, seconds = await openloop.open_loop(call, 10, 100.0, 0.2, seed=1)
         return outcomes, first, seconds, time.perf_counter() - t0
 
     outcomes, first, seconds, took = asyncio.run(main())
@@ -208,7 +208,7 @@ def test_open_loop_sends_whatever_the_answers():
 def test_open_loop_summary_counts_each_outcome_per_second():
     outcomes = [(0.1, 200, 0.010), (0.2, 200, 0.030), (0.5, 429, 0.002), (1.2, 504, 1.0),
                 (1.3, 200, 0.020), (1.4, 500, 0.1), (1.9, 0, 0.0)]
-    r = loadgen.open_loop_summary("t", 7.0, 25.0, 2.0, outcomes)
+    r = openloop.open_loop_summary("t", 7.0, 25.0, 2.0, outcomes)
     assert (r.sent, r.ok, r.ok_in_target, r.refused, r.deadline, r.errors) == (7, 3, 2, 1, 1, 2)
     assert r.goodput == 1.0  # 2 good answers over 2 s
     assert r.latency_ms["p50"] == pytest.approx(20.0) and r.latency_ms["p99"] == pytest.approx(30.0)
@@ -217,7 +217,7 @@ def test_open_loop_summary_counts_each_outcome_per_second():
     assert (first["second"], first["sent"], first["ok"], first["refused"]) == (0, 3, 2, 1)
     assert (second["sent"], second["deadline"], second["errors"], second["ok_in_target"]) == (
         4, 1, 2, 1)
-    assert "total" in loadgen.format_open_loop(r)
+    assert "total" in openloop.format_open_loop(r)
 
 
 def test_bench_counts_errors_from_a_wrong_model(capsys, embed_server):

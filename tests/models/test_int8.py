@@ -12,8 +12,8 @@ import pytest
 import serve_support as S
 
 from lumen_core import models
+from lumen_core.corpus import make_corpus
 from lumen_core.engine.session import cpu_session
-from lumen_core.loadgen import make_corpus
 from lumen_core.models import _files as files
 from lumen_core.models import minilm, minilm_int8
 from lumen_core.runtime import Runtime
