@@ -62,6 +62,10 @@ if os.environ.get("LUMEN_NO_EXTENSIONS", "") not in ("1", "true", "yes"):
         exts,
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+        # always regenerate the C: Cython's own dependency check misses a .pxd cimported by
+        # another module's .pxd (_dispatch.pxd -> _scheduler.pxd), and a stale dispatch.c
+        # built against an older Admission fails at import ("size changed")
+        force=True,
     )
 
 setup(ext_modules=ext_modules)
