@@ -35,12 +35,11 @@ instead, one batch later.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import BatchingConfig
-from .policy import QUEUED, RUNNING, UNSET, Entry, QueuePolicy
+from .policy import QUEUED, RUNNING, UNSET, BatchResult, Entry, QueuePolicy
 from .runner import Batch, Runner, Worker, run_split
 
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
@@ -52,22 +51,6 @@ LENGTH_WINDOW_FACTOR = 4
 #: GPU, where rows are nearly free, would want a larger tolerance.
 PAD_TOLERANCE = 0.0
 PAD_SLACK_TOKENS = 4
-
-
-class BatchResult:
-    """What ``DynamicBatcher.infer`` returns (in-process callers of a bare batcher)."""
-
-    __slots__ = ("value", "batch_size", "queue_us", "compute_us")
-
-    def __init__(self, value: Any, batch_size: int, queue_us: int, compute_us: int):
-        self.value = value
-        self.batch_size = batch_size
-        self.queue_us = queue_us
-        self.compute_us = compute_us
-
-    @classmethod
-    def of(cls, e: Entry) -> "BatchResult":
-        return cls(e.result(), e.batch_size, e.queue_us, e.compute_us)
 
 
 def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePolicy,
@@ -182,16 +165,6 @@ class DynamicBatcher(QueuePolicy):
     def queued(self) -> list:
         return [e for q in self.queues.values() for lv in q.levels for e in lv
                 if e.state == QUEUED]
-
-    async def infer(self, item: Any, desc: Any = None, priority: int = 1,
-                    timeout_ms: int = 0) -> BatchResult:
-        entry = self.submit(item, desc, priority, timeout_ms)
-        try:
-            await entry.waiter
-        except asyncio.CancelledError:
-            self.cancel(entry)
-            raise
-        return BatchResult.of(entry)
 
     # -- formation (worker threads) ---------------------------------------------------------
     def next_batch(self, worker: Worker) -> Optional[Batch]:

@@ -56,6 +56,22 @@ DEADLINE_FIELD = _sched.DEADLINE_FIELD
 group_too_large = _sched.group_too_large
 
 
+class BatchResult:
+    """What ``DynamicBatcher.infer`` returns (in-process callers of a bare batcher)."""
+
+    __slots__ = ("value", "batch_size", "queue_us", "compute_us")
+
+    def __init__(self, value: Any, batch_size: int, queue_us: int, compute_us: int):
+        self.value = value
+        self.batch_size = batch_size
+        self.queue_us = queue_us
+        self.compute_us = compute_us
+
+    @classmethod
+    def of(cls, e: Entry) -> "BatchResult":
+        return cls(e.result(), e.batch_size, e.queue_us, e.compute_us)
+
+
 class Batcher(Protocol):
     """A task's batcher as the runtime and the request path use it (every batcher is a
     :class:`QueuePolicy`; ``scheduler.Route.batcher`` is typed as its compiled base)."""
@@ -176,6 +192,18 @@ class QueuePolicy(_sched.Admission):
         """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
         return {}
 
+    async def infer(self, item: Any, desc: Any = None, priority: int = 1,
+                    timeout_ms: int = 0) -> BatchResult:
+        """Queue ``item`` and await it (in-process callers of a bare batcher; the runtime's
+        request path submits through its ``Dispatcher`` instead)."""
+        entry = self.submit(item, desc, priority, timeout_ms)
+        try:
+            await entry.waiter
+        except asyncio.CancelledError:
+            self.cancel(entry)
+            raise
+        return BatchResult.of(entry)
+
     # -- the cost model (issue 30) -----------------------------------------------------------
     def learn(self, n: int, tokens: int, compute_us: int) -> None:
         """Under the lock, once per finished batch (never per request): learn its compute
@@ -214,5 +242,5 @@ class QueuePolicy(_sched.Admission):
             await self.idle_event.wait()
 
 
-__all__ = ["Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
+__all__ = ["BatchResult", "Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
            "Entry", "Group", "QueuePolicy", "answer"]

@@ -65,7 +65,6 @@ from ..config import BatchingConfig, SequenceConfig
 from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
 from ..engine.state import SequenceBatch, SlotStore, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
-from .dynamic import BatchResult
 from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, Group, QueuePolicy
 from .runner import Batch, BatchRunner, Worker
 
@@ -207,17 +206,6 @@ class SequenceBatcher(QueuePolicy):
         """True while sequence ``sid`` is open here (a draining version keeps its sequences
         until they end or idle out: lumen_core/versions.py)."""
         return sid in self._seqs
-
-    async def infer(self, item: Any, desc: Any, priority: int = 1,
-                    timeout_ms: int = 0) -> BatchResult:
-        """Queue ``item`` on its sequence (``desc.sequence_id/start/end``) and await it."""
-        entry = self.submit(item, desc, priority, timeout_ms)
-        try:
-            await entry.waiter
-        except asyncio.CancelledError:
-            self.cancel(entry)
-            raise
-        return BatchResult.of(entry)
 
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""

@@ -26,7 +26,7 @@ across sequences.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 import numpy as np
@@ -242,6 +242,23 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self.stream_in_flight -= 1
         self.stream_in_flight_bytes -= nbytes
 
+    async def stream(self, request_iterator: AsyncIterator, size_of: Callable[[Any], int],
+                     handle: Callable[[Any], Awaitable]) -> AsyncIterator:
+        """A bidirectional stream of either service (this one's ``InferStream``, OIP's
+        ``ModelStreamInfer``): one window rule and one in-flight count for both; when the caller
+        goes away (or the stream fails) what is still queued is cancelled and the stream's
+        remaining share leaves the counts."""
+        window = StreamWindow(self.stream_window, self.stream_window_bytes)
+        replies = windowed_replies(request_iterator, window, size_of, handle,
+                                   self.stream_admitted, self.stream_answered)
+        try:
+            async for reply in replies:
+                yield reply
+        finally:
+            await replies.aclose()
+            self.stream_in_flight -= window.requests
+            self.stream_in_flight_bytes -= window.nbytes
+
     async def InferStream(self, request_iterator: AsyncIterator,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator:
         try:
@@ -250,22 +267,11 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
             self.count_call("InferStream", exc.grpc_status)
             context.set_trailing_metadata(error_metadata(exc))
             await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
-        window = StreamWindow(self.stream_window, self.stream_window_bytes)
         events = audio.SequenceEvents(self.runtime)
         carrier = call_metadata(context) if getattr(self.runtime, "tracing", None) else None
-        replies = windowed_replies(
-            request_iterator, window, lambda msg: len(msg.payload),
-            lambda msg: self._stream_one(msg, scope, events, carrier),
-            self.stream_admitted, self.stream_answered)
-        try:
-            async for reply in replies:
-                yield reply
-        finally:
-            # the caller went away (or the stream failed): cancel what is still queued and
-            # take this stream's remaining share off the servicer's in-flight counts
-            await replies.aclose()
-            self.stream_in_flight -= window.requests
-            self.stream_in_flight_bytes -= window.nbytes
+        async for reply in self.stream(request_iterator, lambda msg: len(msg.payload),
+                                       lambda msg: self._stream_one(msg, scope, events, carrier)):
+            yield reply
 
 
 class GrpcServer:

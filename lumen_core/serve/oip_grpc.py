@@ -31,7 +31,7 @@ from . import codec, shm
 from . import oip_mapping as oip
 from .auth import unscope_error
 from .proto import open_inference_grpc_pb2 as pb
-from .streams import StreamWindow, call_metadata, windowed_replies
+from .streams import call_metadata
 
 log = logging.getLogger("lumen.oip.grpc")
 
@@ -377,16 +377,7 @@ class OipServicer:
         except LumenError as exc:
             await self._abort(context, "ModelStreamInfer", exc)
         base = self.base  # one window rule and one in-flight count for both services
-        window = StreamWindow(base.stream_window, base.stream_window_bytes)
         carrier = call_metadata(context) if getattr(base.runtime, "tracing", None) else None
-        replies = windowed_replies(
-            request_iterator, window, _message_bytes,
-            lambda msg: self._stream_one(msg, caller, carrier), base.stream_admitted,
-            base.stream_answered)
-        try:
-            async for reply in replies:
-                yield reply
-        finally:
-            await replies.aclose()
-            base.stream_in_flight -= window.requests
-            base.stream_in_flight_bytes -= window.nbytes
+        async for reply in base.stream(request_iterator, _message_bytes,
+                                       lambda msg: self._stream_one(msg, caller, carrier)):
+            yield reply
