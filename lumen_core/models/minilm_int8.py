@@ -89,7 +89,7 @@ ZERO_POINTS = {"layernorm": 128, "context": 128, "gelu": 16}
 #: (not DEFAULT_SEED, the benchmark's corpus), run through the fp32 graph on one thread
 CALIBRATION_TEXTS = 64
 CALIBRATION_SEED = 1
-CALIBRATION_BATCH = 16
+CALIBRATION_BATCH = 32
 CALIBRATION_THREADS = 1
 #: SmoothQuant's migration strength: channel k of a LayerNorm output or the attention context
 #: is divided by s_k = a_k^alpha / w_k^(1 - alpha) (a_k: its calibration half-range after
@@ -103,7 +103,7 @@ SELF_CHECK_MIN_COSINE = 0.99
 #: weight MatMuls in the encoder: 6 layers x (Q, K, V, attention output, FFN in, FFN out)
 EXPECTED_MATMULS = 36
 #: what the model is and what it measured (``bench/bench_int8.py``; bench/README.md has the
-#: runs), written into the manifest; the text_embedding backend shows it in /v1/tasks and
+#: runs): ``models.model_card``, shown by the text_embedding backend in /v1/tasks and
 #: /v1/models so a user can choose between this and the fp32 model
 CARD = {
     "summary": ("all-MiniLM-L6-v2 with int8 weights and activations for CPU serving: the same "
@@ -434,7 +434,6 @@ def build(out_dir: pathlib.Path, progress: Optional[ProgressFn] = None) -> dict[
         "graph": GRAPH,
         "int8_matmuls": n_int8,
         "self_check_cosine": round(cos, 6),
-        "card": CARD,
         "inputs": {minilm.INPUT_IDS: ["int64", ["N", "L"]],
                    minilm.ATTENTION_MASK: ["int64", ["N", "L"]]},
         "outputs_spec": minilm.OUTPUTS_SPEC,

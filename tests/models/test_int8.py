@@ -144,7 +144,7 @@ def test_prepared_int8_model_is_hash_recorded_and_quantised(prepared_home):
     assert manifest["source"]["onnxruntime"] and manifest["self_check_cosine"] >= MIN_COSINE
     assert manifest["source"]["calibration"] == {"texts": minilm_int8.CALIBRATION_TEXTS,
                                                  "seed": minilm_int8.CALIBRATION_SEED}
-    assert manifest["card"] == minilm_int8.CARD and manifest["int8_matmuls"] == 36
+    assert manifest["int8_matmuls"] == 36
     graph = onnx.load(str(directory / models.MODEL_FILE)).graph
     ops = [n.op_type for n in graph.node]
     inits = {t.name: t for t in graph.initializer}
