@@ -44,10 +44,12 @@ def session_options(intra_op_threads: int, allow_spinning: bool = False,
 
 def cpu_session(path: Any, intra_op_threads: int = 2, allow_spinning: bool = False,
                 extra: Optional[dict] = None) -> Any:
-    """An ORT CPU ``InferenceSession`` with :func:`session_options`."""
+    """An ORT CPU ``InferenceSession`` with :func:`session_options`; ``path`` may also be a
+    serialised model (bytes)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), session_options(intra_op_threads, allow_spinning, extra),
+    model = path if isinstance(path, (bytes, bytearray)) else str(path)
+    return ort.InferenceSession(model, session_options(intra_op_threads, allow_spinning, extra),
                                 providers=["CPUExecutionProvider"])
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "SILERO_VAD",
     "DEFAULT_MODELS",
     "lumen_home",
+    "model_card",
     "model_dir",
     "models_dir",
     "Prepared",
@@ -103,6 +104,14 @@ def _manifest_current(manifest: Optional[dict[str, Any]], name: str, preparer: M
         and manifest.get("name") == name
         and manifest.get("revision") == preparer.REVISION
     )
+
+
+def model_card(name: str) -> Optional[dict[str, Any]]:
+    """What an embedded model is and what it measured (its preparer's ``CARD``), for task
+    descriptions; None for a model without one.  The preparer's current revision is the one
+    :func:`require_model` lets a task load, so the card matches the prepared files."""
+    card = getattr(_preparer(name), "CARD", None)
+    return dict(card) if card else None
 
 
 def require_model(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path:

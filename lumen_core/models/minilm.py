@@ -83,6 +83,13 @@ FUSED_TOLERANCE = 1e-5
 # MLAS FusedMatMul + Softmax; bench/README.md, "MiniLM graph").  bench/bench_minilm_graph.py
 # prints both against the torch exports; flip this if a later ONNX Runtime turns that around.
 FUSE = False
+#: what the model is (``models.model_card``; the int8 model's card compares itself with this one)
+CARD = {
+    "summary": ("all-MiniLM-L6-v2 (sentence-transformers) in fp32 as one ONNX graph: 384-d "
+                "sentence embeddings equal to sentence-transformers' own to 1e-4, the "
+                "reference the int8 model is measured against"),
+    "precision": "fp32",
+}
 SELF_CHECK_TEXTS = (
     "A dynamic batcher groups requests that share an execution signature.",
     "hello world",

@@ -289,6 +289,10 @@ class OpenAiRoutes:
                 dim = embedding_dim(d)
                 if dim is not None:
                     entry["embedding_dim"] = dim
+                card = d.get("model_card")
+                if isinstance(card, dict):  # what the model is and measured (the task's card)
+                    entry["description"] = card.get("summary", "")
+                    entry["model_card"] = card
             else:
                 entry["capabilities"] = []
             data.append(entry)

@@ -81,7 +81,7 @@ from ..errors import (
     InvalidArgument,
     PayloadTooLarge,
 )
-from ..models import MINILM, MINILM_INT8, MODEL_FILE, require_model
+from ..models import MINILM, MINILM_INT8, MODEL_FILE, model_card, require_model
 from ..models.minilm import (
     ATTENTION_MASK,
     EMBEDDING_DIM,
@@ -205,6 +205,7 @@ class TextEmbeddingBackend(TaskBackend):
         self._n_suffix = 1
         self._reducer: Optional[Reducer] = None  # built at load (or the first long text)
         self.has_pooled = False  # the model outputs POOLED (normalize=false is served)
+        self.model_card: Optional[dict] = None  # a prepared model's card (models.model_card)
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
@@ -218,6 +219,9 @@ class TextEmbeddingBackend(TaskBackend):
         self._load_tokenizer(tok_path)
         self.model_id = cfg.model_id or MINILM
         self.has_pooled = self._model_has_pooled(model_path)
+        if not cfg.model:  # a prepared model (not a configured file): what it is and measured
+            self.model_card = model_card(self.model_id if self.model_id in PREPARED_MODELS
+                                         else MINILM)
         self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
                                     None, LAYOUT, PREPROCESS_ID)
         self.contract = TensorContract(
@@ -304,7 +308,8 @@ class TextEmbeddingBackend(TaskBackend):
                               "normalize_false": self.has_pooled,
                               "types": dict(EMBEDDING_TYPES),
                               "quant_range": list(EMBEDDING_QUANT_RANGE)},
-                "tokenizer": PREPROCESS_ID}
+                "tokenizer": PREPROCESS_ID,
+                **({"model_card": self.model_card} if self.model_card else {})}
 
     # -- options ----------------------------------------------------------------------------
     def _options(self, req, truncated: bool) -> Optional[_Options]:
@@ -543,8 +548,9 @@ def default_task_table() -> dict:
 
 
 def default_int8_task_table() -> dict:
-    """The built-in ``text_embed_int8`` task on the prepared int8 all-MiniLM-L6-v2 (dynamic
-    quantisation, ``models/minilm_int8.py``); ModelMissingError when it is not prepared."""
+    """The built-in ``text_embed_int8`` task on the prepared int8 all-MiniLM-L6-v2 (int8
+    weights and per-row int8 activations, ``models/minilm_int8.py``); ModelMissingError when
+    it is not prepared."""
     require_model(MINILM_INT8)
     return {"name": INT8_TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM_INT8,
             "model_version": "1", "instances": DEFAULT_INSTANCES}

@@ -17,9 +17,11 @@ import openai
 import pytest
 import serve_support as S
 
+from lumen_core.models import minilm, minilm_int8
 from lumen_core.runtime import Runtime
 from lumen_core.tasks import default_task_tables
 from lumen_core.tasks.embedding_output import shape_embedding
+from lumen_core.tasks.text_embedding import INT8_TASK_NAME
 
 TOL = 1e-4
 SHORT = "text_embed_short"
@@ -207,6 +209,21 @@ def test_models_lists_embedding_tasks_and_model_picks_the_task(oai, http, refere
     assert not np.allclose(a.data[0].embedding, b.data[0].embedding, atol=1e-3)
     short = oai.embeddings.create(model=SHORT, input=texts[0], encoding_format="float")
     np.testing.assert_allclose(short.data[0].embedding, ref[0], atol=TOL)  # fits in 16 tokens
+
+
+def test_models_and_tasks_show_each_prepared_models_card(http):
+    """/v1/models and /v1/tasks say what each prepared embedding model is and what it
+    measured, so a client can choose between text_embed and text_embed_int8."""
+    listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    tasks = http.get("/v1/tasks").json()["tasks"]
+    assert listed["text_embed"]["model_card"] == minilm.CARD == tasks["text_embed"]["model_card"]
+    int8 = listed[INT8_TASK_NAME]
+    assert int8["description"] == minilm_int8.CARD["summary"] and "int8" in int8["description"]
+    assert int8["model_card"] == minilm_int8.CARD == tasks[INT8_TASK_NAME]["model_card"]
+    measured = int8["model_card"]["accuracy_vs_fp32"]
+    assert 0.99 <= measured["min_cosine"] <= measured["p1_cosine"] <= measured["mean_cosine"]
+    assert int8["model_card"]["speed_vs_fp32"]["in_process_per_cpu_second"] > 1
+    assert "description" not in listed["vad"]
 
 
 def test_a_task_that_does_not_embed_is_a_400_naming_those_that_do(oai, http):
