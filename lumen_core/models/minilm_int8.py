@@ -111,7 +111,7 @@ EXPECTED_MATMULS = 36
 CARD = {
     "summary": ("all-MiniLM-L6-v2 with int8 weights and activations for CPU serving: the same "
                 "384-d sentence embeddings as text_embed to cosine >= 0.998 over a 2,000-text "
-                "corpus, at about 1.9x its texts per CPU-second"),
+                "corpus, at about 1.9x its texts per CPU-second on a VNNI CPU"),
     "quantisation": ("all 36 weight MatMuls int8 (MatMulIntegerToFloat): 8-bit GPTQ weights per "
                      "output column, calibrated on 64 generated texts; uint8 activations with "
                      "a scale per token row (an embedding does not depend on its batch) and a "
