@@ -65,16 +65,14 @@ def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, damp: float, block: int,
     (Frantar et al. 2022): rows (input channels) are rounded one at a time, largest
     ``hessian`` diagonal first, and each rounding error is spread over the rows not yet
     rounded through the inverse Hessian, so ``x @ w_q`` tracks ``x @ w`` for the
-    calibration activations rather than each weight alone.  Returns (int8 [K, M], column
-    scales [M]); the scales are the plain ones (max |w| / qmax).  Deterministic: numpy
-    float64, a stable sort for the order."""
+    calibration activations rather than each weight alone.  With ``pair_budget``, every
+    column keeps ``|q_2i| + |q_2i+1| <= pair_budget`` (rows in the stored order; the second
+    of a pair rounded is clipped to what its partner left).  Returns (int8 [K, M], column
+    scales [M] from :func:`column_scales`).  Deterministic: numpy float64, a stable sort for
+    the order."""
     qmax = 2 ** (bits - 1) - 1
     w = np.array(w, dtype=np.float64)
-    amax = np.abs(w).max(axis=0)
-    if pair_budget is not None:
-        pairs = np.abs(w[0::2]) + np.abs(w[1::2]) if len(w) % 2 == 0 else np.abs(w)
-        amax = np.maximum(amax, pairs.max(axis=0) * qmax / pair_budget)
-    scale = np.where(amax > 0, amax / qmax, 1.0)
+    scale = column_scales(w, bits, pair_budget)
     h = np.array(hessian, dtype=np.float64)
     dead = np.diag(h) <= 0  # an input that is always zero: its weights do not matter
     h[dead, dead] = 1.0
@@ -88,7 +86,10 @@ def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, damp: float, block: int,
     # rows 2i and 2i+1 (in the stored order) share one int16 pair sum on AVX2
     position = np.empty(k, dtype=np.int64)
     position[order] = np.arange(k)
-    partner = position[order ^ 1] if pair_budget is not None else None
+    partner = None  # processing index of each row's pair partner (k: none)
+    if pair_budget is not None:
+        mate = order ^ 1
+        partner = np.where(mate < k, position[np.minimum(mate, k - 1)], k)
     for i0 in range(0, k, block):
         i1 = min(i0 + block, k)
         wb = w[i0:i1].copy()
@@ -131,12 +132,23 @@ def _lower_triangular_inverse(m: np.ndarray) -> np.ndarray:
     return out
 
 
+def column_scales(w: np.ndarray, bits: int, pair_budget: Optional[int] = None) -> np.ndarray:
+    """Symmetric per-output-column scales of ``w`` ([K, M]): max |w| / qmax, grown where the
+    largest ``|w_2i| + |w_2i+1|`` of a column would not fit ``pair_budget`` levels."""
+    qmax = 2 ** (bits - 1) - 1
+    amax = np.abs(w).max(axis=0)
+    if pair_budget is not None and len(w) % 2 == 0:
+        amax = np.maximum(amax, (np.abs(w[0::2]) + np.abs(w[1::2])).max(axis=0) * qmax
+                          / pair_budget)
+    return np.where(amax > 0, amax / qmax, 1.0)
+
+
 def round_to_nearest(w: np.ndarray, bits: int) -> tuple:
-    """Plain symmetric per-output-column rounding of ``w`` ([K, M]): (int8, column scales)."""
+    """Plain symmetric per-output-column rounding of ``w`` ([K, M]): (int8, column scales);
+    GPTQ's baseline."""
     qmax = 2 ** (bits - 1) - 1
     w = np.asarray(w, dtype=np.float64)
-    amax = np.abs(w).max(axis=0)
-    scale = np.where(amax > 0, amax / qmax, 1.0)
+    scale = column_scales(w, bits)
     return np.clip(np.rint(w / scale), -qmax, qmax).astype(np.int8), scale
 
 
