@@ -478,7 +478,6 @@ def _targets(args: argparse.Namespace) -> list:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
 
     from . import loadgen
 
@@ -512,12 +511,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if r.errors:
             print(f"{r.target} c={r.concurrency}: {r.errors} errors, first: {r.first_error}",
                   file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=1)
-    if args.plot:
-        loadgen.plot(results, args.plot)
-        print(f"plot written to {args.plot}", file=sys.stderr)
+    _write_results(args, results, loadgen.plot)
     return EXIT_OK if all(r.errors == 0 for r in results) else 1
 
 
@@ -614,7 +608,6 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
 def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str],
                      texts: list) -> int:
     """``lumen bench --rate R``: open-loop Poisson arrivals, per target (see loadgen.py)."""
-    import json
 
     from . import openloop
 
@@ -640,13 +633,21 @@ def _bench_open_loop(args: argparse.Namespace, targets: list, key: Optional[str]
         print(openloop.format_open_loop(r))
         if r.first_error:
             print(f"{r.target}: first client error: {r.first_error}", file=sys.stderr)
+    _write_results(args, results, openloop.plot_open_loop)
+    return EXIT_OK
+
+
+def _write_results(args: argparse.Namespace, results: list,
+                   plot: Callable[[list, str], None]) -> None:
+    """``lumen bench``'s --json (every result's dict) and --plot files."""
     if args.json:
+        import json
+
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in results], f, indent=1)
     if args.plot:
-        openloop.plot_open_loop(results, args.plot)
+        plot(results, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
-    return EXIT_OK
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -335,7 +335,12 @@ def plot(results: Sequence[BenchResult], path: str) -> None:
                   color=line.get_color(), label=f"{t} p50")
     ax_t.set(xlabel="concurrent clients", ylabel="requests / s", title="throughput")
     ax_l.set(xlabel="concurrent clients", ylabel="latency (ms)", title="latency")
-    for ax in (ax_t, ax_l):
+    save_plot(plt, fig, (ax_t, ax_l), path)
+
+
+def save_plot(plt: Any, fig: Any, axes: Sequence[Any], path: str) -> None:
+    """Grid and legend on every axis, then the figure written to ``path`` and closed."""
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

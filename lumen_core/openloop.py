@@ -19,6 +19,7 @@ from .loadgen import (
     percentile,
     pyplot,
     request_bodies,
+    save_plot,
 )
 
 #: ``lumen bench --rate``: the most requests one open-loop run keeps in flight (one
@@ -267,11 +268,6 @@ def plot_open_loop(results: Sequence[OpenLoopResult], path: str) -> None:
             ax_o.bar(secs, vals, bottom=bottom, label=label, width=0.9)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax_o.set(xlabel="second (sent)", ylabel="requests", title="outcomes")
-        for ax in (ax_l, ax_o):
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(plt, fig, [ax for row in axes for ax in row], path)
 
 
