@@ -100,11 +100,17 @@ def summary(label: str, r: openloop.OpenLoopResult) -> dict:
             "refusal_p50": r.refusal_ms["p50"]}
 
 
-async def open_runs(url: str, texts: list, label: str, rates: list, args) -> list:
+def open_runs(url: str, proc: subprocess.Popen, texts: list, label: str, rates: list,
+              args) -> list:
+    """One open-loop run per rate.  Before each, the server must answer 200 again: the
+    overloaded run before it may have left its queue full of abandoned requests (they run or
+    expire), and a run that starts against that backlog measures the previous one."""
     out = []
     for name, rate in rates:
-        r = await openloop.bench_http_open_loop(url, texts, rate, args.duration, TASK,
-                                               args.target_ms, args.seed, f"{label} {name}")
+        wait_ready(url, proc, TASK)
+        r = asyncio.run(openloop.bench_http_open_loop(url, texts, rate, args.duration, TASK,
+                                                      args.target_ms, args.seed,
+                                                      f"{label} {name}"))
         print(openloop.format_open_loop(r), flush=True)
         out.append(r)
     return out
@@ -146,7 +152,7 @@ def main() -> int:
                           f"req/s, p99 {cap.latency_ms['p99']:.0f} ms", flush=True)
                 rates = [(f"{OVER}x", OVER * capacity)]
                 rates += [(f"{UNDER}x #{i + 1}", UNDER * capacity) for i in range(args.repeats)]
-                done = asyncio.run(open_runs(url, texts, label, rates, args))
+                done = open_runs(url, proc, texts, label, rates, args)
             finally:
                 stop(proc)
             results[label] = [summary(r.target, r) for r in done]

@@ -56,18 +56,20 @@ cdef class Admission:
     cdef public bint closed, stopping, started
     cdef public dict queues
     cdef public list idle, deadlines
-    cdef public long long delay_ns, timer_ns, target_ns
+    cdef public long long delay_ns, timer_ns, target_ns, budget_ns
     cdef public bint cost_ready
-    cdef public double cost_fixed_ns, cost_item_ns
+    cdef public double cost_fixed_ns, cost_item_ns, cost_token_ns, cost_tokens_per_item
     cdef public Py_ssize_t cost_batch, cost_workers
 
     cpdef admit(self, Py_ssize_t n)
     @cython.locals(b=Py_ssize_t, w=Py_ssize_t, ahead=Py_ssize_t, fixed=double, item=double,
-                   batch_ns=double, wait=double)
-    cpdef long long predicted_ns(self, Py_ssize_t k)
+                   batch_ns=double, wait=double, own=double)
+    cpdef long long predicted_ns(self, Py_ssize_t k, Py_ssize_t length=*)
     @cython.locals(limit="long long", wait="long long", drain="long long", retry="long long",
                    ahead=Py_ssize_t)
-    cpdef check_latency(self, Py_ssize_t n, long long timeout_ns, int priority=*)
+    cpdef check_latency(self, Py_ssize_t n, long long timeout_ns, int priority=*,
+                        Py_ssize_t length=*)
+    cpdef refuse_late(self, int priority, long long timeout_ms)
     @cython.locals(k=Py_ssize_t, i=Py_ssize_t, q=SignatureQueue, levels=list, e=Entry)
     cpdef Py_ssize_t queued_up_to(self, int priority)
     @cython.locals(now="long long", e=Entry)

@@ -330,6 +330,8 @@ class Dispatcher:
             else:
                 priority = route.default_priority
                 timeout_ms = route.default_timeout_ms
+            if route.batcher.target_ns and not route.stateful:
+                route.batcher.refuse_late(priority, timeout_ms)  # before paying to prepare it
             prepared = route.prepare(req, desc, payload)
             entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
         except LumenError as exc:
@@ -367,6 +369,8 @@ class Dispatcher:
             desc, payload, nbytes = self.validate(route, req)
             kind = desc.kind
             priority, timeout_ms = route.policy(desc)
+            if route.batcher.target_ns and not route.stateful:
+                route.batcher.refuse_late(priority, timeout_ms)  # before paying to prepare it
             prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
                                                                nbytes, timeout_ms)
             entry = route.batcher.submit(prepared, desc, priority, timeout_ms)

@@ -293,8 +293,9 @@ class Admission:
                  "running_items", "closed",
                  "stopping", "started", "loop", "queues", "idle", "delay_ns", "ready_live",
                  "deadlines", "deadline_count", "compact_at", "timer", "timer_ns", "trace",
-                 "on_batch", "idle_event", "target_ns", "cost_ready", "cost_fixed_ns",
-                 "cost_item_ns", "cost_batch", "cost_workers")
+                 "on_batch", "idle_event", "target_ns", "budget_ns", "cost_ready",
+                 "cost_fixed_ns", "cost_item_ns", "cost_token_ns", "cost_tokens_per_item",
+                 "cost_batch", "cost_workers")
 
     def __init__(self, name: str, max_queue_size: int, levels: int = 1, delay_ns: int = 0,
                  ready_live: int = 1, on_batch: Optional[Callable[[int, int], None]] = None):
@@ -322,14 +323,21 @@ class Admission:
         self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
         self.idle_event: Optional[asyncio.Event] = None  # asyncio.Event while somebody drains
         # latency target (issue 30): 0 = none.  With one, a request whose predicted completion
-        # falls past the target (or its deadline) is refused at admission (check_latency).
+        # falls past the target's budget (or its deadline) is refused at admission
+        # (check_latency).  ``budget_ns`` is what admission plans for: the target, less the
+        # headroom QueuePolicy.steer takes while answers run late (0: the whole target).
         # The cost_* fields are the task's learnt cost (batching/cost.py), written once per
         # finished batch by QueuePolicy.learn: a batch of n costs cost_fixed_ns + n *
-        # cost_item_ns, batches run cost_batch at a time on cost_workers engine instances
+        # cost_item_ns (an item of the typical cost_tokens_per_item token slots; each slot
+        # more or less costs cost_token_ns), batches run cost_batch at a time on
+        # cost_workers engine instances
         self.target_ns = 0
+        self.budget_ns = 0
         self.cost_ready = False
         self.cost_fixed_ns = 0.0
         self.cost_item_ns = 0.0
+        self.cost_token_ns = 0.0
+        self.cost_tokens_per_item = 0.0
         self.cost_batch = 1
         self.cost_workers = 1
 
@@ -344,49 +352,82 @@ class Admission:
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
                              f"retry later", None, OVERLOAD_RETRY_AFTER_S)
 
-    def predicted_ns(self, k: int) -> int:
+    def predicted_ns(self, k: int, length: int = 0) -> int:
         """Under the lock: ns until the ``k``-th request in line (counting every pending one)
         would be answered, at the learnt cost: the whole batches ahead of its own, run
         ``cost_workers`` at a time, then its own (partial) batch, after what is left of the
         batches running now (half of each, on average: ``running`` batches of ``running_items``
-        requests in all)."""
+        requests in all).  ``length`` (> 0: the request's own token count) prices its own
+        batch at that length instead of the typical one (the cost per token slot, learnt):
+        length-aware formation batches it with texts of about its length, so a long text's
+        batch costs what long texts cost (``cost_batch`` follows the batches formed, a few
+        texts each when lengths are mixed)."""
         b = self.cost_batch
         fixed = self.cost_fixed_ns
         item = self.cost_item_ns
         batch_ns = fixed + b * item
         ahead = (k - 1) // b  # whole batches before the one it runs in
         w = self.cost_workers
-        wait = ahead * batch_ns / w + fixed + (k - ahead * b) * item
+        own = item
+        if length > 0 and self.cost_token_ns > 0.0:
+            own = item + self.cost_token_ns * (length - self.cost_tokens_per_item)
+            if own < 0.0:
+                own = 0.0
+        wait = ahead * batch_ns / w + fixed + (k - ahead * b) * own
         if self.running:
             wait += (self.running * fixed + self.running_items * item) / (2 * w)
         return int(wait)
 
-    def check_latency(self, n: int, timeout_ns: int, priority: int = 1) -> None:
+    def check_latency(self, n: int, timeout_ns: int, priority: int = 1,
+                      length: int = 0) -> None:
         """Under the lock, with a latency target: raise ``Overloaded`` (429, Retry-After the
-        predicted drain time) when ``n`` more requests of ``priority`` would be answered past
-        the target or past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are
-        never dropped for them: the refusal happens before anything is queued."""
-        limit = self.target_ns
+        predicted drain time) when ``n`` more requests of ``priority`` (of ``length`` tokens
+        each, when known: see :meth:`predicted_ns`) would be answered past the target's
+        budget or past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are never
+        dropped for them: the refusal happens before anything is queued."""
+        limit = self.budget_ns if 0 < self.budget_ns < self.target_ns else self.target_ns
         what = "latency target"
         if 0 < timeout_ns < limit:
             limit = timeout_ns
             what = "deadline"
         ahead = self.pending
-        wait = self.predicted_ns(ahead + n)
+        wait = self.predicted_ns(ahead + n, length)
         if wait <= limit:
             return
         if priority < self.levels:  # only requests of its level or above run before it
             ahead = self.queued_up_to(priority)
-            wait = self.predicted_ns(ahead + n)
+            wait = self.predicted_ns(ahead + n, length)
             if wait <= limit:
                 return
         drain = self.predicted_ns(ahead) if ahead else wait
         retry = max(1, (drain + 999_999_999) // 1_000_000_000)  # whole seconds, rounded up
-        raise Overloaded(f"task {self.name!r} cannot answer within its {what} of "
-                         f"{limit // 1_000_000} ms: {ahead} requests queued ahead drain "
+        if what == "deadline":
+            what = f"deadline of {limit // 1_000_000} ms"
+        elif limit < self.target_ns:  # the budget: answers have been running late
+            what = (f"latency target of {self.target_ns // 1_000_000} ms (admitting to "
+                    f"{limit // 1_000_000} ms while answers run late)")
+        else:
+            what = f"latency target of {limit // 1_000_000} ms"
+        raise Overloaded(f"task {self.name!r} cannot answer within its {what}: "
+                         f"{ahead} requests queued ahead drain "
                          f"in about {(drain + 500_000) // 1_000_000} ms at the learnt rate, so "
                          f"this one would finish in about {(wait + 500_000) // 1_000_000} ms; "
                          f"refused at once (nothing was queued), retry in {retry} s", None, retry)
+
+    def refuse_late(self, priority: int, timeout_ms: int) -> None:
+        """Loop thread, before a request is prepared (tokenised, decoded): refuse it now if
+        :meth:`check_latency` would at submit, so a refusal under overload costs the parsing
+        and no more (the preparation of a text or an image is most of what a request costs
+        the loop, and on a small box the loop shares the cores with the model).  Only when
+        the cost is learnt; ``submit`` checks again under the same lock."""
+        if not self.cost_ready:
+            return
+        lock = self.lock
+        lock.acquire()
+        try:
+            self.check_latency(1, timeout_ms * 1_000_000, priority)
+        finally:
+            lock.release()
 
     def queued_up_to(self, priority: int) -> int:
         """Under the lock: live queued requests of priority ``priority`` or higher (a scan:
@@ -418,7 +459,8 @@ class Admission:
             if self.closed or self.pending >= self.max_queue_size:
                 self.admit(1)
             if self.target_ns and self.cost_ready:
-                self.check_latency(1, timeout_ms * 1_000_000, priority)
+                self.check_latency(1, timeout_ms * 1_000_000, priority,
+                                   getattr(item, "length", 0) or 0)
             self.enqueue(e, sig)
             self.pending += 1
             self.wake_if_formable(e.queue)

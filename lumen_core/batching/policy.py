@@ -55,6 +55,21 @@ DEADLINE_FIELD = _sched.DEADLINE_FIELD
 #: the error of a call that the task's whole queue cannot hold (a 400, never a 429)
 group_too_large = _sched.group_too_large
 
+# Latency-target steering (``QueuePolicy.steer``): once per finished batch, the wait of its
+# oldest request (admission to answer) is held against the target.  Past ``STEER_HIGH`` of it
+# (what the server itself may spend: the rest is the transport's, before admission and after
+# the answer) the budget admission and formation plan for shrinks by ``STEER_DOWN``; under
+# ``STEER_LOW`` of it the budget grows back by ``STEER_UP``, never past the target nor under
+# ``STEER_MIN`` of it.  Shrinking fast and growing slowly is the usual AIMD-like shape: a
+# burst of late answers is corrected within a few batches, a quiet spell is not trusted at once.
+STEER_HIGH = 0.75
+STEER_LOW = 0.55
+STEER_DOWN = 0.95
+STEER_UP = 1.01
+STEER_MIN = 0.25
+#: weight of the newest batch in the running mean of formed batch sizes (``batch_seen``)
+BATCH_SEEN_EMA = 0.05
+
 
 class BatchResult:
     """What ``DynamicBatcher.infer`` returns (in-process callers of a bare batcher)."""
@@ -125,6 +140,13 @@ class QueuePolicy(_sched.Admission):
         self.cost = CostModel()
         #: the batch size a full queue forms (``operating_batch``), for the predictions
         self.batch_limit = 1
+        #: the share of the latency target admission and formation plan for (``steer``)
+        self.headroom = 1.0
+        #: the size batches are formed at (formation's cap, ``operating_batch``) and the size
+        #: they turn out (running mean: length-aware formation forms smaller ones when few
+        #: queued texts are of a length); predictions count batches of the smaller
+        self.batch_cap = 1
+        self.batch_seen = 0.0
 
     # -- workers (one thread per runner, results back through one queue) --------------------
     def _init_workers(self, name: str, runners: Sequence[Any]) -> None:
@@ -214,20 +236,53 @@ class QueuePolicy(_sched.Admission):
             fixed_us, item_us = m.linear()
             self.cost_fixed_ns = fixed_us * 1000.0
             self.cost_item_ns = item_us * 1000.0
-            self.cost_batch = max(1, self.operating_batch())
+            self.cost_token_ns = max(0.0, m.theta[2]) * 1000.0
+            self.cost_tokens_per_item = m.tokens_per_item
             self.cost_ready = True
+        self.batch_seen = n if not self.batch_seen else (
+            self.batch_seen + BATCH_SEEN_EMA * (n - self.batch_seen))
+        if m.ready:
+            self._size_batches()
+
+    def _size_batches(self) -> None:
+        """Formation's cap and the batch size predictions count (see ``batch_seen``)."""
+        self.batch_cap = cap = max(1, self.operating_batch())
+        self.cost_batch = max(1, min(cap, int(self.batch_seen + 0.5)))
 
     def operating_batch(self) -> int:
         """The batch a full queue forms for a request that just arrived (formation's size)."""
         return self.batch_limit
+
+    def steer(self, waited_ns: int) -> None:
+        """Under the lock, once per finished batch with a latency target: its oldest request
+        waited ``waited_ns`` from admission to its answer.  Shrink the budget (``budget_ns``:
+        what admission refuses against, and the batch size that fits it) when that runs past
+        ``STEER_HIGH`` of the target; grow it back slowly under ``STEER_LOW``."""
+        target = self.target_ns
+        if not target:
+            return
+        h = self.headroom
+        if waited_ns > STEER_HIGH * target:
+            h = max(STEER_MIN, h * STEER_DOWN)
+        elif waited_ns < STEER_LOW * target:
+            h = min(1.0, h * STEER_UP)
+        else:
+            return
+        if h != self.headroom:
+            self.headroom = h
+            self.budget_ns = int(target * h)
+            if self.cost_ready:
+                self._size_batches()
 
     def cost_figures(self) -> Optional[dict]:
         """See :class:`Batcher`: the model's snapshot, the batch size predictions assume,
         the engine instances, the latency target (ms; 0: none)."""
         out = self.cost.snapshot()
         out["batch_size"] = self.cost_batch
+        out["batch_cap"] = self.batch_cap
         out["workers"] = self.cost_workers
         out["latency_target_ms"] = self.target_ns // 1_000_000
+        out["latency_budget_ms"] = (self.budget_ns or self.target_ns) / 1e6
         return out
 
     # -- draining ---------------------------------------------------------------------------

@@ -78,16 +78,19 @@ def test_batcher_learns_once_per_batch_and_reports_it():
     assert fig["batch_size"] == b.cost_batch and fig["workers"] == 1
 
 
-def learnt(b, n_samples=COST_MIN_SAMPLES, fixed_us=2000.0, item_us=1000.0):
-    """Feed ``b`` a noise-free linear curve (sizes 1..4) as its workers would."""
+def learnt(b, n_samples=COST_MIN_SAMPLES, fixed_us=2000.0, item_us=1000.0, full=4):
+    """Feed ``b`` a noise-free linear curve (sizes 1..4) as its workers would, then batches
+    of ``full`` until the running mean of formed sizes (``batch_seen``) is ``full``."""
     with b.lock:
         for i in range(n_samples * 4):
             n = 1 + i % 4
             b.learn(n, 0, fixed_us + item_us * n)
+        for _ in range(200):
+            b.learn(full, 0, fixed_us + item_us * full)
 
 
 def test_learn_hands_admission_the_curve():
-    b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=10), [FakeWorker()])
+    b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [FakeWorker()])
     with b.lock:
         b.learn(2, 0, 4000)
     assert not b.cost_ready  # too few batches: nothing is refused yet
@@ -95,23 +98,97 @@ def test_learn_hands_admission_the_curve():
     assert b.cost_ready
     assert b.cost_fixed_ns == pytest.approx(2e6, rel=1e-3)
     assert b.cost_item_ns == pytest.approx(1e6, rel=1e-3)
-    assert b.cost_batch == 4 and b.target_ns == 10_000_000
+    assert b.cost_batch == 4 and b.batch_cap == 4 and b.target_ns == 12_000_000
+    assert b.cost_figures()["batch_cap"] == 4 and b.cost_figures()["latency_budget_ms"] == 12
+
+
+def test_predictions_count_the_batches_formation_actually_makes():
+    """Length-aware formation may form smaller batches than the cap (few texts of a length
+    queued): predictions count batches of the size seen, each paying the fixed cost."""
+    b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [FakeWorker()])
+    learnt(b, full=2)
+    assert b.batch_cap == 4 and b.cost_batch == 2
+    # k = 5 behind batches of 2: two whole batches ahead (2 x 4 ms), then 2 + 1 ms
+    assert b.predicted_ns(5) / 1e6 == pytest.approx(11.0, rel=1e-4)
+
+
+def test_a_long_text_is_priced_at_its_own_length():
+    """The cost per token slot is learnt (``a + b n + c tokens``): a request's own batch is
+    priced at its length, so a long text behind the same queue predicts a later answer."""
+    b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=1000), [FakeWorker()])
+    with b.lock:  # 2 ms a batch, 100 us an item, 10 us a token slot; texts of 20 or 60
+        for i in range(400):
+            n, length = 1 + i % 4, (20, 60)[i % 2]
+            b.learn(n, n * length, 2000 + 100 * n + 10 * n * length)
+    assert b.cost_token_ns == pytest.approx(10_000, rel=1e-3)
+    typical = b.predicted_ns(1)
+    # (a whole token count: within one slot of the typical)
+    assert b.predicted_ns(1, round(b.cost_tokens_per_item)) == pytest.approx(typical, abs=1e4)
+    # 400 tokens: its own item costs (400 - typical) x 10 us more
+    assert b.predicted_ns(1, 400) - typical == pytest.approx(
+        (400 - b.cost_tokens_per_item) * 10_000, rel=1e-3)
+    assert b.predicted_ns(1, 1) < typical
 
 
 # ----------------------------------------------------------------------------- formation
-def test_formation_fits_the_batch_to_the_oldest_requests_target():
+def test_operating_batch_fits_two_batches_in_the_budget():
+    """A request arriving just as a batch starts waits for it, then runs in its own: the
+    operating batch is the largest ``n`` with ``2 * (fixed + n * item) <= budget``."""
     b = DynamicBatcher("t", cfg(max_batch_size=32, latency_target_ms=10), [FakeWorker()])
     learnt(b, fixed_us=1500.0)  # a batch of n: 1.5 ms + n ms
-    ms = 1_000_000
-    assert b.fit(32, 0) == 8  # 1.5 + 8 <= 10 ms
-    assert b.fit(4, 0) == 4  # never above what formation offered
-    assert b.fit(32, 4 * ms) == 4  # the head waited 4 ms: 4 + 1.5 + 4 <= 10
-    assert b.fit(32, 7 * ms) == 1
-    assert b.fit(32, 9 * ms) == 32  # late whatever runs: the others keep a full batch
-    assert b.operating_batch() == 8
+    assert b.operating_batch() == 3  # 2 x (1.5 + 3) <= 10 ms
+    assert b.batch_cap == 3
+    wide = DynamicBatcher("w", cfg(max_batch_size=32, latency_target_ms=40), [FakeWorker()])
+    learnt(wide, fixed_us=1500.0)
+    assert wide.operating_batch() == 18  # 2 x (1.5 + 18) <= 40 ms
+    small = DynamicBatcher("s", cfg(max_batch_size=4, latency_target_ms=40), [FakeWorker()])
+    learnt(small, fixed_us=1500.0)
+    assert small.operating_batch() == 4  # never above max_batch_size
     plain = DynamicBatcher("p", cfg(max_batch_size=32), [FakeWorker()])
     learnt(plain)
     assert plain.operating_batch() == 32 and plain.target_ns == 0
+
+
+def test_late_answers_shrink_the_budget_and_on_time_ones_grow_it_back():
+    """``steer``: an oldest wait past STEER_HIGH of the target shrinks the budget (and the
+    operating batch with it) by STEER_DOWN, down to STEER_MIN; under STEER_LOW it grows back
+    by STEER_UP, never past the target; in between nothing moves."""
+    from lumen_core.batching import policy as P
+
+    b = DynamicBatcher("t", cfg(max_batch_size=32, latency_target_ms=40), [FakeWorker()])
+    learnt(b, fixed_us=1500.0)
+    ms = 1_000_000
+    assert b.budget_ns == 0 and b.batch_cap == 18
+    with b.lock:
+        b.steer(int(0.95 * 40 * ms))  # late
+    assert b.headroom == pytest.approx(P.STEER_DOWN)
+    assert b.budget_ns == int(40 * ms * P.STEER_DOWN) and b.batch_cap == 17  # 2 x 18.5 > 38
+    with pytest.raises(Overloaded, match=r"latency target of 40 ms \(admitting to 38 ms"):
+        with b.lock:
+            b.pending = 100
+            try:
+                b.check_latency(1, 0)
+            finally:
+                b.pending = 0
+    with b.lock:
+        for _ in range(200):
+            b.steer(40 * ms)
+    assert b.headroom == pytest.approx(P.STEER_MIN)  # never below
+    with b.lock:
+        b.steer(int((P.STEER_HIGH + P.STEER_LOW) / 2 * 40 * ms))  # in between: unchanged
+    assert b.headroom == pytest.approx(P.STEER_MIN)
+    with b.lock:
+        for _ in range(1000):
+            b.steer(0)  # on time
+    assert b.headroom == 1.0 and b.budget_ns == 40 * ms and b.batch_cap == 18
+
+
+def test_a_batcher_without_a_target_never_steers():
+    b = DynamicBatcher("p", cfg(max_batch_size=32), [FakeWorker()])
+    learnt(b)
+    with b.lock:
+        b.steer(10**12)
+    assert b.headroom == 1.0 and b.budget_ns == 0 and b.batch_cap == 32
 
 
 def test_target_sized_batches_under_a_queue():
@@ -121,8 +198,8 @@ def test_target_sized_batches_under_a_queue():
         # refuse=False (as an ensemble's steps): formation alone, nothing refused
         b = DynamicBatcher("t", cfg(max_batch_size=16, latency_target_ms=60_000), [w],
                            refuse=False)
-        # 1 s a batch + 10 s an item: 5 items fit a 60 s target.  No forgetting and many
-        # batches, so the fake worker's own (tiny) batch times barely move the fit
+        # 1 s a batch + 10 s an item: two batches of 2 fit a 60 s target.  No forgetting and
+        # many batches, so the fake worker's own (tiny) batch times barely move the fit
         b.cost = CostModel(forgetting=1.0)
         with b.lock:
             for i in range(2000):
@@ -137,43 +214,43 @@ def test_target_sized_batches_under_a_queue():
         return w
 
     w = asyncio.run(main())
-    assert [len(x) for x in w.batches] == [1, 5, 5, 2]
+    assert [len(x) for x in w.batches] == [1, 2, 2, 2, 2, 2, 2]
 
 
 # ----------------------------------------------------------------------------- refusal
 def test_refusal_is_exact_and_immediate_and_admitted_requests_all_run():
-    """Target 10 ms, a batch of n costs 2 + n ms, batches of 4, one batch of 1 running (half
-    of its 3 ms still ahead, on average): the k-th queued request is predicted at
-    ((k-1)//4)*6 + 2 + (k - 4*((k-1)//4)) + 1.5 ms, so k = 1..4 (4.5..7.5 ms) are admitted and
-    the 5th (10.5 ms) is refused."""
+    """Target 12 ms, a batch of n costs 2 + n ms, batches of 4 (2 x 6 ms fit the target), one
+    batch of 1 running (half of its 3 ms still ahead, on average): the k-th queued request is
+    predicted at ((k-1)//4)*6 + 2 + (k - 4*((k-1)//4)) + 1.5 ms, so k = 1..6 (4.5..11.5 ms)
+    are admitted and the 7th (12.5 ms) is refused."""
     async def main():
         gate = threading.Event()
         w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=10), [w])
+        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [w])
         learnt(b)
         running = asyncio.ensure_future(b.infer(Item(0)))
         await wait_started(w)
-        assert [b.predicted_ns(k) / 1e6 for k in (1, 2, 3, 4, 5)] == pytest.approx(
-            [4.5, 5.5, 6.5, 7.5, 10.5], rel=1e-4)
-        admitted = [asyncio.ensure_future(b.infer(Item(i))) for i in (1, 2, 3, 4)]
+        assert [b.predicted_ns(k) / 1e6 for k in (1, 2, 3, 4, 5, 6, 7)] == pytest.approx(
+            [4.5, 5.5, 6.5, 7.5, 10.5, 11.5, 12.5], rel=1e-4)
+        admitted = [asyncio.ensure_future(b.infer(Item(i))) for i in range(1, 7)]
         await asyncio.sleep(0)
-        assert b.pending == 4
+        assert b.pending == 6
         with pytest.raises(Overloaded) as refused:
-            await b.infer(Item(5))
-        assert b.pending == 4  # refused before anything was queued
+            await b.infer(Item(7))
+        assert b.pending == 6  # refused before anything was queued
         gate.set()
         res = await asyncio.gather(running, *admitted)
         await b.close()
         return refused.value, res
 
     refused, res = asyncio.run(main())
-    assert [r.value for r in res] == [0, 2, 4, 6, 8]  # admitted: never dropped
+    assert [r.value for r in res] == [0, 2, 4, 6, 8, 10, 12]  # admitted: never dropped
     assert refused.http_status == 429 and refused.code == "resource_exhausted"
-    assert refused.retry_after_s == 1  # the 4 queued drain in 7.5 ms: 1 s, at least
-    assert "latency target of 10 ms" in refused.message
-    # 7.5 and 10.5 ms, learnt to within a ppm: either rounding
-    assert re.search(r"4 requests queued ahead drain in about [78] ms", refused.message)
-    assert re.search(r"this one would finish in about 1[01] ms", refused.message)
+    assert refused.retry_after_s == 1  # the 6 queued drain in 11.5 ms: 1 s, at least
+    assert "latency target of 12 ms" in refused.message
+    # 11.5 and 12.5 ms, learnt to within a ppm: either rounding
+    assert re.search(r"6 requests queued ahead drain in about 1[12] ms", refused.message)
+    assert re.search(r"this one would finish in about 1[23] ms", refused.message)
 
 
 def test_retry_after_is_the_predicted_drain_rounded_up():
@@ -225,45 +302,45 @@ def test_a_high_priority_request_is_predicted_behind_its_level_only():
     async def main():
         gate = threading.Event()
         w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, priority_levels=2, latency_target_ms=10),
+        b = DynamicBatcher("t", cfg(max_batch_size=4, priority_levels=2, latency_target_ms=12),
                            [w])
         learnt(b)
         running = asyncio.ensure_future(b.infer(Item(0), priority=2))
         await wait_started(w)
-        low = [asyncio.ensure_future(b.infer(Item(i), priority=2)) for i in (1, 2, 3, 4)]
+        low = [asyncio.ensure_future(b.infer(Item(i), priority=2)) for i in range(1, 7)]
         await asyncio.sleep(0)
         with pytest.raises(Overloaded) as refused:
-            b.submit(Item(5), None, 2, 0)  # 5th low one: 10.5 ms
-        high = b.submit(Item(6), None, 1, 0)  # first of its level: 4.5 ms
-        assert b.pending == 5
+            b.submit(Item(7), None, 2, 0)  # 7th low one: 12.5 ms
+        high = b.submit(Item(8), None, 1, 0)  # first of its level: 4.5 ms
+        assert b.pending == 7
         gate.set()
         await asyncio.gather(running, *low, high.waiter)
         await b.close()
         return w, refused.value
 
     w, refused = asyncio.run(main())
-    assert w.seen()[:2] == [0, 6]  # the high one ran first
-    assert "4 requests queued ahead" in refused.message
+    assert w.seen()[:2] == [0, 8]  # the high one ran first
+    assert "6 requests queued ahead" in refused.message
 
 
 def test_groups_are_refused_whole():
     async def main():
         gate = threading.Event()
         w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=10), [w])
+        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [w])
         learnt(b)
         running = asyncio.ensure_future(b.infer(Item(0)))
         await wait_started(w)
         with pytest.raises(Overloaded):
-            b.submit_many([(Item(i), None, 1, 0) for i in range(5)])  # the 5th would be late
+            b.submit_many([(Item(i), None, 1, 0) for i in range(7)])  # the 7th would be late
         assert b.pending == 0
-        group, entries = b.submit_many([(Item(i), None, 1, 0) for i in range(4)])
+        group, entries = b.submit_many([(Item(i), None, 1, 0) for i in range(6)])
         gate.set()
         await asyncio.gather(running, group.future)
         await b.close()
         return [e.result() for e in entries]
 
-    assert asyncio.run(main()) == [0, 2, 4, 6]
+    assert asyncio.run(main()) == [0, 2, 4, 6, 8, 10]
 
 
 def test_deadlines_priorities_and_cancellation_keep_their_semantics_with_a_target():
@@ -331,3 +408,48 @@ def test_a_started_sequence_is_never_refused_only_a_new_start(acc_path):
     mid, end = asyncio.run(main())
     np.testing.assert_allclose(end.outputs["y"], 5 * np.ones(4))
     assert len(mid) == 3
+
+
+# ----------------------------------------------------------------------------- the request path
+def test_a_request_that_would_be_late_is_refused_before_it_is_prepared(tmp_path):
+    """``Dispatcher.admit`` asks the batcher first (``refuse_late``): under overload a refusal
+    costs the request's parsing, not its preparation (tokenising a text, decoding an image),
+    and nothing is queued.  A request that fits is prepared and runs as usual."""
+    import onnx_models as M
+
+    from lumen_core import native
+
+    path = M.matmul(str(tmp_path / "mm.onnx"), 4)
+    conf = {"tasks": [{"name": "mm", "backend": "onnx", "model": path,
+                       "batching": {"max_batch_size": 4, "latency_target_ms": 12}}]}
+    x = np.ones((1, 4), np.float32)
+
+    class Counting(native.dispatch.DenseTensor):
+        calls = 0
+
+        def prepare(self, desc, payload):
+            Counting.calls += 1
+            return super().prepare(desc, payload)
+
+    async def main():
+        async with lc.Runtime.from_dict(conf) as rt:
+            route = rt.tasks["mm"]
+            route.dense = Counting(route.dense.make_signature)
+            ok = await rt.infer(lc.new_infer_request("mm").for_tensor_array(x, "NC", "none")
+                                .build())
+            assert Counting.calls == 1
+            b = route.batcher
+            learnt(b, fixed_us=1e6, item_us=1e6)  # 1 s a batch: past the 12 ms target
+            with pytest.raises(Overloaded, match="latency target of 12 ms"):
+                await rt.infer(lc.new_infer_request("mm").for_tensor_array(x, "NC", "none")
+                               .build())
+            assert Counting.calls == 1 and b.pending == 0  # never prepared, nothing queued
+            b.cost = CostModel()  # forget it (the model would take ~100 batches to)
+            learnt(b, fixed_us=10.0, item_us=10.0)  # cheap again: admitted
+            again = await rt.infer(lc.new_infer_request("mm").for_tensor_array(x, "NC", "none")
+                                   .build())
+            assert Counting.calls == 2
+            return ok, again
+
+    ok, again = asyncio.run(main())
+    np.testing.assert_allclose(ok.outputs["y"], again.outputs["y"])
