@@ -18,6 +18,7 @@ other, so the rounds interleave; every figure is the median over rounds with its
     python bench/bench_null.py [--rounds 3] [--requests 65536] [--callers 256] [--uvloop]
     python bench/bench_null.py --stages           # the per-stage split of one request
     python bench/bench_null.py --child            # one round of the running implementation
+    python bench/bench_null.py --baseline DIR     # A/B: this tree against another, interleaved
 
 It uses only the public API (``Runtime.infer`` / ``infer_many``), so the same script measures
 an older tree in the same session: ``PYTHONPATH=<old checkout, extensions built in place>
@@ -203,8 +204,14 @@ def main() -> None:
     ap.add_argument("--uvloop", action="store_true")
     ap.add_argument("--impls", default="c,py", help="which twins: c, py or both")
     ap.add_argument("--stages", action="store_true", help="the per-stage split of one request")
+    ap.add_argument("--baseline", default=None,
+                    help="another checkout (its extensions built in place): compiled twins of "
+                         "both trees in alternating order each round, and the ratio per round")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.baseline:
+        ab(a)
+        return
     if a.child:
         print(json.dumps(child(a)))
         return
@@ -250,6 +257,40 @@ def main() -> None:
             print(f"  {impl:2s} {p:10s} {statistics.median(cpu):6.2f} us "
                   f"[{min(cpu):.2f}-{max(cpu):.2f}]  {statistics.median(ips) / 1000:7.1f}k/s  "
                   f"x floor {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]")
+
+
+def ab(a: argparse.Namespace) -> None:
+    """This tree against ``a.baseline``, the compiled twins of both, in alternating order each
+    round (the machine drifts between rounds; within one the ratio holds better)."""
+    here = os.path.abspath(os.path.join(HERE, ".."))
+    trees = {"this": here, "baseline": os.path.abspath(a.baseline)}
+    runs: dict = {k: [] for k in trees}
+    for r in range(a.rounds):
+        order = list(trees) if r % 2 == 0 else list(reversed(trees))
+        for name in order:
+            env = dict(os.environ, PYTHONPATH=trees[name])
+            env.pop("LUMEN_NO_EXTENSIONS", None)
+            cmd = [sys.executable, __file__, "--child", "--requests", str(a.requests),
+                   "--callers", str(a.callers)] + (["--uvloop"] if a.uvloop else [])
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            if not res["compiled"]:
+                raise SystemExit(f"{trees[name]}: extensions not built in place")
+            runs[name].append(res)
+            print(f"round {r + 1} {name:8s}: " + ", ".join(
+                f"{p} {res[p]['cpu_us']:.2f} us" for p in PATHS), flush=True)
+    load = os.getloadavg()
+    print(f"\nthis tree against {trees['baseline']}, {a.rounds} interleaved rounds, "
+          f"{a.requests} requests, {a.callers} callers; load average {load[0]:.2f} "
+          f"{load[1]:.2f} {load[2]:.2f}")
+    for p in PATHS:
+        mine = [x[p]["cpu_us"] for x in runs["this"]]
+        base = [x[p]["cpu_us"] for x in runs["baseline"]]
+        ratio = [m / b for m, b in zip(mine, base)]
+        print(f"  {p:10s} this {statistics.median(mine):6.2f} us [{min(mine):.2f}-{max(mine):.2f}]"
+              f"  baseline {statistics.median(base):6.2f} us [{min(base):.2f}-{max(base):.2f}]"
+              f"  this/baseline per round {statistics.median(ratio):.2f} "
+              f"[{min(ratio):.2f}-{max(ratio):.2f}]")
 
 
 if __name__ == "__main__":
