@@ -5,7 +5,10 @@ Why compiled: a batch is N payload buffers that must end up in one contiguous te
 twin pays a numpy slice assignment (and a memoryview) per item with the GIL held; here all
 buffers are acquired with the GIL, every size is checked, and then ONE ``with nogil:`` loop
 does the copies (and, for ragged batches, the padding and the mask in the same pass), so other
-Python threads -- the event loop, the next batch's preprocessing -- keep running.
+Python threads -- the event loop, the next batch's preprocessing -- keep running.  Only when
+the copy is large enough to be worth it (``NOGIL_MIN_BYTES``): a thread that gives up the GIL
+has to get it back, and while the event loop is busy that costs the worker far more than a
+small copy (bench/README.md, round 3: tens of microseconds of CPU per hand-over).
 
 Shape of the code follows uvloop's ``_StreamWriteContext``: a ``bytes`` fast path
 (``PyBytes_AS_STRING``, no buffer acquisition), ``PyObject_GetBuffer`` for everything else, a
@@ -44,6 +47,9 @@ cdef extern from "assemble_copy.h" nogil:
     void lumen_copy(char* dst, const char* src, size_t n)
 
 __all__ = list(_py.__all__)
+
+# a copy of at least this many bytes (about 10-20 us of memcpy) runs without the GIL
+cdef Py_ssize_t NOGIL_MIN_BYTES = 256 * 1024
 
 cdef enum:
     # items whose Py_buffer lives inline (no malloc); larger batches use one heap block
@@ -169,6 +175,33 @@ cdef inline int _count(Py_ssize_t n, Py_ssize_t rows) except -1:
     return 0
 
 
+cdef void _copy_rows(char* out, _Src* src, Py_ssize_t n, Py_ssize_t slot) noexcept nogil:
+    """``gather``'s copies: item ``i`` into row ``i`` (sizes already checked)."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        lumen_copy(out + i * slot, src[i].ptr, <size_t>slot)
+
+
+cdef void _pad_rows(char* out, char* mout, _Src* src, Py_ssize_t n, Py_ssize_t rows,
+                    Py_ssize_t lmax, Py_ssize_t isz, Py_ssize_t msz, const char* pad_elem,
+                    bint pad_uniform, const char* one_elem) noexcept nogil:
+    """``gather_ragged``'s one pass: copy, pad and mask every row (sizes already checked)."""
+    cdef Py_ssize_t i, length
+    cdef char* row
+    cdef char* mrow
+    for i in range(rows):
+        row = out + i * lmax * isz
+        length = src[i].nbytes // isz if i < n else 0
+        if length:
+            lumen_copy(row, src[i].ptr, <size_t>(length * isz))
+        _fill(row + length * isz, pad_elem, isz, lmax - length, pad_uniform)
+        if mout != NULL:
+            mrow = mout + i * lmax * msz
+            _fill(mrow, one_elem, msz, length, msz == 1)
+            if lmax > length:
+                memset(mrow + length * msz, 0, <size_t>((lmax - length) * msz))
+
+
 def gather(items, dest) -> None:
     """Copy item ``i`` (any C-contiguous buffer of exactly ``dest[0].nbytes`` bytes) into ``dest[i]``.
 
@@ -188,9 +221,11 @@ def gather(items, dest) -> None:
         for i in range(n):
             if s.src[i].nbytes != slot:
                 raise _slot_mismatch(i, s.src[i].nbytes, slot)
-        with nogil:
-            for i in range(n):
-                lumen_copy(out + i * slot, s.src[i].ptr, <size_t>slot)
+        if n * slot >= NOGIL_MIN_BYTES:
+            with nogil:
+                _copy_rows(out, s.src, n, slot)
+        else:
+            _copy_rows(out, s.src, n, slot)
     finally:
         s.release()
 
@@ -296,18 +331,12 @@ def gather_ragged(items, dest, mask, pad_value) -> int:
                 _ragged_length(i, s.src[i].nbytes, isz, lmax)  # cold: raises
                 raise _disagree("ragged_length")
             total += length
-        with nogil:
-            for i in range(rows):
-                row = out + i * lmax * isz
-                length = s.src[i].nbytes // isz if i < n else 0
-                if length:
-                    lumen_copy(row, s.src[i].ptr, <size_t>(length * isz))
-                _fill(row + length * isz, pad_elem, isz, lmax - length, pad_uniform)
-                if mout != NULL:
-                    mrow = mout + i * lmax * msz
-                    _fill(mrow, one_elem, msz, length, msz == 1)
-                    if lmax > length:
-                        memset(mrow + length * msz, 0, <size_t>((lmax - length) * msz))
+        if rows * lmax * (isz + msz) >= NOGIL_MIN_BYTES:
+            with nogil:
+                _pad_rows(out, mout, s.src, n, rows, lmax, isz, msz, pad_elem, pad_uniform,
+                          one_elem)
+        else:
+            _pad_rows(out, mout, s.src, n, rows, lmax, isz, msz, pad_elem, pad_uniform, one_elem)
         return total
     finally:
         s.release()

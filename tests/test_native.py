@@ -96,6 +96,24 @@ def test_notify_wake_writes_one_byte_and_reports_a_full_pipe(notify):
         os.close(w)
 
 
+def test_notify_drain_reads_every_pending_byte_and_never_blocks(notify):
+    r, w = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        assert notify.drain(r) == 0  # nothing pending: 0, no BlockingIOError
+        for _ in range(5):
+            notify.wake(w)
+        assert notify.drain(r) == 5
+        assert notify.drain(r) == 0
+        os.write(w, b"x" * (notify.DRAIN_BYTES + 10))
+        assert notify.drain(r) == notify.DRAIN_BYTES  # at most DRAIN_BYTES a call
+        assert notify.drain(r) == 10
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_compiled_sources_build_no_error_message_of_their_own():
     """Every request-facing error of a compiled module comes from its pure twin's checks and
     builders; the .pyx files only raise build guards (ImportError), MemoryError, and the

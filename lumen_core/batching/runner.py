@@ -10,10 +10,10 @@
   event loop, and it holds the GIL once per batch: between two model runs it never gives it up.
 - :class:`CompletionQueue` carries finished batches to the event loop: a deque plus one byte
   on a pipe the loop watches, written only when the loop is not already signalled, so a
-  burst of batches costs one loop wake-up.  The byte is written by ``native.notify.wake``:
-  the compiled twin writes while holding the GIL (a 1-byte pipe write is about a
-  microsecond; releasing the GIL for it would let the loop take it and leave the worker
-  waiting up to the interpreter's switch interval to get it back before the next batch).
+  burst of batches costs one loop wake-up.  The byte is written by ``native.notify.wake``
+  and read back by ``native.notify.drain``: the compiled twins hold the GIL for the syscall
+  (a microsecond; releasing the GIL for it would hand it to the other thread, and getting it
+  back costs the thread that let go far more: bench/README.md, round 3).
 """
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ from ..errors import InternalError, LumenError
 
 log = logging.getLogger("lumen.batching")
 
-#: bytes read from the wake-up pipe per drain (any number of pending wake-ups)
-WAKE_READ_BYTES = 4096
 #: a worker that hit an error between batches waits this long before it tries again
 ERROR_BACKOFF_S = 0.01
 
@@ -213,6 +211,7 @@ class CompletionQueue:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._r = self._w = -1
         self._wake = native.notify.wake
+        self._read = native.notify.drain
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not None:
@@ -251,10 +250,7 @@ class CompletionQueue:
 
     def _drain(self) -> None:
         if self._r >= 0:
-            try:
-                os.read(self._r, WAKE_READ_BYTES)
-            except BlockingIOError:
-                pass
+            self._read(self._r)
         # cleared before popping: a batch queued from here on signals again
         self._signalled = False
         items = self._items
