@@ -582,9 +582,13 @@ def test_cancelled_restart_after_an_end_leaves_the_sequence_ended(acc_path):
             engine.run = held
             end = asyncio.ensure_future(rt.infer(req(1, x, end=True)))
             restart = asyncio.ensure_future(rt.infer(req(1, x, start=True)))
-            while batcher(rt).pending + batcher(rt).in_flight < 2:
+            # the end runs (held at the gate); the restart waits behind it.  Both are queued
+            # first: wait for the worker to take the end, not just for both to arrive
+            waited = 0.0
+            while not (batcher(rt).in_flight == 1 and batcher(rt).pending == 1):
+                assert waited < 10, (batcher(rt).in_flight, batcher(rt).pending)
                 await asyncio.sleep(0.001)
-            assert batcher(rt).in_flight == 1  # the end runs; the restart waits behind it
+                waited += 0.001
             restart.cancel()
             await asyncio.sleep(0)
             gate.set()
