@@ -416,16 +416,17 @@ class Admission:
 
     def refuse_late(self, priority: int, timeout_ms: int) -> None:
         """Loop thread, before a request is prepared (tokenised, decoded): refuse it now if
-        :meth:`check_latency` would at submit, so a refusal under overload costs the parsing
+        :meth:`check_latency` would refuse it at submit whatever its length (priced at one
+        token: its length is not known yet), so a refusal under overload costs the parsing
         and no more (the preparation of a text or an image is most of what a request costs
         the loop, and on a small box the loop shares the cores with the model).  Only when
-        the cost is learnt; ``submit`` checks again under the same lock."""
+        the cost is learnt; ``submit`` checks again under the same lock, with its length."""
         if not self.cost_ready:
             return
         lock = self.lock
         lock.acquire()
         try:
-            self.check_latency(1, timeout_ms * 1_000_000, priority)
+            self.check_latency(1, timeout_ms * 1_000_000, priority, 1)
         finally:
             lock.release()
 

@@ -128,6 +128,16 @@ def test_a_long_text_is_priced_at_its_own_length():
     assert b.predicted_ns(1, 400) - typical == pytest.approx(
         (400 - b.cost_tokens_per_item) * 10_000, rel=1e-3)
     assert b.predicted_ns(1, 1) < typical
+    # before a request is prepared its length is unknown: the early check prices it at one
+    # token, so it refuses only what submit would refuse whatever the length
+    b.target_ns = (typical + b.predicted_ns(1, 1)) // 2
+    b.refuse_late(1, 0)  # a one-token text could make it: not refused yet
+    with pytest.raises(Overloaded):
+        with b.lock:
+            b.check_latency(1, 0, 1, round(b.cost_tokens_per_item))  # a typical one cannot
+    b.target_ns = b.predicted_ns(1, 1) - 1
+    with pytest.raises(Overloaded):
+        b.refuse_late(1, 0)  # not even one token makes it: refused before preparing
 
 
 # ----------------------------------------------------------------------------- formation
