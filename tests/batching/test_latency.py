@@ -228,18 +228,27 @@ def test_target_sized_batches_under_a_queue():
 
 
 # ----------------------------------------------------------------------------- refusal
+async def one_running(target_ms, max_batch_size=4, levels=1, priority=1, **curve):
+    """A batcher with a latency target and a learnt cost (``learnt(b, **curve)``) whose one
+    worker holds a batch of one request running until ``gate`` is set: (batcher, worker,
+    gate, the running request's future).  The refusal arithmetic then reads a known state."""
+    gate = threading.Event()
+    w = FakeWorker(gate)
+    b = DynamicBatcher("t", cfg(max_batch_size=max_batch_size, priority_levels=levels,
+                                latency_target_ms=target_ms), [w])
+    learnt(b, **curve)
+    running = asyncio.ensure_future(b.infer(Item(0), priority=priority))
+    await wait_started(w)
+    return b, w, gate, running
+
+
 def test_refusal_is_exact_and_immediate_and_admitted_requests_all_run():
     """Target 12 ms, a batch of n costs 2 + n ms, batches of 4 (2 x 6 ms fit the target), one
     batch of 1 running (half of its 3 ms still ahead, on average): the k-th queued request is
     predicted at ((k-1)//4)*6 + 2 + (k - 4*((k-1)//4)) + 1.5 ms, so k = 1..6 (4.5..11.5 ms)
     are admitted and the 7th (12.5 ms) is refused."""
     async def main():
-        gate = threading.Event()
-        w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [w])
-        learnt(b)
-        running = asyncio.ensure_future(b.infer(Item(0)))
-        await wait_started(w)
+        b, w, gate, running = await one_running(12)
         assert [b.predicted_ns(k) / 1e6 for k in (1, 2, 3, 4, 5, 6, 7)] == pytest.approx(
             [4.5, 5.5, 6.5, 7.5, 10.5, 11.5, 12.5], rel=1e-4)
         admitted = [asyncio.ensure_future(b.infer(Item(i))) for i in range(1, 7)]
@@ -265,12 +274,8 @@ def test_refusal_is_exact_and_immediate_and_admitted_requests_all_run():
 
 def test_retry_after_is_the_predicted_drain_rounded_up():
     async def main():
-        gate = threading.Event()
-        w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=4000), [w])
-        learnt(b, fixed_us=1.2e6, item_us=1e6)  # a batch of n: 1.2 + n s
-        running = asyncio.ensure_future(b.infer(Item(0)))
-        await wait_started(w)
+        # a batch of n: 1.2 + n s
+        b, _w, gate, running = await one_running(4000, fixed_us=1.2e6, item_us=1e6)
         first = b.submit(Item(1))  # 1.2 + 1 + (1.2 + 1) / 2 = 3.3 s
         with pytest.raises(Overloaded) as refused:
             b.submit(Item(2))  # 4.3 s
@@ -284,12 +289,7 @@ def test_retry_after_is_the_predicted_drain_rounded_up():
 
 def test_a_deadline_tighter_than_the_target_is_refused_on_the_deadline():
     async def main():
-        gate = threading.Event()
-        w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=1000), [w])
-        learnt(b)
-        running = asyncio.ensure_future(b.infer(Item(0)))
-        await wait_started(w)
+        b, _w, gate, running = await one_running(1000)
         queued = [asyncio.ensure_future(b.infer(Item(i))) for i in (1, 2)]
         await asyncio.sleep(0)
         # k = 3: 2 + 3 + 1.5 = 6.5 ms
@@ -310,13 +310,7 @@ def test_a_high_priority_request_is_predicted_behind_its_level_only():
     """A backlog of low-priority requests refuses more low-priority ones, not a request of a
     higher level: formation runs it first, so only its level and above count ahead of it."""
     async def main():
-        gate = threading.Event()
-        w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, priority_levels=2, latency_target_ms=12),
-                           [w])
-        learnt(b)
-        running = asyncio.ensure_future(b.infer(Item(0), priority=2))
-        await wait_started(w)
+        b, w, gate, running = await one_running(12, levels=2, priority=2)
         low = [asyncio.ensure_future(b.infer(Item(i), priority=2)) for i in range(1, 7)]
         await asyncio.sleep(0)
         with pytest.raises(Overloaded) as refused:
@@ -335,12 +329,7 @@ def test_a_high_priority_request_is_predicted_behind_its_level_only():
 
 def test_groups_are_refused_whole():
     async def main():
-        gate = threading.Event()
-        w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [w])
-        learnt(b)
-        running = asyncio.ensure_future(b.infer(Item(0)))
-        await wait_started(w)
+        b, w, gate, running = await one_running(12)
         with pytest.raises(Overloaded):
             b.submit_many([(Item(i), None, 1, 0) for i in range(7)])  # the 7th would be late
         assert b.pending == 0
@@ -355,13 +344,9 @@ def test_groups_are_refused_whole():
 
 def test_deadlines_priorities_and_cancellation_keep_their_semantics_with_a_target():
     async def main():
-        gate = threading.Event()
-        w = FakeWorker(gate)
-        b = DynamicBatcher("t", cfg(max_batch_size=1, priority_levels=2,
-                                    latency_target_ms=3_600_000), [w])
-        learnt(b, fixed_us=0.0, item_us=1.0)  # cheap: nothing here is refused
-        running = asyncio.ensure_future(b.infer(Item(0), priority=2))
-        await wait_started(w)
+        # cheap: nothing here is refused
+        b, w, gate, running = await one_running(3_600_000, max_batch_size=1, levels=2,
+                                                priority=2, fixed_us=0.0, item_us=1.0)
         low = asyncio.ensure_future(b.infer(Item(1), priority=2))
         high = asyncio.ensure_future(b.infer(Item(2), priority=1))
         doomed = asyncio.ensure_future(b.infer(Item(3), priority=2, timeout_ms=20))

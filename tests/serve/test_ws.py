@@ -156,20 +156,8 @@ def test_errors_are_an_event_and_a_close_code(server):
         (ws_url(server), "not json", 4400, "invalid_argument"),
     ]
     for url, first, code, name in cases:
-        async def go(url=url, first=first):
-            async with websockets.connect(url) as ws:
-                try:
-                    await ws.send(bytes(1024) if first is None else
-                                  first if isinstance(first, str) else json.dumps(first))
-                except websockets.ConnectionClosed:
-                    pass  # refused before the first message
-                msg = json.loads(await ws.recv())
-                with pytest.raises(websockets.ConnectionClosed):
-                    await ws.recv()
-                return msg, ws.close_code
-
-        msg, got = asyncio.run(go())
-        assert msg["event"] == "error" and msg["error"]["code"] == name, (url, msg)
+        err, got = asyncio.run(refused(url, bytes(1024) if first is None else first))
+        assert err["code"] == name, (url, err)
         assert got == code
 
 
