@@ -8,7 +8,8 @@ Assembly (the plans), the task's postprocess and state commits are the caller's:
 batching side's ``BatchRunner`` composes them, so the engine knows no task.  CPU and CUDA
 instances share this base: session construction, the output check at load, the plain-run
 path for inputs ORT cannot bind (string tensors, e.g. a string CORRID control), counters and
-close; a subclass provides its session providers, its arena(s) and the IO-bound run.
+close; a subclass provides its session providers, its arena(s) and, if it binds, the IO-bound
+run.
 """
 from __future__ import annotations
 
@@ -50,17 +51,22 @@ class EngineInstance(abc.ABC):
     def next_arena(self) -> Any:
         """The arena the next batch is assembled into (``get(name, shape, dtype)``)."""
 
-    @abc.abstractmethod
+    #: whether the instance runs with IO binding (CUDA: inputs and outputs stay on the device);
+    #: one that does not runs every batch with ``session.run`` (the CPU: ``ort.py`` says why)
+    binds = False
+
     def _run_bound(self, feeds: dict, n: int) -> dict:
-        """Run with IO binding; return every declared output."""
+        """Run with IO binding; return every declared output (instances with ``binds``)."""
+        return self._run_plain(feeds)
 
     def run(self, feeds: dict, n: int) -> dict:
         """Run one assembled batch of ``n`` rows; return ``{output_name: ndarray}``."""
         with self._lock:
-            if any(arr.dtype.hasobject for arr in feeds.values()):
-                outs = self._run_plain(feeds)
-            else:
+            # ORT cannot bind string tensors: those run plain wherever they are
+            if self.binds and not any(arr.dtype.hasobject for arr in feeds.values()):
                 outs = self._run_bound(feeds, n)
+            else:
+                outs = self._run_plain(feeds)
         stats = self.stats
         stats["batches"] += 1
         stats["items"] += n

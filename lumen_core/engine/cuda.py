@@ -60,6 +60,8 @@ class PinnedArena:
 class CudaEngineInstance(EngineInstance):
     """One ORT CUDA session on its own stream, with double-buffered pinned staging."""
 
+    binds = True
+
     def __init__(self, spec: ModelSpec, name: str, intra_op_threads: int, allow_spinning: bool,
                  device_id: int):
         import onnxruntime as ort

@@ -34,18 +34,6 @@ class CpuEngineInstance(EngineInstance):
     def next_arena(self) -> BufferArena:
         return self.arena
 
-    def run(self, feeds: dict, n: int) -> dict:
-        """Run one assembled batch of ``n`` rows; return ``{output_name: ndarray}``."""
-        with self._lock:
-            outs = dict(zip(self._names, self.session.run(self._names, feeds), strict=True))
-        stats = self.stats
-        stats["batches"] += 1
-        stats["items"] += n
-        return outs
-
-    def _run_bound(self, feeds: dict, n: int) -> dict:
-        return self._run_plain(feeds)
-
     def close(self) -> None:
         self.arena.release()
 
