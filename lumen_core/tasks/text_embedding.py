@@ -413,12 +413,16 @@ class TextEmbeddingBackend(TaskBackend):
 
     def _proves_cut(self, words: list, limit: int) -> bool:
         """Whether a prefix's tokens (their word ids, more than ``limit``) are those of the
-        whole text up to the cut: the last kept token's word is not the prefix's last word
-        (only that one can be cut by the prefix's end)."""
+        whole text up to the cut: the last kept token's word is none of the prefix's last
+        ``Reducer.cut_words`` words (the prefix's end can cut its last word, and an added
+        token such as ``[UNK]`` cut in half falls apart into up to one word a character,
+        each of which would have been one token of the whole text)."""
         ns = self._n_suffix
         kept_last = words[limit - 1 - ns]
         prefix_last = words[len(words) - 1 - ns]
-        return kept_last is not None and prefix_last is not None and kept_last < prefix_last
+        margin = self._reducer.cut_words if self._reducer is not None else 1
+        return kept_last is not None and prefix_last is not None and \
+            kept_last + margin <= prefix_last
 
     # -- request path -----------------------------------------------------------------------
     def prepare_raw(self, req, desc, payload: memoryview, mime: str,

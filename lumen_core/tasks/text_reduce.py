@@ -120,6 +120,11 @@ class Reducer:
 
     def __init__(self, tok):
         self.ok = False
+        #: the trailing words of a prefix that its end can change besides the last: an added
+        #: token (``[UNK]``, ``[SEP]``, ...) cut in half is split into words of its own, and
+        #: it spans at most one word per character (see ``TextEmbeddingBackend._proves_cut``)
+        self.cut_words = max([len(t.content) for t in tok.get_added_tokens_decoder().values()]
+                             + [1])
         try:
             cfg = json.loads(tok.to_str())
         except Exception:  # noqa: BLE001 - a tokenizer we cannot inspect is used unreduced
