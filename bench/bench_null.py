@@ -286,7 +286,7 @@ def ab(a: argparse.Namespace) -> None:
     for p in PATHS:
         mine = [x[p]["cpu_us"] for x in runs["this"]]
         base = [x[p]["cpu_us"] for x in runs["baseline"]]
-        ratio = [m / b for m, b in zip(mine, base)]
+        ratio = [m / b for m, b in zip(mine, base, strict=True)]
         print(f"  {p:10s} this {statistics.median(mine):6.2f} us [{min(mine):.2f}-{max(mine):.2f}]"
               f"  baseline {statistics.median(base):6.2f} us [{min(base):.2f}-{max(base):.2f}]"
               f"  this/baseline per round {statistics.median(ratio):.2f} "

@@ -20,7 +20,7 @@ and after: the box is shared, and the figures move with what else runs.
     python bench/bench_ray.py [--count 512] [--concurrency 16 64] [--rounds 3]
     python bench/bench_ray.py --ingress proxy ...   # Ray's Python proxy instead of HAProxy
 
-The ingress is ``lumen serve --ray``'s (:func:`lumen_core.integrations.ray.start_serve`):
+The ingress is ``lumen serve --ray``'s (:func:`lumen_core.integrations.ray_ingress.start_serve`):
 HAProxy by default, the Python proxy with ``--ingress proxy`` (or where Ray has no HAProxy).
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from ray import serve
 from lumen_core import loadgen, models
 from lumen_core.engine.session import cpu_session
 from lumen_core.integrations import ray as LR
+from lumen_core.integrations import ray_ingress as RI
 from lumen_core.models import minilm
 from lumen_core.tasks.text_embedding import default_task_table
 
@@ -91,7 +92,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--corpus-size", type=int, default=loadgen.DEFAULT_SIZE)
     ap.add_argument("--json", help="write every result here")
-    ap.add_argument("--ingress", choices=LR.INGRESSES, default=LR.DEFAULT_INGRESS,
+    ap.add_argument("--ingress", choices=RI.INGRESSES, default=RI.DEFAULT_INGRESS,
                     help="Ray Serve's ingress (default: lumen serve --ray's, HAProxy)")
     args = ap.parse_args()
 
@@ -109,7 +110,7 @@ def main() -> int:
     results: list = []
     ingress = args.ingress
     try:
-        ingress, notes = LR.start_serve("127.0.0.1", port, args.ingress)
+        ingress, notes = RI.start_serve("127.0.0.1", port, args.ingress)
         print(f"ingress: {ingress}", *notes, sep="; ", flush=True)
         lumen_cfg = {"tasks": [dict(table, instances=1, intra_op_threads=THREADS)]}
         serve.run(LR.build_app(lumen_cfg, num_replicas=REPLICAS, num_cpus=REPLICA_CPUS),

