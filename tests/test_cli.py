@@ -17,6 +17,8 @@ import pytest
 import serve_support as S
 
 from lumen_core import cli, loadgen, models, openloop
+from lumen_core.cli import common as cli_common
+from lumen_core.cli import infer as cli_infer
 
 
 def run_cli(capsys, *argv: str) -> tuple:
@@ -371,7 +373,7 @@ def _wav(path, samples: np.ndarray, rate: int = 16000, channels: int = 1) -> Non
 def test_infer_vad_streams_a_wav_as_one_sequence(tmp_path, capsys, embed_server, tmp_path_factory,
                                                  monkeypatch, fixtures_dir):
     audio = np.load(fixtures_dir / "silero_vad_reference.npz")["audio"][0]
-    n = 3 * cli.WAV_CHUNK_SAMPLES
+    n = 3 * cli_infer.WAV_CHUNK_SAMPLES
     pcm = np.round(np.clip(audio[:n - 100], -1, 1) * 32767).astype(np.int16)
     f = tmp_path / "speech.wav"
     _wav(f, pcm)
@@ -405,7 +407,7 @@ HELLO_IDS = [101, 7592, 102]
 def lumen(*argv: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     """Run ``lumen ARGV`` in a subprocess; ``env`` adds to this process's environment (where
     LUMEN_API_KEY is never set; a PYTHONPATH goes in front of the one there is)."""
-    full = {k: v for k, v in os.environ.items() if k != cli.API_KEY_ENV}
+    full = {k: v for k, v in os.environ.items() if k != cli_common.API_KEY_ENV}
     for k, v in env.items():
         if k == "PYTHONPATH" and full.get(k):
             v = v + os.pathsep + full[k]
@@ -518,13 +520,13 @@ def test_infer_npy_token_ids_take_layout_and_preprocess_id_from_the_contract(
 def test_contract_choice_needs_one_choice():
     sig = {"dtype": "int64", "layout": "NL", "shape": [1, [1, 256]], "preprocess_ids": ["a"]}
     desc = {"tensor_signatures": [sig]}
-    assert cli.contract_choice(desc, "int64", 2) == ("NL", "a")
-    assert cli.contract_choice(desc, "fp32", 2) == (None, None)  # no int64: the server says
-    assert cli.contract_choice(desc, "int64", 3) == (None, None)
-    assert cli.contract_choice(desc, "int64", 2, "NC") == ("NC", None)
+    assert cli_infer.contract_choice(desc, "int64", 2) == ("NL", "a")
+    assert cli_infer.contract_choice(desc, "fp32", 2) == (None, None)  # no int64: the server says
+    assert cli_infer.contract_choice(desc, "int64", 3) == (None, None)
+    assert cli_infer.contract_choice(desc, "int64", 2, "NC") == ("NC", None)
     two = {"tensor_signatures": [sig, dict(sig, preprocess_ids=["a", "b"])]}
-    assert cli.contract_choice(two, "int64", 2) == ("NL", None)
-    assert cli.contract_choice(None, "int64", 2) == (None, None)
+    assert cli_infer.contract_choice(two, "int64", 2) == ("NL", None)
+    assert cli_infer.contract_choice(None, "int64", 2) == (None, None)
 
 
 def test_infer_into_a_closed_pipe_exits_quietly(tmp_path):

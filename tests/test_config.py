@@ -245,7 +245,7 @@ def test_start_up_errors_have_one_home():
     assert lc.ModelMissingError is errors.ModelMissingError
     from lumen_core import models
 
-    assert models.ModelMissingError is errors.ModelMissingError  # read there by cli.py
+    assert models.ModelMissingError is errors.ModelMissingError  # read there by lumen_core/cli
 
 
 def test_version_comes_from_the_installed_distribution():

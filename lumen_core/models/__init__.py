@@ -27,7 +27,7 @@ import shutil
 from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
-from ..errors import ModelMissingError  # also read here by cli.py (old home of the class)
+from ..errors import ModelMissingError  # also read here by cli/ (old home of the class)
 from . import minilm, minilm_int8, rapidocr, silero
 from ._files import (
     MANIFEST_FORMAT,

