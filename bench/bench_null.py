@@ -179,13 +179,13 @@ async def stages(path: str) -> dict:
         payload = memoryview(req.payload)
         desc = native.descriptor.parse_meta(req.meta, payload.nbytes, route.contract)
         item = route.prepare(req, desc, payload)
-        rows = native.scheduler.Rows({"y": np.zeros((BATCH, D), np.float32)}, BATCH)
+        rows = native.entries.Rows({"y": np.zeros((BATCH, D), np.float32)}, BATCH)
         timed("empty call (the loop's own cost)", lambda: None)
         timed("payload memoryview", lambda: memoryview(req.payload))
         timed("parse_meta", lambda: native.descriptor.parse_meta(req.meta, payload.nbytes,
                                                                  route.contract))
         timed("prepare (dense tensor, C)", lambda: route.prepare(req, desc, payload))
-        timed("queue entry + future", lambda: native.scheduler.Entry(
+        timed("queue entry + future", lambda: native.entries.Entry(
             item, asyncio.Future(loop=loop), 1, 0))
         timed("response", lambda: native.messages.respond(req, rows, 3, BATCH, 0, 0, 0, "1"))
         n = 5000

@@ -1,9 +1,10 @@
 # Declarations that compile lumen_core/dispatch.py (Cython's pure-Python mode) into
 # lumen_core._dispatch: routes and the dispatcher as C types, calling the queue side
-# (lumen_core._scheduler, cimported) as C.  The .py is the one source; this file only adds types.
+# (lumen_core._scheduler and lumen_core._entries, cimported) as C.  The .py is the one source; this file only adds types.
 cimport cython
 
-from lumen_core._scheduler cimport Admission, Entry, Prepared, Rows
+from lumen_core._entries cimport Entry, Prepared, Rows
+from lumen_core._scheduler cimport Admission
 
 
 cdef class DenseTensor:

@@ -35,7 +35,7 @@ from .errors import (
 from .request import InferRequest, InferResponse
 
 if TYPE_CHECKING:  # the queue side's types (compiled: cimported by _dispatch.pxd)
-    from . import scheduler
+    from . import entries
 
 log = logging.getLogger("lumen")
 
@@ -46,9 +46,9 @@ __all__ = ["DenseTensor", "Dispatcher", "Route", "TextPrep", "route_of"]
 RAW, TENSOR = "raw", "tensor"
 
 #: the queue side of this module's own kind (compiled with compiled: the C types it cimports)
-_sched = native.kin(__name__, "scheduler")
-_Prepared = _sched.Prepared
-_Rows = _sched.Rows
+_ent = native.kin(__name__, "entries")
+_Prepared = _ent.Prepared
+_Rows = _ent.Rows
 _CancelledError = asyncio.CancelledError
 _monotonic_ns = time.monotonic_ns
 _respond = native.kin(__name__, "messages").respond
@@ -69,7 +69,7 @@ class DenseTensor:
         self.signatures: dict[tuple, Any] = {}
         self.max_cached = max_cached
 
-    def prepare(self, desc: Any, payload: Any) -> scheduler.Prepared:
+    def prepare(self, desc: Any, payload: Any) -> entries.Prepared:
         item_shape = desc.shape[1:]
         key = (desc.dtype, item_shape, desc.preprocess_id)
         sig = self.signatures.get(key)
@@ -97,7 +97,7 @@ class TextPrep:
         self.max_chars = max_chars
         self.mimes = mimes
 
-    def prepare(self, req: Any, payload: Any) -> Optional[scheduler.Prepared]:
+    def prepare(self, req: Any, payload: Any) -> Optional[entries.Prepared]:
         mime = req.payload_mime
         if req.meta or type(mime) is not str or mime not in self.mimes:
             return None  # (a mime that is not a str is the backend's to refuse, 415)
@@ -275,7 +275,7 @@ class Dispatcher:
         return native.descriptor.parse_meta(req.meta, nbytes, route.contract), payload, nbytes
 
     def observed(self, route: Optional[Route], kind: Any, code: str, t0: int,
-                 e: Optional[scheduler.Entry] = None) -> None:
+                 e: Optional[entries.Entry] = None) -> None:
         """Report one finished request to the metrics hook (when there is one)."""
         if self.observe is not None and route is not None:
             self.observe(route.name, kind, code, (_monotonic_ns() - t0) // 1000,
@@ -298,7 +298,7 @@ class Dispatcher:
             raise
         return self.finish(req, entry)
 
-    def admit(self, req: Any) -> Optional[scheduler.Entry]:
+    def admit(self, req: Any) -> Optional[entries.Entry]:
         """Everything before the await: route, validate, prepare inline, queue; None when the
         input is prepared off the loop (:meth:`admit_off_loop`).  A refused request is
         observed here and raises."""
@@ -339,7 +339,7 @@ class Dispatcher:
             raise
         return self.admitted(entry, route, kind, t0)
 
-    def admitted(self, entry: scheduler.Entry, route: Route, kind: Any, t0: int) -> scheduler.Entry:
+    def admitted(self, entry: entries.Entry, route: Route, kind: Any, t0: int) -> entries.Entry:
         """``entry`` is queued on ``route``: remember for whom, open its span if tracing."""
         entry.route = route
         entry.kind = kind
@@ -348,18 +348,18 @@ class Dispatcher:
             self.trace.admitted(route, kind, entry)
         return entry
 
-    def cancelled(self, entry: scheduler.Entry) -> None:
+    def cancelled(self, entry: entries.Entry) -> None:
         """The caller of ``entry`` went away (its task was cancelled)."""
         entry.route.batcher.cancel(entry)
         self.observed(entry.route, entry.kind, "cancelled", entry.t0, None)
 
-    def finish(self, req: Any, entry: scheduler.Entry) -> InferResponse:
+    def finish(self, req: Any, entry: entries.Entry) -> InferResponse:
         """The answered request: observed, and its response made."""
         if self.observe is not None:
             self.observed(entry.route, entry.kind, "ok", entry.t0, entry)
         return respond(req, entry.route, entry)
 
-    async def admit_off_loop(self, req: Any) -> scheduler.Entry:
+    async def admit_off_loop(self, req: Any) -> entries.Entry:
         """:meth:`admit` of an input prepared on the bounded pool (large or heavy)."""
         route = self.route(req.task)
         t0 = _monotonic_ns()
@@ -549,7 +549,7 @@ class _Items:
         self.specs.append((prepared, desc, priority, timeout_ms))
 
 
-def respond(req: Any, route: Route, e: scheduler.Entry) -> InferResponse:
+def respond(req: Any, route: Route, e: entries.Entry) -> InferResponse:
     """The response of an answered entry: its outputs (a batch row, split when read), the
     backend's response meta if any (e.g. ``lumen.truncated``), its batch's figures."""
     out = e.outcome

@@ -181,7 +181,7 @@ def respond(req: InferRequest, outcome: Any, row: int, batch_size: int, queue_us
             compute_us: int, tokens: int, version: str) -> InferResponse:
     """The response to ``req`` from the runtime's request path: ``outcome`` is the result
     mapping (its ``meta`` attribute, if any, becomes response meta) or, with ``row >= 0``, the
-    batch's outputs (``scheduler.Rows``) of which it is row ``row``."""
+    batch's outputs (``entries.Rows``) of which it is row ``row``."""
     r = InferResponse.__new__(InferResponse)
     cid = ""
     if type(req) is InferRequest:

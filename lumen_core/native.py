@@ -7,7 +7,7 @@ exporting the same API (its ``__all__``), named and placed alike.  Two kinds:
   ``image``, ``notify``) is written in ``csrc/_<name>.pyx``; the twin is the definition, and the
   compiled module imports its cold-path checks and error builders from it and only
   re-implements the hot path;
-- the request path's classes (``dispatch``, ``scheduler``, ``messages``) have ONE source, the twin itself,
+- the request path's classes (``dispatch``, ``scheduler``, ``entries``, ``messages``) have ONE source, the twin itself,
   which Cython compiles in its pure-Python mode with the C types declared in
   ``lumen_core/_<name>.pxd`` (nothing is written twice).
   ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
@@ -26,12 +26,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     # the type checker reads the pure-Python twins: each is the definition its compiled module
     # mirrors, so ``native.messages.InferRequest`` has the twin's type
-    from . import assemble, descriptor, dispatch, image, messages, notify, scheduler  # noqa: F401
+    from . import (  # noqa: F401
+        assemble,
+        descriptor,
+        dispatch,
+        entries,
+        image,
+        messages,
+        notify,
+        scheduler,
+    )
 
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
 #: the twinned hot-path modules, by name
-NAMES = ("descriptor", "assemble", "image", "notify", "messages", "scheduler", "dispatch")
+NAMES = ("descriptor", "assemble", "image", "notify", "messages", "entries", "scheduler",
+         "dispatch")
 #: name -> (compiled module, pure-Python twin)
 TWINS = {name: (f"lumen_core._{name}", f"lumen_core.{name}") for name in NAMES}
 

@@ -1,20 +1,17 @@
 # cython: annotation_typing=False
-"""The request path's queue side: the typed homes of a request once it is admitted.
+"""The request path's queue side: a batcher's admission state.
 
 One source, two builds.  Cython compiles this file with the declarations of
-``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the classes
-below become ``cdef class``es with C fields and their methods C calls.  Run as plain Python
+``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the class
+below becomes a ``cdef class`` with C fields and its methods C calls.  Run as plain Python
 (``LUMEN_NO_EXTENSIONS=1``, or no compiler) the same file is the pure-Python twin.  Nothing here
-is written twice.  ``dispatch.py`` (compiled the same way) is the side before admission: routes,
-validation, preparation, ``Runtime.infer``.
+is written twice.  ``entries.py`` (compiled the same way, its types cimported here) holds what
+is admitted: entries, their queues and answers; ``dispatch.py`` is the side before admission:
+routes, validation, preparation, ``Runtime.infer``.
 
-- :class:`Prepared` -- a request ready for batching (execution signature, payload buffers);
 - :class:`Admission` -- a batcher's admission state: its lock, counters, the signature queues
   of a dynamic batcher, the idle workers, and every deadline of the batcher in one heap with
-  one loop timer for the earliest (as Triton's ``PolicyQueue``), not a timer per request;
-- :class:`SignatureQueue` -- one execution signature's queue, one FIFO per priority level;
-- :class:`Entry` / :class:`Group` -- a queued request and who waits for it;
-- :class:`Rows` -- a finished batch's outputs, split once: a request's result is its row.
+  one loop timer for the earliest (as Triton's ``PolicyQueue``), not a timer per request.
 
 ``batching/policy.py`` builds the batchers' shared policy on :class:`Admission` (draining,
 closing, start-up), ``batching/dynamic.py`` and ``batching/sequence.py`` their formation.
@@ -25,10 +22,10 @@ import asyncio
 import heapq
 import logging
 import time
-from collections import deque as _deque
 from threading import Lock as _Lock
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from . import native
 from .contract import KEY_TIMEOUT_MS
 from .errors import (
     Cancelled,
@@ -40,230 +37,37 @@ from .errors import (
     Unavailable,
 )
 
+if TYPE_CHECKING:  # the entries' types (compiled: cimported by _scheduler.pxd)
+    from . import entries as entry_types
+
 log = logging.getLogger("lumen.batching")
 
 #: the twin API (``lumen_core._scheduler`` exports the same names)
-__all__ = ["Admission", "Entry", "Group", "Prepared", "Rows", "SignatureQueue", "answer",
-           "deliver", "group_too_large"]
+__all__ = ["Admission", "group_too_large"]
 
-#: entry states: queued -> running (taken into a batch, under the batcher's lock) -> done
-QUEUED, RUNNING, DONE = 0, 1, 2
-#: Retry-After hint (seconds) sent with ``Overloaded``
-OVERLOAD_RETRY_AFTER_S = 1
-#: the deadline error's field
-DEADLINE_FIELD = KEY_TIMEOUT_MS
-#: the deadline heap is rebuilt without answered entries once it holds this many and at least
-#: twice what it held after the last rebuild (answered entries leave it lazily)
-DEADLINE_COMPACT_MIN = 256
-#: the metrics routes a request may take
-RAW, TENSOR = "raw", "tensor"
-
-
-class _Unset:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-#: ``Entry.outcome`` before the entry is answered
-UNSET: Any = _Unset()
+#: the entries of this module's own kind (compiled with compiled: the C types it cimports)
+_ent = native.kin(__name__, "entries")
+_Entry = _ent.Entry
+_Group = _ent.Group
+_SignatureQueue = _ent.SignatureQueue
+_Rows = _ent.Rows
+_answer = _ent.answer
+_deliver = _ent.deliver
+#: entry states and the unanswered outcome (entries.py's)
+QUEUED, RUNNING, DONE, UNSET = _ent.QUEUED, _ent.RUNNING, _ent.DONE, _ent.UNSET
 
 _Future = asyncio.Future
-_CancelledError = asyncio.CancelledError
 _monotonic_ns = time.monotonic_ns
-_perf_ns = time.perf_counter_ns
 _heappush = heapq.heappush
 _heappop = heapq.heappop
 
-
-# ------------------------------------------------------------------------------ entries
-class Group:
-    """One future for several entries (``infer_many``, a pipeline step's items): it resolves
-    once every entry is answered; each entry's ``outcome`` holds its own result or error."""
-
-    __slots__ = ("future", "remaining")
-
-    def __init__(self, future: asyncio.Future, n: int):
-        self.future = future
-        self.remaining = n
-
-    def one_done(self) -> None:
-        self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(None)
-
-
-class Entry:
-    """A queued request: the item, who waits for it (a future or a :class:`Group`), its
-    timing, and once answered its ``outcome`` (a result, :class:`Rows` with ``row``, or a
-    ``LumenError``).
-
-    ``queue`` is the dynamic batcher's :class:`SignatureQueue` holding it; ``seq``, ``start``,
-    ``end`` and ``was_open`` are the sequence batcher's; ``span`` the request's tracing span
-    (None unless tracing is on); ``route``, ``kind`` and ``t0`` the dispatcher's.
-    """
-
-    __slots__ = ("item", "waiter", "priority", "arrival_ns", "dispatch_ns", "deadline_ns",
-                 "state", "outcome", "row", "batch_size", "compute_us", "queue", "seq", "start",
-                 "end", "was_open", "span", "route", "kind", "t0")
-
-    def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
-                 queue: Any = None, deadline_ns: int = 0):
-        self.item = item
-        self.waiter = waiter
-        self.priority = priority
-        self.arrival_ns = arrival_ns
-        self.dispatch_ns = 0
-        self.deadline_ns = deadline_ns
-        self.state = QUEUED
-        self.outcome = UNSET
-        self.row = -1
-        self.batch_size = 0
-        self.compute_us = 0
-        self.queue = queue
-        self.seq: Any = None
-        self.start = False
-        self.end = False
-        self.was_open = True
-        self.span: Any = None
-        self.route: Any = None  # the Route (task version) the Dispatcher admitted it for
-        self.kind: str = RAW  # its metrics route
-        self.t0 = 0  # when the Dispatcher took it (monotonic ns; observed requests only)
-
-    @property
-    def queue_us(self) -> int:
-        return (self.dispatch_ns - self.arrival_ns) // 1000 if self.dispatch_ns else 0
-
-    @property
-    def timeout_ms(self) -> int:
-        """The deadline the entry was admitted with (0: none)."""
-        return (self.deadline_ns - self.arrival_ns) // 1_000_000 if self.deadline_ns else 0
-
-    def result(self) -> Any:
-        """The answered result as a mapping of outputs (a batch row is split out here)."""
-        out = self.outcome
-        if type(out) is Rows:
-            return out.row(self.row)
-        return out
-
-
-def answer(e: Entry, outcome: Any) -> None:
-    """Answer ``e`` once (loop thread): a later answer for the same entry is dropped."""
-    if e.outcome is not UNSET:
-        return
-    e.state = DONE
-    e.outcome = outcome
-    w = e.waiter
-    if type(w) is Group:
-        w.one_done()
-    elif not w.done():
-        if isinstance(outcome, LumenError):
-            w.set_exception(outcome)
-        else:
-            w.set_result(outcome)
-
-
-def deliver(entries: list, results: Any, compute_us: int) -> None:
-    """Answer every entry of a finished batch that is still unanswered: with its own result,
-    or (``results`` a :class:`Rows`) with the batch's outputs and its row."""
-    n = len(entries)
-    i = 0
-    if type(results) is Rows:
-        for i in range(n):
-            e = entries[i]
-            if e.outcome is UNSET:
-                e.batch_size = n
-                e.compute_us = compute_us
-                e.row = i
-                answer(e, results)
-        return
-    for i in range(n):  # one result per entry: run_split guarantees it
-        e = entries[i]
-        if e.outcome is UNSET:
-            e.batch_size = n
-            e.compute_us = compute_us
-            answer(e, results[i])
-
-
-class Rows:
-    """A finished batch's outputs, split once for the whole batch: item ``i``'s result is
-    ``{name: array[i]}`` (made only when someone reads it, :meth:`row`)."""
-
-    __slots__ = ("arrays", "n")
-
-    def __init__(self, arrays: dict, n: int):
-        self.arrays = arrays
-        self.n = n
-
-    def row(self, i: int) -> dict:
-        # views, never copies (a batch's outputs are never recycled); 0-d for a 1-D output
-        return {k: v[i, ...] for k, v in self.arrays.items()}
-
-    def __len__(self) -> int:
-        return self.n
-
-
-# ------------------------------------------------------------------------------ items
-class Prepared:
-    """One request ready for batching (``engine.plan.PreparedModelRequest``).
-
-    ``signature`` is the execution signature: only items with equal signatures share a batch.
-    ``tensors`` holds the per-input payload buffers (indexed by the plan's ``slot``),
-    ``item_shape`` the per-item shape of dense inputs (no batch axis), ``length`` the token
-    count of ragged inputs (length-aware batching).
-    """
-
-    __slots__ = ("signature", "tensors", "item_shape", "length")
-
-    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0):
-        self.signature = signature
-        self.tensors = tensors
-        self.item_shape = item_shape
-        self.length = length
-
-
-# ------------------------------------------------------------------------------ queues
-class SignatureQueue:
-    """Requests of one execution signature: one FIFO per priority level (index 0 = highest).
-    Only touched under the batcher's lock."""
-
-    __slots__ = ("signature", "levels", "live")
-
-    def __init__(self, signature: Any, levels: int):
-        self.signature = signature
-        self.levels: list[_deque] = [_deque() for _ in range(levels)]
-        self.live = 0
-
-    def head(self) -> Optional[Entry]:
-        """The oldest live entry of the highest non-empty level (dead ones are dropped)."""
-        for level in self.levels:
-            while level and level[0].state != QUEUED:
-                level.popleft()
-            if level:
-                return level[0]
-        return None
-
-    def take(self, n: int, now: int, policy: "Admission") -> list:
-        """Pop up to ``n`` live entries, highest priority first, FIFO within a level, and mark
-        them running; an entry past its deadline is killed instead (never run)."""
-        out = []
-        k = 0
-        for level in self.levels:
-            while level and k < n:
-                e = level.popleft()
-                if e.state == QUEUED:
-                    if e.deadline_ns and e.deadline_ns <= now:
-                        policy.kill(e)
-                    else:
-                        e.state = RUNNING
-                        e.dispatch_ns = now
-                        out.append(e)
-                        k += 1
-            if k == n:
-                break
-        self.live -= k
-        return out
+#: Retry-After hint (seconds) sent with ``Overloaded``
+OVERLOAD_RETRY_AFTER_S = 1
+#: the deadline error's field
+DEADLINE_FIELD: str = KEY_TIMEOUT_MS
+#: the deadline heap is rebuilt without answered entries once it holds this many and at least
+#: twice what it held after the last rebuild (answered entries leave it lazily)
+DEADLINE_COMPACT_MIN = 256
 
 
 # ------------------------------------------------------------------------------ admission
@@ -310,7 +114,7 @@ class Admission:
         self.stopping = False
         self.started = False
         self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.queues: dict[Any, SignatureQueue] = {}
+        self.queues: dict[Any, entry_types.SignatureQueue] = {}
         self.idle: list = []  # the wake locks of workers waiting for work
         self.delay_ns = delay_ns
         self.ready_live = ready_live  # a queue this long forms a batch without waiting
@@ -443,7 +247,7 @@ class Admission:
         return k
 
     def submit(self, item: Any, desc: Any = None, priority: int = 1,
-               timeout_ms: int = 0) -> Entry:
+               timeout_ms: int = 0) -> entry_types.Entry:
         """Admit ``item`` (it has ``.signature``) into its signature queue; raise at once when
         closed or full.  ``desc`` (the request's descriptor) is the sequence batcher's."""
         if not self.started:
@@ -452,7 +256,7 @@ class Admission:
             raise ValueError(f"priority must be 1..{self.levels}")
         now = _monotonic_ns()
         sig = item.signature
-        e = Entry(item, _Future(loop=self.loop), priority, now, None,
+        e = _Entry(item, _Future(loop=self.loop), priority, now, None,
                   now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
         lock = self.lock
         lock.acquire()
@@ -478,8 +282,8 @@ class Admission:
         if not self.started:
             self.start()
         n = len(specs)
-        group = Group(_Future(loop=self.loop), n)
-        entries: list[Entry] = []
+        group = _Group(_Future(loop=self.loop), n)
+        entries: list[entry_types.Entry] = []
         if not n:
             group.future.set_result(None)
             return group, entries
@@ -490,7 +294,7 @@ class Admission:
             if not 1 <= priority <= self.levels:
                 raise ValueError(f"priorities must be 1..{self.levels}")
             sigs.append(item.signature)
-            entries.append(Entry(item, group, priority, now, None,
+            entries.append(_Entry(item, group, priority, now, None,
                                  now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0))
         lock = self.lock
         lock.acquire()
@@ -510,16 +314,16 @@ class Admission:
                 self.arm(e)
         return group, entries
 
-    def enqueue(self, e: Entry, sig: Any) -> None:
+    def enqueue(self, e: entry_types.Entry, sig: Any) -> None:
         """Under the lock: queue ``e`` in the signature queue of ``sig``."""
         q = self.queues.get(sig)
         if q is None:
-            q = self.queues[sig] = SignatureQueue(sig, self.levels)
+            q = self.queues[sig] = _SignatureQueue(sig, self.levels)
         q.levels[e.priority - 1].append(e)
         q.live += 1
         e.queue = q
 
-    def wake_if_formable(self, q: Optional[SignatureQueue]) -> None:
+    def wake_if_formable(self, q: Optional[entry_types.SignatureQueue]) -> None:
         """Under the lock, after admitting into ``q`` (None: several queues): wake one idle
         worker if a batch can form now or a worker must start timing the queue delay."""
         if self.idle and (self.delay_ns == 0 or q is None or self.pending == 1
@@ -551,13 +355,13 @@ class Admission:
                 wake.acquire(False)
 
     # -- dead entries (under the lock) -------------------------------------------------------
-    def kill(self, e: Entry) -> None:
+    def kill(self, e: entry_types.Entry) -> None:
         """Under the lock: a queued entry dies (it never runs)."""
         e.state = DONE
         self.pending -= 1
         self.unqueue(e)
 
-    def unqueue(self, e: Entry) -> None:
+    def unqueue(self, e: entry_types.Entry) -> None:
         """Under the lock: drop a dead entry from the formation structures (it leaves its
         deque lazily); the sequence batcher overrides this."""
         q = e.queue
@@ -565,7 +369,7 @@ class Admission:
             q.live -= 1
 
     # -- deadlines (loop thread) -----------------------------------------------------------
-    def arm(self, e: Entry) -> None:
+    def arm(self, e: entry_types.Entry) -> None:
         """Put ``e``'s deadline in the heap; re-arm the one timer when it is the earliest."""
         self.deadline_count += 1
         _heappush(self.deadlines, (e.deadline_ns, self.deadline_count, e))
@@ -603,7 +407,7 @@ class Admission:
         if expired:
             self.maybe_idle()
 
-    def expire(self, e: Entry) -> None:
+    def expire(self, e: entry_types.Entry) -> None:
         """``e``'s deadline passed: it dies if still queued; its caller gets the error now
         (a running entry reached the model: its batch's late result is dropped)."""
         lock = self.lock
@@ -614,7 +418,7 @@ class Admission:
         lock.release()
         # DONE here: formation already dropped it for its deadline, before it could run
         where = "while its batch was running" if state == RUNNING else "in the queue"
-        answer(e, DeadlineExceeded(f"deadline of {e.timeout_ms} ms expired {where}",
+        _answer(e, DeadlineExceeded(f"deadline of {e.timeout_ms} ms expired {where}",
                                    DEADLINE_FIELD))
 
     def stop_timer(self) -> None:
@@ -624,7 +428,7 @@ class Admission:
             self.timer = None
 
     # -- cancellation (loop thread) --------------------------------------------------------
-    def cancel(self, entry: Entry) -> None:
+    def cancel(self, entry: entry_types.Entry) -> None:
         """The caller went away: drop a queued entry (a running one finishes unseen)."""
         if entry.outcome is not UNSET:
             return
@@ -633,20 +437,20 @@ class Admission:
         if entry.state == QUEUED:
             self.kill(entry)
         lock.release()
-        answer(entry, Cancelled("the request was cancelled by its caller"))
+        _answer(entry, Cancelled("the request was cancelled by its caller"))
         w = entry.waiter
-        if type(w) is not Group and w.done() and not w.cancelled():
+        if type(w) is not _Group and w.done() and not w.cancelled():
             w.exception()  # a caller that went away never reads it: no "never retrieved" log
         self.maybe_idle()
 
-    def cancel_group(self, entries: Sequence[Entry]) -> None:
+    def cancel_group(self, entries: Sequence[entry_types.Entry]) -> None:
         for e in entries:
             self.cancel(e)
 
-    def refuse(self, entries: Sequence[Entry]) -> None:
+    def refuse(self, entries: Sequence[entry_types.Entry]) -> None:
         """Loop thread: answer entries a closing batcher will never run."""
         for e in entries:
-            answer(e, Unavailable(f"task {self.name!r} shut down before this request ran"))
+            _answer(e, Unavailable(f"task {self.name!r} shut down before this request ran"))
         self.maybe_idle()
 
     # -- delivery (loop thread, one call per finished batch) ---------------------------------
@@ -656,13 +460,13 @@ class Admission:
         self.running -= 1
         self.running_items -= len(entries)
         lock.release()
-        if type(results) is not list and type(results) is not Rows:
+        if type(results) is not list and type(results) is not _Rows:
             # the worker itself failed: every item gets it
             err = results if isinstance(results, LumenError) else InternalError(
                 f"worker failed: {results}")
             results = [err] * len(entries)
         # entries answered already (expired or cancelled while running) are skipped
-        deliver(entries, results, compute_us)
+        _deliver(entries, results, compute_us)
         if self.trace is not None:  # the batch span, here on the loop: workers do no OTel work
             try:
                 self.trace.batch(self.name, entries, compute_us)

@@ -1,6 +1,7 @@
-"""The request path's typed homes on both twins (``lumen_core.scheduler`` / ``lumen_core.messages``
-and the compiled ``lumen_core._scheduler`` / ``_messages``, one source each): entries, answering,
-batch rows, admission with its deadline heap, the dispatcher's infer and infer_many."""
+"""The request path's typed homes on both twins (``lumen_core.entries`` / ``scheduler`` /
+``messages`` and the compiled ``lumen_core._entries`` / ``_scheduler`` / ``_messages``, one
+source each): entries, answering, batch rows, admission with its deadline heap, the
+dispatcher's infer and infer_many."""
 from __future__ import annotations
 
 import asyncio
@@ -10,34 +11,35 @@ import numpy as np
 import pytest
 
 import lumen_core as lc
+from lumen_core import native
 from lumen_core.errors import Overloaded, Unavailable
 
 
-def test_answer_settles_a_future_once(scheduler):
+def test_answer_settles_a_future_once(entries):
     async def main():
         loop = asyncio.get_running_loop()
-        e = scheduler.Entry("item", loop.create_future(), 1, 10)
-        assert e.state == scheduler.QUEUED and e.outcome is scheduler.UNSET and e.queue_us == 0
-        scheduler.answer(e, {"y": 1})
-        scheduler.answer(e, lc.InternalError("late"))  # dropped: answered already
-        assert e.state == scheduler.DONE and await e.waiter == {"y": 1}
-        err = scheduler.Entry("item", loop.create_future(), 1, 10)
-        scheduler.answer(err, lc.InvalidArgument("bad", "payload"))
+        e = entries.Entry("item", loop.create_future(), 1, 10)
+        assert e.state == entries.QUEUED and e.outcome is entries.UNSET and e.queue_us == 0
+        entries.answer(e, {"y": 1})
+        entries.answer(e, lc.InternalError("late"))  # dropped: answered already
+        assert e.state == entries.DONE and await e.waiter == {"y": 1}
+        err = entries.Entry("item", loop.create_future(), 1, 10)
+        entries.answer(err, lc.InvalidArgument("bad", "payload"))
         with pytest.raises(lc.InvalidArgument):
             await err.waiter
     asyncio.run(main())
 
 
-def test_deliver_skips_answered_entries_and_counts_groups(scheduler):
+def test_deliver_skips_answered_entries_and_counts_groups(entries):
     async def main():
         loop = asyncio.get_running_loop()
-        group = scheduler.Group(loop.create_future(), 3)
-        es = [scheduler.Entry(i, group, 1, 0) for i in range(3)]
+        group = entries.Group(loop.create_future(), 3)
+        es = [entries.Entry(i, group, 1, 0) for i in range(3)]
         for e in es:
-            e.state = scheduler.RUNNING
+            e.state = entries.RUNNING
             e.dispatch_ns = 5_000
-        scheduler.answer(es[1], lc.DeadlineExceeded("late", "lumen.timeout_ms"))
-        scheduler.deliver(es, [10, 11, 12], 42)
+        entries.answer(es[1], lc.DeadlineExceeded("late", "lumen.timeout_ms"))
+        entries.deliver(es, [10, 11, 12], 42)
         await asyncio.wait_for(group.future, 1)
         assert [e.outcome for e in (es[0], es[2])] == [10, 12]
         assert isinstance(es[1].outcome, lc.DeadlineExceeded) and es[1].batch_size == 0
@@ -45,17 +47,17 @@ def test_deliver_skips_answered_entries_and_counts_groups(scheduler):
     asyncio.run(main())
 
 
-def test_rows_split_once_and_deliver_a_row_each(scheduler, messages):
+def test_rows_split_once_and_deliver_a_row_each(messages, entries):
     async def main():
         loop = asyncio.get_running_loop()
-        es = [scheduler.Entry(i, loop.create_future(), 1, 0) for i in range(3)]
+        es = [entries.Entry(i, loop.create_future(), 1, 0) for i in range(3)]
         y = np.arange(6).reshape(3, 2)
-        rows = scheduler.Rows({"y": y, "p": np.arange(3.0)}, 3)
+        rows = entries.Rows({"y": y, "p": np.arange(3.0)}, 3)
         assert len(rows) == 3 and rows.row(2)["y"].tolist() == [4, 5]
         # rows are views of the batch's arrays (never copies); a 1-D output gives 0-d views
         assert np.shares_memory(rows.row(1)["y"], y) and rows.row(1)["p"].shape == ()
-        scheduler.answer(es[0], lc.Cancelled("gone"))
-        scheduler.deliver(es, rows, 7)
+        entries.answer(es[0], lc.Cancelled("gone"))
+        entries.deliver(es, rows, 7)
         assert [e.row for e in es] == [-1, 1, 2] and es[1].outcome is rows
         assert es[2].result()["y"].tolist() == [4, 5] and es[2].batch_size == 3
         # the response holds the rows and its row; outputs are split out on first read
@@ -122,7 +124,8 @@ def _batcher(scheduler, levels=1, max_queue_size=4, delay_ns=0, ready_live=1):
                 self.running += 1
             if batch:
                 xs = np.array([e.item.x for e in batch], np.float32)
-                self.deliver_batch(batch, scheduler.Rows({"y": xs * 2}, len(batch)), 5)
+                self.deliver_batch(batch, native.kin(scheduler.__name__, "entries").Rows(
+                    {"y": xs * 2}, len(batch)), 5)
             else:
                 with self.lock:
                     self.running -= 1

@@ -124,7 +124,8 @@ def test_wheel_tag_licence_and_stripped_extensions(wheel):
         assert "License-Expression: Apache-2.0" in meta and "Classifier: Typing :: Typed" in meta
         sos = [n for n in names if n.endswith(".so") and "/_" in n]
         assert {re.match(r"lumen_core/_(\w+)\.", n).group(1) for n in sos} == {
-            "descriptor", "assemble", "image", "notify", "messages", "scheduler", "dispatch"}, sos
+            "descriptor", "assemble", "image", "notify", "messages", "entries", "scheduler",
+            "dispatch"}, sos
         for n in sos:
             data = z.read(n)
             sections = _elf_sections(data)

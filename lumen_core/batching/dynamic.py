@@ -7,7 +7,7 @@ happens only when an engine worker is free: under load batches grow by themselve
 load a lone request runs at once (``max_queue_delay_us = 0``) or after at most the delay.
 
 The policy (admission, deadlines, cancellation, delivery) is ``policy.py``'s, on the compiled
-``scheduler.Admission``, which also keeps the signature queues (``scheduler.SignatureQueue``);
+``scheduler.Admission``, which also keeps the signature queues (``entries.SignatureQueue``);
 this module only forms batches.  Formation runs in the engine workers' own threads
 (``runner.Worker``): a worker that finishes a batch takes its next one at once under the
 batcher's lock, so the engine never waits for the event loop.  A request costs the loop one

@@ -43,11 +43,12 @@ from .runner import Batch, CompletionQueue, Worker
 
 # the entry, its states and the admission state are the request path's compiled homes
 _sched = native.scheduler
-QUEUED, RUNNING, DONE = _sched.QUEUED, _sched.RUNNING, _sched.DONE
-UNSET = _sched.UNSET
-Entry = _sched.Entry
-Group = _sched.Group
-answer = _sched.answer
+_ent = native.entries
+QUEUED, RUNNING, DONE = _ent.QUEUED, _ent.RUNNING, _ent.DONE
+UNSET = _ent.UNSET
+Entry = _ent.Entry
+Group = _ent.Group
+answer = _ent.answer
 #: Retry-After hint (seconds) sent with ``Overloaded``
 OVERLOAD_RETRY_AFTER_S = _sched.OVERLOAD_RETRY_AFTER_S
 #: the deadline error's field

@@ -18,9 +18,9 @@ from .. import native
 #: One request ready for batching: ``signature`` (only equal signatures share a batch),
 #: ``tensors`` (per-input payload buffers, indexed by a plan's ``slot``), ``item_shape`` (the
 #: per-item shape of dense inputs, no batch axis), ``length`` (the token count of ragged inputs,
-#: for length-aware batching).  A compiled type of the request path (``scheduler.Prepared``):
+#: for length-aware batching).  A compiled type of the request path (``entries.Prepared``):
 #: backends make one per request, and may subclass it (with ``__slots__``) to carry more.
-PreparedModelRequest = native.scheduler.Prepared
+PreparedModelRequest = native.entries.Prepared
 
 
 class InputPlan(abc.ABC):

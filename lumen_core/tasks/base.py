@@ -158,7 +158,7 @@ class TaskBackend(abc.ABC):
 
 def split_outputs(outputs: dict, n: int, rename: Optional[dict] = None) -> Any:
     """A batch's outputs as its items' results, split once for the whole batch: a
-    ``scheduler.Rows`` (item ``i``'s result is row ``i`` of every output, made when read) when
+    ``entries.Rows`` (item ``i``'s result is row ``i`` of every output, made when read) when
     every row is finite, else one result per item, a non-finite item an ``InternalError``.
     ``rename`` maps output names to result names."""
     arrays = {(rename or {}).get(k, k): v for k, v in outputs.items()} if rename else outputs
@@ -178,7 +178,7 @@ def split_outputs(outputs: dict, n: int, rename: Optional[dict] = None) -> Any:
         ok = np.isfinite(flat).all(axis=1)
         if not ok.all():
             bad = ~ok if bad is None else bad | ~ok
-    rows = native.scheduler.Rows(arrays, n)
+    rows = native.entries.Rows(arrays, n)
     if bad is None:
         return rows
     return [InternalError("the model produced a non-finite value (NaN or inf) for this input; "
