@@ -2,7 +2,7 @@
 """The request path's admission side: routes, validation, preparation, ``Runtime.infer``.
 
 Compiled like ``scheduler.py`` (one source, ``lumen_core/_dispatch.pxd`` adds the C types and
-cimports the scheduler's, so calls into the queue side are C calls).
+cimports the scheduler's and the entries', so calls into the queue side are C calls).
 
 - :class:`Route` -- a task version's dispatch record: its batcher, contract, preparation and
   deadline/priority defaults, resolved once at load;

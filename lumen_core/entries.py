@@ -3,8 +3,8 @@
 
 One source, two builds, like ``scheduler.py``: Cython compiles this file with the
 declarations of ``lumen_core/_entries.pxd`` into ``lumen_core._entries``; run as plain Python
-it is the pure-Python twin.  ``scheduler.py`` (admission, deadlines, delivery) and
-``dispatch.py`` cimport these types.
+it is the pure-Python twin.  ``_scheduler.pxd`` (admission, deadlines, delivery) and
+``_dispatch.pxd`` cimport these types.
 
 - :class:`Prepared` -- a request ready for batching (execution signature, payload buffers);
 - :class:`Entry` / :class:`Group` -- a queued request and who waits for it; :func:`answer`

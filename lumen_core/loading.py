@@ -35,7 +35,7 @@ class Observer:
 
 
 class Task(native.dispatch.Route):
-    """A loaded version of a task: its dispatch record (``scheduler.Route``: backend,
+    """A loaded version of a task: its dispatch record (``dispatch.Route``: backend,
     contract, batcher, policy defaults, router, holds, cache) plus what the runtime keeps
     for it -- its config, engine instances and their runners."""
 

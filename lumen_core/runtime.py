@@ -210,7 +210,7 @@ class Runtime:
     async def infer(self, req: InferRequest) -> InferResponse:  # type: ignore[no-redef]
         """Run one request: route by task, validate, prepare, queue, await its batch, respond.
 
-        (Instances call the compiled ``scheduler.Dispatcher.infer`` directly: ``rt.infer`` is
+        (Instances call the compiled ``dispatch.Dispatcher.infer`` directly: ``rt.infer`` is
         an instance attribute bound in ``__init__``; this method documents it.)"""
         return await self._dispatch.infer(req)
 

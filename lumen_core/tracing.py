@@ -7,7 +7,7 @@ imported here, lazily, so the package works without it):
 
 * the transports (``serve/http.py``, ``serve/grpc.py``) open a SERVER span per call, the
   parent taken from the W3C ``traceparent`` header / metadata (``server_span``);
-* ``Runtime.infer`` (both scheduler twins) and ``infer_many`` open a ``lumen.request`` span per
+* ``Runtime.infer`` (both dispatch twins) and ``infer_many`` open a ``lumen.request`` span per
   admitted request, a child of the current (transport) span, when it enters the queue
   (``admitted``); it ends when the request is answered, with ``lumen.dispatched`` (queue wait
   over: its batch formed) and ``lumen.computed`` events at the entry's own timestamps;

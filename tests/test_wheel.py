@@ -141,7 +141,8 @@ def test_sdist_carries_the_licence_beside_the_wheel(wheel):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     # both kinds of compiled source: C-level .pyx and the .pxd that compiles a twin itself
     assert {"LICENSE", "NOTICE", "pyproject.toml", "setup.py", "csrc/_descriptor.pyx",
-            "lumen_core/_scheduler.pxd", "lumen_core/scheduler.py", "lumen_core/_dispatch.pxd",
+            "lumen_core/_scheduler.pxd", "lumen_core/scheduler.py", "lumen_core/_entries.pxd",
+            "lumen_core/entries.py", "lumen_core/_dispatch.pxd",
             "lumen_core/dispatch.py"} <= names
     assert not any(n.endswith((".so", ".c")) for n in names), names
 

@@ -90,7 +90,7 @@ class BatchResult:
 
 class Batcher(Protocol):
     """A task's batcher as the runtime and the request path use it (every batcher is a
-    :class:`QueuePolicy`; ``scheduler.Route.batcher`` is typed as its compiled base)."""
+    :class:`QueuePolicy`; ``dispatch.Route.batcher`` is typed as its compiled base)."""
 
     name: str
     pending: int

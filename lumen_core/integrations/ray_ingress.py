@@ -36,7 +36,7 @@ HAPROXY_RETRIES = 3
 #: that sends its body slowly off the replicas.  Ray's template has no setting for it; its
 #: ``retry-on`` line takes ``RAY_SERVE_HAPROXY_RETRY_ON`` as written, in the ``defaults``
 #: section, so :func:`haproxy_retry_on` adds this as the next line of that section
-#: (test_ray.py reads the generated config back so a Ray that changes this fails a test).
+#: (test_ray_nodes.py reads the generated config back, so a Ray that changes this fails a test).
 HAPROXY_BUFFER_REQUEST = "option http-buffer-request"
 #: seconds a stopping replica behind HAProxy keeps accepting requests so that HAProxy takes it
 #: out of its servers first (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, set in the
@@ -76,10 +76,16 @@ def haproxy_retry_on(conditions: str) -> str:
     """``RAY_SERVE_HAPROXY_RETRY_ON`` for ``conditions`` (HAProxy's ``retry-on`` words):
     followed, on the next line of Ray's ``defaults`` section, by
     :data:`HAPROXY_BUFFER_REQUEST`, without which no request that reached a replica is
-    replayed; unchanged when the value already has it or has only ``none``."""
-    if HAPROXY_BUFFER_REQUEST in conditions or conditions.split() == ["none"]:
-        return conditions
-    return f"{conditions.strip()}\n    {HAPROXY_BUFFER_REQUEST}"
+    replayed.  Unchanged when a later line of the value already is that directive, or when
+    the words are only ``none`` (no retries: nothing to hold requests for); a blank value is
+    :data:`HAPROXY_RETRY_ON` (HAProxy refuses a ``retry-on`` without a word)."""
+    lines = conditions.strip().splitlines()
+    if not lines or not lines[0].strip():
+        lines = [HAPROXY_RETRY_ON]
+    if any(ln.strip() == HAPROXY_BUFFER_REQUEST for ln in lines[1:]) or \
+            lines[0].split() == ["none"]:
+        return "\n".join(lines)
+    return "\n".join([lines[0].strip(), *lines[1:], f"    {HAPROXY_BUFFER_REQUEST}"])
 
 
 def ingress_env(ingress: str) -> dict:

@@ -151,6 +151,12 @@ def test_ingress_choice_env_and_fallback(monkeypatch, capsys):
     assert RI.haproxy_retry_on(env["RAY_SERVE_HAPROXY_RETRY_ON"]) == \
         env["RAY_SERVE_HAPROXY_RETRY_ON"]
     assert RI.haproxy_retry_on("none") == "none"
+    assert RI.haproxy_retry_on(" none\n") == "none"
+    assert RI.haproxy_retry_on(" conn-failure ") == \
+        f"conn-failure\n    {RI.HAPROXY_BUFFER_REQUEST}"
+    for blank in ("", "   ", "\n"):  # HAProxy refuses a retry-on without a word
+        assert RI.haproxy_retry_on(blank) == \
+            f"{RI.HAPROXY_RETRY_ON}\n    {RI.HAPROXY_BUFFER_REQUEST}"
     cfg = LR.parse_spec(LR.config_spec({"tasks": []}))
     replica_env = LR.deployment_options(cfg, ingress="haproxy")["ray_actor_options"][
         "runtime_env"]["env_vars"]  # Ray reads them in the replicas too
