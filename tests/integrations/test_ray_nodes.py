@@ -218,7 +218,7 @@ def test_node_lost_under_load_every_request_answered(nodes, capsys):
     flight on the lost node are replayed on the other replica by HAProxy (it holds each
     request whole: HAPROXY_BUFFER_REQUEST), so every request succeeds or, at worst, ends in a
     408/503 with a message: never a dropped connection or a 500 (before the buffering 2-6 of
-    ~1,500 per run were dropped; with it none of 1,268-1,639 per run, in seven runs); the lost
+    ~1,500 per run were dropped; with it none of 1,268-1,639 per run, in nine runs); the lost
     replica is replaced on the node with room within 30 s and the rate comes back."""
     url, cluster, workers, _spec, _ingress = nodes
     victim_name = WORKERS[0]
