@@ -33,7 +33,6 @@ def test_readme_links_resolve_in_a_clone():
     links = LINK.findall(text)
     assert links
     for target in links:
-        assert "shared" not in target.split("/")[0:2], target  # ../shared is not in a clone
         if target.startswith(("http://", "https://")):
             continue
         path, _, anchor = target.partition("#")
@@ -41,7 +40,7 @@ def test_readme_links_resolve_in_a_clone():
             assert anchor in anchors, target
             continue
         resolved = (ROOT / path).resolve()
-        assert resolved.is_relative_to(ROOT), target
+        assert resolved.is_relative_to(ROOT), target  # nothing outside the clone
         assert resolved.exists(), target
 
 
