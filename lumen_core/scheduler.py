@@ -189,7 +189,7 @@ class Admission:
         each, when known: see :meth:`predicted_ns`) would be answered past the target's
         budget or past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are never
         dropped for them: the refusal happens before anything is queued."""
-        limit = self.budget_ns if 0 < self.budget_ns < self.target_ns else self.target_ns
+        limit = self.budget_ns or self.target_ns  # 0: the whole target (steer keeps it below)
         what = "latency target"
         if 0 < timeout_ns < limit:
             limit = timeout_ns

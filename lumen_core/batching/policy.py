@@ -141,8 +141,6 @@ class QueuePolicy(_sched.Admission):
         self.cost = CostModel()
         #: the batch size a full queue forms (``operating_batch``), for the predictions
         self.batch_limit = 1
-        #: the share of the latency target admission and formation plan for (``steer``)
-        self.headroom = 1.0
         #: the size batches are formed at (formation's cap, ``operating_batch``) and the size
         #: they turn out (running mean: length-aware formation forms smaller ones when few
         #: queued texts are of a length); predictions count batches of the smaller
@@ -262,18 +260,23 @@ class QueuePolicy(_sched.Admission):
         target = self.target_ns
         if not target:
             return
-        h = self.headroom
+        was = h = self.headroom
         if waited_ns > STEER_HIGH * target:
             h = max(STEER_MIN, h * STEER_DOWN)
         elif waited_ns < STEER_LOW * target:
             h = min(1.0, h * STEER_UP)
         else:
             return
-        if h != self.headroom:
-            self.headroom = h
+        if h != was:
             self.budget_ns = int(target * h)
             if self.cost_ready:
                 self._size_batches()
+
+    @property
+    def headroom(self) -> float:
+        """The share of the latency target admission and formation plan for (``steer``):
+        ``budget_ns`` over ``target_ns`` (1.0 without a target, or before the budget moved)."""
+        return self.budget_ns / self.target_ns if self.target_ns and self.budget_ns else 1.0
 
     def cost_figures(self) -> Optional[dict]:
         """See :class:`Batcher`: the model's snapshot, the batch size predictions assume,
