@@ -24,15 +24,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-import numpy as np
+from bench_null import BATCH, null_config, null_model, null_requests  # the same null model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-D, BATCH, GROUPS = 16, 32, 8
+#: in-process callers, each sending groups of BATCH (bench_null.py's infer_many)
+GROUPS = 8
 
 
 def _inline() -> None:
@@ -96,20 +93,12 @@ def _threads() -> dict:
 
 
 def child(mode: str, n: int) -> dict:
-    import onnx_models as M
-
     import lumen_core as lc
 
     if mode == "inline":
         _inline()
-    path = M.matmul(os.path.join(tempfile.mkdtemp(), "null.onnx"), D)
-    xs = np.random.default_rng(0).standard_normal((n, D)).astype(np.float32)
-    reqs = [lc.new_infer_request("null").for_tensor_array(xs[i:i + 1], "NC", "none").build()
-            for i in range(n)]
-    cfg = {"tasks": [{"name": "null", "backend": "onnx", "model": path, "instances": 1,
-                      "intra_op_threads": 1,
-                      "batching": {"max_batch_size": BATCH, "max_queue_delay_us": 0,
-                                   "max_queue_size": n}}]}
+    reqs = null_requests(n)
+    cfg = null_config(null_model(), n)
     per = n // GROUPS
 
     async def main() -> dict:

@@ -17,17 +17,11 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
-import tempfile
 import threading
 import time
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-D, BATCH = 16, 32
+from bench_null import BATCH, D, null_config, null_model, null_requests  # the same null model
 
 
 def thread_cpu_us(fn, seconds: float, busy: bool) -> float:
@@ -69,18 +63,13 @@ def wall_us(fn, n: int = 20000) -> float:
 
 
 async def null_runner():
-    import onnx_models as M
-
     import lumen_core as lc
     from lumen_core import native
 
-    path = M.matmul(os.path.join(tempfile.mkdtemp(), "null.onnx"), D)
-    cfg = {"tasks": [{"name": "null", "backend": "onnx", "model": path, "instances": 1,
-                      "intra_op_threads": 1, "batching": {"max_batch_size": BATCH}}]}
-    xs = np.random.default_rng(0).standard_normal((BATCH, D)).astype(np.float32)
-    reqs = [lc.new_infer_request("null").for_tensor_array(xs[i:i + 1], "NC", "none").build()
-            for i in range(BATCH)]
-    rt = lc.Runtime.from_dict(cfg)
+    path = null_model()
+    reqs = null_requests(BATCH)
+    xs = np.concatenate([np.asarray(r.payload) for r in reqs])  # the batch, for the bare runs
+    rt = lc.Runtime.from_dict(null_config(path, BATCH))
     await rt.start()
     route = rt.tasks["null"]
     items = []

@@ -49,6 +49,31 @@ BATCH = 32
 PATHS = ("floor", "infer", "infer_many")
 
 
+def null_model() -> str:
+    """The null model's file (a DxD MatMul, made in a fresh temporary directory)."""
+    import onnx_models as M
+
+    return M.matmul(os.path.join(tempfile.mkdtemp(), "null.onnx"), D)
+
+
+def null_requests(n: int) -> list:
+    """``n`` tensor requests of one row each for the null model (seeded)."""
+    import lumen_core as lc
+
+    xs = np.random.default_rng(0).standard_normal((n, D)).astype(np.float32)
+    return [lc.new_infer_request("null").for_tensor_array(xs[i:i + 1], "NC", "none").build()
+            for i in range(n)]
+
+
+def null_config(path: str, max_queue_size: int) -> dict:
+    """The runtime config every null-model benchmark runs: one instance of one ORT thread,
+    batches of ``BATCH`` formed at once (no queue delay)."""
+    return {"tasks": [{"name": "null", "backend": "onnx", "model": path, "instances": 1,
+                       "intra_op_threads": 1,
+                       "batching": {"max_batch_size": BATCH, "max_queue_delay_us": 0,
+                                    "max_queue_size": max_queue_size}}]}
+
+
 async def _timed(coro_fn, n: int) -> dict:
     c0, t0 = time.process_time(), time.perf_counter()
     await coro_fn()
@@ -98,10 +123,7 @@ async def floor(n: int, callers: int) -> dict:
 async def runtime_paths(path: str, reqs: list, callers: int) -> dict:
     import lumen_core as lc
 
-    cfg = {"tasks": [{"name": "null", "backend": "onnx", "model": path, "instances": 1,
-                      "intra_op_threads": 1,
-                      "batching": {"max_batch_size": BATCH, "max_queue_delay_us": 0,
-                                   "max_queue_size": callers * BATCH * 2}}]}
+    cfg = null_config(path, callers * BATCH * 2)
     out = {}
     async with lc.Runtime.from_dict(cfg) as rt:
         per = len(reqs) // callers
@@ -129,16 +151,10 @@ async def runtime_paths(path: str, reqs: list, callers: int) -> dict:
 
 
 def child(a: argparse.Namespace) -> dict:
-    import onnx_models as M
-
-    import lumen_core as lc
     from lumen_core import native
 
-    d = tempfile.mkdtemp()
-    path = M.matmul(os.path.join(d, "null.onnx"), D)
-    xs = np.random.default_rng(0).standard_normal((a.requests, D)).astype(np.float32)
-    reqs = [lc.new_infer_request("null").for_tensor_array(xs[i:i + 1], "NC", "none").build()
-            for i in range(a.requests)]
+    path = null_model()
+    reqs = null_requests(a.requests)
     run = asyncio.run
     if a.uvloop:
         import uvloop
