@@ -21,7 +21,14 @@ import threading
 import time
 
 import numpy as np
-from bench_null import BATCH, D, null_config, null_model, null_requests  # the same null model
+from bench_null import (  # the same null model, timed the same way
+    BATCH,
+    D,
+    null_config,
+    null_model,
+    null_requests,
+    wall_us,
+)
 
 
 def thread_cpu_us(fn, seconds: float, busy: bool) -> float:
@@ -50,16 +57,6 @@ def thread_cpu_us(fn, seconds: float, busy: bool) -> float:
     stop.set()
     t.join()
     return out["us"]
-
-
-def wall_us(fn, n: int = 20000) -> float:
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
-    return best
 
 
 async def null_runner():
@@ -115,8 +112,8 @@ def main() -> None:
         "hand-over beside busy main": lambda: thread_cpu_us(lambda: time.sleep(0), a.seconds, True),
         "execute alone (us CPU/batch)": lambda: thread_cpu_us(execute, a.seconds, False),
         "execute beside busy main": lambda: thread_cpu_us(execute, a.seconds, True),
-        "run, IO binding (us/call)": lambda: wall_us(bound),
-        "run, session.run (us/call)": lambda: wall_us(plain),
+        "run, IO binding (us/call)": lambda: wall_us(bound, 20000),
+        "run, session.run (us/call)": lambda: wall_us(plain, 20000),
     }
     got: dict = {k: [] for k in cases}
     for r in range(a.rounds):

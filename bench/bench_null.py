@@ -169,28 +169,30 @@ def child(a: argparse.Namespace) -> dict:
 STAGE_REPS = 50_000
 
 
+def wall_us(fn, n: int = STAGE_REPS) -> float:
+    """Microseconds of one call of ``fn``: the best of 3 x ``n`` calls, wall time."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
+    return best
+
+
 async def stages(path: str) -> dict:
     """Single-caller split of one request (microseconds each, best of 3 x STAGE_REPS)."""
     import lumen_core as lc
     from lumen_core import native
 
-    cfg = {"tasks": [{"name": "null", "backend": "onnx", "model": path, "intra_op_threads": 1,
-                      "batching": {"max_batch_size": BATCH, "max_queue_delay_us": 0}}]}
-    x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
-    req = lc.new_infer_request("null").for_tensor_array(x, "NC", "none").build()
+    req = null_requests(1)[0]
     loop = asyncio.get_running_loop()
     out: dict = {}
 
     def timed(name: str, fn) -> None:
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter_ns()
-            for _ in range(STAGE_REPS):
-                fn()
-            best = min(best, (time.perf_counter_ns() - t0) / STAGE_REPS / 1000)
-        out[name] = best
+        out[name] = wall_us(fn)
 
-    async with lc.Runtime.from_dict(cfg) as rt:
+    async with lc.Runtime.from_dict(null_config(path, 1024)) as rt:
         route = rt.tasks["null"]
         payload = memoryview(req.payload)
         desc = native.descriptor.parse_meta(req.meta, payload.nbytes, route.contract)
