@@ -116,6 +116,12 @@ class ServerConfig:
                 f"admin_api_keys=<{len(self.admin_api_keys)} keys>)")
 
 
+#: ``[tasks.batching] loop_execution_us``: a batch predicted to run within it runs on the
+#: event loop (see ``BatchingConfig``); about what handing a batch to a worker thread and
+#: back costs the two threads on a 2-core box (bench/bench_handover.py: 45-50 us)
+DEFAULT_LOOP_EXECUTION_US = 50
+#: and at most: the loop answers nothing else while a batch runs on it
+MAX_LOOP_EXECUTION_US = 1000
 #: the largest ``[tasks.batching] latency_target_ms`` (an hour: beyond it, use deadlines)
 MAX_LATENCY_TARGET_MS = 3_600_000
 
@@ -134,6 +140,11 @@ class BatchingConfig:
     #: a request predicted to finish past it (or past its deadline) is refused at admission
     #: with 429 and a Retry-After (a stateful task: only the start of a new sequence)
     latency_target_ms: int = 0
+    #: a dynamic batcher whose largest batch is predicted (from the learnt cost) to run within
+    #: this many microseconds runs its batches on the event loop's own thread instead of
+    #: handing each to the engine's worker thread: for so small a model the hand-over costs
+    #: more CPU than the run (bench/README.md, "loop execution").  0: always the worker.
+    loop_execution_us: int = DEFAULT_LOOP_EXECUTION_US
 
 
 @dataclass(frozen=True)
@@ -429,6 +440,8 @@ def _parse_batching(r: _Reader) -> BatchingConfig:
         default_timeout_ms=r.get("default_timeout_ms", int, 0, lo=0),
         priority_levels=r.get("priority_levels", int, 1, lo=1, hi=MAX_PRIORITY_LEVELS),
         latency_target_ms=r.get("latency_target_ms", int, 0, lo=0, hi=MAX_LATENCY_TARGET_MS),
+        loop_execution_us=r.get("loop_execution_us", int, DEFAULT_LOOP_EXECUTION_US, lo=0,
+                                hi=MAX_LOOP_EXECUTION_US),
     )
     b.default_priority_level = r.get("default_priority_level", int, 0, lo=0,
                                      hi=b.priority_levels)

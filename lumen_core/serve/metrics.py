@@ -149,6 +149,10 @@ class RuntimeCollector:
         target = GaugeMetricFamily(f"{NAMESPACE}_latency_target_seconds",
                                    "The task's [tasks.batching] latency_target_ms (0: none).",
                                    labels=["task"])
+        on_loop = GaugeMetricFamily(
+            f"{NAMESPACE}_loop_execution", "1 while the task's batches run on the event loop "
+            "(a model cheaper than handing a batch to a worker thread: [tasks.batching] "
+            "loop_execution_us), 0 while its engine workers run them.", labels=["task"])
         for name, load in self.runtime.load().items():
             pending.add_metric([name], float(load["pending"]))
             c = load.get("cost")
@@ -157,6 +161,8 @@ class RuntimeCollector:
                 cost.add_metric([name, "item"], c["batch_item_us"] / 1e6)
                 cost.add_metric([name, "token"], c["per_token_us"] / 1e6)
                 target.add_metric([name], c["latency_target_ms"] / 1e3)
+                if "loop_execution" in c:  # a dynamic batcher's
+                    on_loop.add_metric([name], float(c["loop_execution"]))
             in_flight.add_metric([name], float(load["in_flight"]))
             padding.add_metric([name], float(load["padding_ratio"]))
             if "active_sequences" in load:  # a stateful task
@@ -164,7 +170,7 @@ class RuntimeCollector:
             for step, st in load.get("steps", {}).items():  # an ensemble (batching/pipeline.py)
                 step_queue.add_metric([name, step], st["queue_us"] / 1e6)
                 step_requests.add_metric([name, step], float(st["requests"]))
-        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests, cost,
+        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests, cost, on_loop,
                     target)
         caches = self.runtime.cache_stats() if hasattr(self.runtime, "cache_stats") else {}
         if caches:

@@ -85,7 +85,7 @@ def test_ensemble_step_queue_series():
 def test_learnt_cost_and_latency_target_gauges():
     """The cost model of ``load()["cost"]`` (batching/cost.py) as gauges, in seconds."""
     cost = {"batch_fixed_us": 2000.0, "batch_item_us": 300.0, "per_token_us": 5.0,
-            "latency_target_ms": 500}
+            "latency_target_ms": 500, "loop_execution": True}
     load = {"pending": 0, "in_flight": 0, "padding_ratio": 0.0, "cost": cost}
     rt = types.SimpleNamespace(ready=True, load=lambda: {"t": load})
     s = _samples(PrometheusObserver(rt))
@@ -94,6 +94,7 @@ def test_learnt_cost_and_latency_target_gauges():
     assert m(s, "lumen_batch_cost_seconds", task="t", term="item") == pytest.approx(0.0003)
     assert m(s, "lumen_batch_cost_seconds", task="t", term="token") == pytest.approx(5e-6)
     assert m(s, "lumen_latency_target_seconds", task="t") == pytest.approx(0.5)
+    assert m(s, "lumen_loop_execution", task="t") == 1.0  # its batches run on the loop
 
 
 def test_each_observer_has_its_own_registry():

@@ -1,0 +1,324 @@
+"""Loop execution (``[tasks.batching] loop_execution_us``): a model whose batches cost less than
+handing them to a worker thread runs them on the event loop; anything slower stays on (or goes
+back to) its worker.  Where a batch ran is read from the thread that ran it, not from timings;
+the only times the fake models take are their own sleeps, far from the threshold either way.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from lumen_core.batching import dynamic
+from lumen_core.batching.cost import COST_MIN_SAMPLES
+from lumen_core.batching.dynamic import (LOOP_BACKOFF, LOOP_PROBE_FACTOR, LOOP_SAMPLES,
+                                         DynamicBatcher)
+from lumen_core.config import BatchingConfig, parse_config
+from lumen_core.errors import ConfigError, DeadlineExceeded, InternalError, Unavailable
+
+
+class Item:
+    __slots__ = ("signature", "value")
+
+    def __init__(self, value, signature="s"):
+        self.value = value
+        self.signature = signature
+
+
+class Model:
+    """Doubles values and records, per batch, its size and whether it ran on the loop's
+    thread.  ``cost_s`` (a callable of the batch number) sleeps in each run; values in
+    ``fail`` make a whole batch raise."""
+
+    def __init__(self, cost_s=lambda k: 0.0, fail=()):
+        self.cost_s = cost_s
+        self.fail = set(fail)
+        self.runs: list = []  # (size, on the main thread)
+        self.values: list = []
+
+    def execute(self, items):
+        k = len(self.runs)
+        self.runs.append((len(items), threading.current_thread() is threading.main_thread()))
+        self.values.extend(it.value for it in items)
+        s = self.cost_s(k)
+        if s:
+            time.sleep(s)
+        if any(it.value in self.fail for it in items):
+            raise RuntimeError("model failed")
+        return [it.value * 2 for it in items]
+
+    def on_loop(self, since=0):
+        return [loop for _, loop in self.runs[since:]]
+
+
+def cfg(**kw) -> BatchingConfig:
+    kw.setdefault("max_queue_delay_us", 0)
+    kw.setdefault("max_batch_size", 8)
+    kw.setdefault("max_queue_size", 4096)
+    return BatchingConfig(**kw)
+
+
+async def rounds(b, n_rounds, per_round=8, start=0):
+    """``n_rounds`` bursts of ``per_round`` concurrent requests; their values, in order."""
+    out = []
+    v = start
+    for _ in range(n_rounds):
+        res = await asyncio.gather(*[b.infer(Item(v + i)) for i in range(per_round)])
+        out.extend(r.value for r in res)
+        v += per_round
+    return out
+
+
+def test_a_model_cheaper_than_a_hand_over_runs_its_batches_on_the_loop():
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(), [m])
+        got = await rounds(b, 40)
+        assert got == [2 * v for v in range(320)]
+        figures = b.cost_figures()
+        await b.close()
+        return m, figures
+
+    m, figures = asyncio.run(main())
+    assert not any(m.on_loop()[:COST_MIN_SAMPLES])  # nothing learnt yet: the worker ran them
+    assert all(m.on_loop(len(m.runs) - 10))  # and then the loop did
+    assert figures["loop_execution"] is True and figures["loop_batch_us"] > 0
+    assert sorted(m.values) == list(range(320))  # each request ran exactly once
+
+
+def test_zero_keeps_every_batch_on_the_worker():
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(loop_execution_us=0), [m])
+        assert await rounds(b, 40) == [2 * v for v in range(320)]
+        figures = b.cost_figures()
+        await b.close()
+        return m, figures
+
+    m, figures = asyncio.run(main())
+    assert not any(m.on_loop()) and figures["loop_execution"] is False
+
+
+def test_a_model_far_over_the_threshold_is_never_tried_on_the_loop():
+    # 4 ms a batch: 80x the 50 us threshold, 20x past the trial's reach
+    async def main():
+        m = Model(cost_s=lambda k: 0.004)
+        b = DynamicBatcher("t", cfg(), [m])
+        assert await rounds(b, 30) == [2 * v for v in range(240)]
+        await b.close()
+        return m
+
+    assert not any(asyncio.run(main()).on_loop())
+
+
+def test_a_model_that_slows_down_goes_back_to_its_worker():
+    # cheap for 40 batches, then 3 ms a batch: the loop must give it back within a few
+    # batches (the running mean crosses the threshold), and not take it again at once
+    slow_from = 40
+
+    async def main():
+        m = Model(cost_s=lambda k: 0.003 if k >= slow_from else 0.0)
+        b = DynamicBatcher("t", cfg(), [m])
+        await rounds(b, 80)
+        figures = b.cost_figures()
+        await b.close()
+        return m, figures
+
+    m, figures = asyncio.run(main())
+    assert any(m.on_loop(0)[:slow_from])  # it was on the loop while cheap
+    slow_on_loop = sum(m.on_loop(slow_from))
+    assert 1 <= slow_on_loop <= 4  # held the loop for a few slow batches at most ...
+    assert not any(m.on_loop(slow_from + 4))  # ... then the worker ran every one
+    assert figures["loop_execution"] is False
+
+
+def test_a_trial_that_fails_backs_off():
+    # 2 ms a batch against a 1 ms threshold: within the trial's reach (4 x 1 ms), over the
+    # threshold.  A trial runs LOOP_SAMPLES batches on the loop; the next one waits
+    # LOOP_BACKOFF worker batches, and the one after twice as many.
+    async def main():
+        m = Model(cost_s=lambda k: 0.002)
+        b = DynamicBatcher("t", cfg(max_batch_size=1, loop_execution_us=1000), [m])
+        for i in range(8 + LOOP_SAMPLES + LOOP_BACKOFF + LOOP_SAMPLES + 100):
+            await b.infer(Item(i))
+        await b.close()
+        return m
+
+    m = asyncio.run(main())
+    on = m.on_loop()
+    starts = [i for i in range(1, len(on)) if on[i] and not on[i - 1]]
+    assert len(starts) == 2  # one trial once the cost was learnt, one after the backoff
+    for s in starts:
+        assert on[s:s + LOOP_SAMPLES] == [True] * LOOP_SAMPLES and not on[s + LOOP_SAMPLES]
+    # the trial, the backoff's worker batches, and the worker batch whose cost starts the next
+    assert starts[1] - starts[0] == LOOP_SAMPLES + LOOP_BACKOFF + 1
+    assert 2000 <= LOOP_PROBE_FACTOR * 1000  # the premise: within reach
+
+
+def test_a_failing_item_fails_alone_on_the_loop_too():
+    async def main():
+        m = Model(fail={1003})
+        b = DynamicBatcher("t", cfg(), [m])
+        await rounds(b, 20)  # now on the loop
+        assert m.on_loop(len(m.runs) - 1) == [True]
+        res = await asyncio.gather(*[b.infer(Item(1000 + i)) for i in range(8)],
+                                   return_exceptions=True)
+        await b.close()
+        return res
+
+    res = asyncio.run(main())
+    assert isinstance(res[3], InternalError)
+    assert [r.value for i, r in enumerate(res) if i != 3] == [2 * (1000 + i) for i in range(8)
+                                                              if i != 3]
+
+
+def test_deadlines_queue_delay_drain_and_close_hold_on_the_loop():
+    async def main():
+        m = Model()
+        delay_us = 20_000
+        b = DynamicBatcher("t", cfg(max_queue_delay_us=delay_us), [m])
+        await rounds(b, 20)  # full batches form at once, delay or not: now on the loop
+        assert b.loop_runs and m.on_loop(len(m.runs) - 1) == [True]
+        # a lone request waits for company up to the delay (the loop's timer), then runs
+        r = await b.infer(Item(7))
+        assert r.batch_size == 1 and r.queue_us >= delay_us * 0.9
+        assert m.on_loop(len(m.runs) - 1) == [True]
+        # a request whose deadline passes while it waits for company never runs
+        seen = len(m.values)
+        with pytest.raises(DeadlineExceeded):
+            await b.infer(Item(99), timeout_ms=5)
+        assert 99 not in m.values[seen:]
+        # drain answers what is queued, then refuses; close joins the parked worker
+        queued = [asyncio.ensure_future(b.infer(Item(500 + i))) for i in range(3)]
+        await asyncio.sleep(0)
+        await asyncio.wait_for(b.drain(), 5)
+        assert [f.result().value for f in queued] == [1000, 1002, 1004]
+        with pytest.raises(Unavailable):
+            await b.infer(Item(1))
+        await asyncio.wait_for(b.close(), 5)
+        assert not b.workers[0].thread.is_alive()
+
+    asyncio.run(main())
+
+
+def test_close_without_drain_gives_the_instance_back_and_answers_everything():
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(max_queue_delay_us=10_000_000, max_batch_size=64), [m])
+        await rounds(b, 20, per_round=64)  # full batches: on the loop
+        assert b.loop_runs
+        waiting = [asyncio.ensure_future(b.infer(Item(i))) for i in range(5)]
+        await asyncio.sleep(0.01)  # they wait for company (10 s delay)
+        await asyncio.wait_for(b.close(), 5)
+        res = await asyncio.gather(*waiting, return_exceptions=True)
+        assert not b.workers[0].thread.is_alive()
+        return res
+
+    res = asyncio.run(main())
+    # each is answered: run by the worker as it drains at close, or refused Unavailable
+    assert all((isinstance(r, Unavailable) or r.value == 2 * i) for i, r in enumerate(res))
+
+
+def test_many_callers_and_two_instances_each_get_their_own_result():
+    async def main():
+        models = [Model(), Model()]
+        b = DynamicBatcher("t", cfg(max_batch_size=16), models)
+        vals = list(range(4000))
+        res = await asyncio.gather(*[b.infer(Item(v)) for v in vals])
+        assert [r.value for r in res] == [2 * v for v in vals]
+        res = await rounds(b, 50, per_round=16, start=10_000)
+        assert res == [2 * v for v in range(10_000, 10_800)]
+        await b.close()
+        return models
+
+    models = asyncio.run(main())
+    assert sorted(v for m in models for v in m.values) == sorted(
+        list(range(4000)) + list(range(10_000, 10_800)))
+    assert any(loop for m in models for loop in m.on_loop())
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (50, True), (1000, True), (-1, False),
+                                       (1001, False), ("50", False)])
+def test_config_reads_and_bounds_loop_execution_us(value, ok):
+    base = {"name": "t", "backend": "text_embedding", "model": "m.onnx"}
+    doc = {"tasks": [dict(base, batching={"loop_execution_us": value})]}
+    if ok:
+        assert parse_config(doc).tasks[0].batching.loop_execution_us == value
+    else:
+        with pytest.raises(ConfigError, match="loop_execution_us"):
+            parse_config(doc)
+    assert parse_config({"tasks": [base]}).tasks[0].batching.loop_execution_us == 50
+
+
+def test_the_worker_is_parked_while_the_loop_runs_its_batches():
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(), [m])
+        await rounds(b, 20)
+        turn, worker = b.turns[0], b.workers[0]
+        # lent: the worker thread waits on its own lock, which only the turn releases
+        assert b.loop_runs and turn.lent and worker.wake.locked()
+        assert worker.thread.is_alive()
+        since = len(m.runs)
+        await rounds(b, 200)
+        assert turn.lent and worker.wake.locked()
+        await b.close()
+        return m, since
+
+    m, since = asyncio.run(main())
+    assert all(m.on_loop(since))
+
+
+def test_a_loop_that_is_gone_gives_the_instance_back():
+    turn_cls = dynamic.LoopTurn
+
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(), [m])
+        await rounds(b, 20)
+        return b, m
+
+    loop = asyncio.new_event_loop()
+    b, m = loop.run_until_complete(main())
+    loop.close()  # closed without closing the batcher
+    turn = b.turns[0]
+    assert isinstance(turn, turn_cls) and turn.lent
+    with b.lock:
+        turn.release()  # a wake-up that cannot reach the closed loop ...
+    assert not turn.lent and turn.loop is None  # ... hands the instance back to the thread
+    b.workers[0].join(0.1)
+
+
+def test_a_real_model_through_the_runtime_moves_to_the_loop_and_answers_right(tmp_path):
+    # the small MLP (16 -> 64 -> 8), one ORT thread: a batch of 8 costs a few microseconds
+    import numpy as np
+    import onnx_models as M
+
+    import lumen_core as lc
+
+    path = M.mlp(tmp_path / "mlp.onnx")
+    cfg = {"tasks": [{"name": "mlp", "backend": "onnx", "model": str(path), "instances": 1,
+                      "intra_op_threads": 1,
+                      "batching": {"max_batch_size": 8, "max_queue_delay_us": 0}}]}
+    xs = np.random.default_rng(3).standard_normal((64, 16)).astype(np.float32)
+    ref = M.mlp_reference(xs)
+
+    def req(i):
+        return lc.new_infer_request("mlp").for_tensor_array(
+            xs[i].reshape(1, -1), layout="NC", preprocess_id="none").build()
+
+    async def main():
+        async with lc.Runtime.from_dict(cfg) as rt:
+            for _ in range(30):
+                out = await asyncio.gather(*[rt.infer(req(i)) for i in range(64)])
+            load = rt.load()["mlp"]["cost"]
+            many = await rt.infer_many([req(i) for i in range(64)])
+            return out, many, load
+
+    out, many, load = asyncio.run(main())
+    assert load["loop_execution"] is True
+    for i in range(64):
+        np.testing.assert_allclose(out[i].outputs["y"], ref[i], atol=1e-5)
+        np.testing.assert_allclose(many[i].outputs["y"], ref[i], atol=1e-5)
