@@ -62,12 +62,10 @@ PAD_SLACK_TOKENS = 4
 # the event loop.  A trial starts when the worker's learnt cost of the largest batch is within
 # this factor of the threshold (the worker's times include its waits for the GIL) ...
 LOOP_PROBE_FACTOR = 4
-#: ... and is judged on the running mean of what batches take on the loop, after this many
+#: ... and is judged on the median of the last this many batches' times on the loop
 LOOP_SAMPLES = 8
-#: weight of the newest batch in that mean, once past the trial's first batches
-LOOP_MEAN_WEIGHT = 1.0 / 32
 #: worker batches before a failed trial is tried again; doubled per failure, up to the max
-LOOP_BACKOFF = 256
+LOOP_BACKOFF = 64
 LOOP_BACKOFF_MAX = 65536
 #: batches on the loop after which a trial counts as held (the backoff starts over)
 LOOP_SETTLED = 4096
@@ -294,7 +292,8 @@ class DynamicBatcher(QueuePolicy):
         self._loop_ns = config.loop_execution_us * 1000
         self.loop_runs = False  # under the lock: batches run on the loop (``_judge``)
         self.loop_batches = 0  # batches run on the loop since the last trial began
-        self.loop_mean_ns = 0.0  # their running mean compute time
+        self.loop_recent = [0] * LOOP_SAMPLES  # the newest ones' times (ns), a ring
+        self.loop_median_ns = 0  # their median, judged once the ring is full
         self.loop_wait = 0  # worker batches before the next trial
         self.loop_backoff = LOOP_BACKOFF
         self.turns = [LoopTurn(w, self) for w in self.workers]
@@ -329,22 +328,24 @@ class DynamicBatcher(QueuePolicy):
         us (median, 90th percentile) beside a busy loop.  So the worker's time only says
         whether trying the loop is worth it (the learnt cost of the largest batch within
         ``LOOP_PROBE_FACTOR`` times the threshold); what the batches then take on the loop,
-        where nothing competes, decides whether they stay there: their running mean (after
-        ``LOOP_SAMPLES`` batches) must stay within ``loop_execution_us``, so the loop is never
-        held longer than that per batch on average.  A model that fails the trial goes back
-        to its worker and is not tried again for ``loop_backoff`` batches (doubling)."""
+        where nothing competes, decides whether they stay there: the median of the last
+        ``LOOP_SAMPLES`` must stay within ``loop_execution_us``.  A median, not a mean: a lone
+        batch that a garbage collection or the OS held up for milliseconds is not the model's
+        cost, while a model that slows down for good is back on its worker within
+        ``LOOP_SAMPLES // 2`` batches.  A model that fails the trial goes back to its
+        worker and is not tried again for ``loop_backoff`` batches (doubling)."""
         if on_loop:
             k = self.loop_batches = self.loop_batches + 1
-            # the plain mean of the trial's first batches (the first after a switch run
-            # cold), then a running mean that a lone slow batch (a GC pass) barely moves
-            w = max(LOOP_MEAN_WEIGHT, 1.0 / k)
-            mean = self.loop_mean_ns = self.loop_mean_ns + w * (ns - self.loop_mean_ns)
-            if k >= LOOP_SAMPLES and mean > self._loop_ns:
-                self.loop_runs = False
-                self.loop_wait = self.loop_backoff
-                self.loop_backoff = min(LOOP_BACKOFF_MAX, 2 * self.loop_backoff)
-            elif k == LOOP_SETTLED:  # it held: a later trial starts from the first backoff
-                self.loop_backoff = LOOP_BACKOFF
+            recent = self.loop_recent
+            recent[k % LOOP_SAMPLES] = ns
+            if k >= LOOP_SAMPLES:
+                self.loop_median_ns = median = sorted(recent)[LOOP_SAMPLES // 2]
+                if median > self._loop_ns:
+                    self.loop_runs = False
+                    self.loop_wait = self.loop_backoff
+                    self.loop_backoff = min(LOOP_BACKOFF_MAX, 2 * self.loop_backoff)
+                elif k == LOOP_SETTLED:  # it held: a later trial starts from the first backoff
+                    self.loop_backoff = LOOP_BACKOFF
         elif self.loop_wait:
             self.loop_wait -= 1
         elif self.cost_ready and not self.loop_runs:
@@ -358,7 +359,7 @@ class DynamicBatcher(QueuePolicy):
         out = super().cost_figures()
         if out is not None:
             out["loop_execution"] = self.loop_runs
-            out["loop_batch_us"] = self.loop_mean_ns / 1000
+            out["loop_batch_us"] = self.loop_median_ns / 1000
         return out
 
     def lend(self, worker: Worker) -> bool:

@@ -114,8 +114,9 @@ def test_a_model_far_over_the_threshold_is_never_tried_on_the_loop():
 
 
 def test_a_model_that_slows_down_goes_back_to_its_worker():
-    # cheap for 40 batches, then 3 ms a batch: the loop must give it back within a few
-    # batches (the running mean crosses the threshold), and not take it again at once
+    # cheap for 40 batches, then 3 ms a batch: the loop must give it back once most of its
+    # last LOOP_SAMPLES batches were slow (their median crosses the threshold), and not take
+    # it again at once
     slow_from = 40
 
     async def main():
@@ -129,9 +130,23 @@ def test_a_model_that_slows_down_goes_back_to_its_worker():
     m, figures = asyncio.run(main())
     assert any(m.on_loop(0)[:slow_from])  # it was on the loop while cheap
     slow_on_loop = sum(m.on_loop(slow_from))
-    assert 1 <= slow_on_loop <= 4  # held the loop for a few slow batches at most ...
-    assert not any(m.on_loop(slow_from + 4))  # ... then the worker ran every one
+    assert slow_on_loop == LOOP_SAMPLES // 2  # held the loop for a few slow batches ...
+    assert not any(m.on_loop(slow_from + slow_on_loop))  # ... then the worker ran every one
     assert figures["loop_execution"] is False
+
+
+def test_a_lone_slow_batch_does_not_send_the_model_back():
+    # a garbage collection or the OS holding one batch up for 5 ms is not the model's cost
+    async def main():
+        m = Model(cost_s=lambda k: 0.005 if k in (30, 45, 60) else 0.0)
+        b = DynamicBatcher("t", cfg(), [m])
+        await rounds(b, 80)
+        figures = b.cost_figures()
+        await b.close()
+        return m, figures
+
+    m, figures = asyncio.run(main())
+    assert all(m.on_loop(25)) and figures["loop_execution"] is True
 
 
 def test_a_trial_that_fails_backs_off():
@@ -292,7 +307,9 @@ def test_a_loop_that_is_gone_gives_the_instance_back():
 
 
 def test_a_real_model_through_the_runtime_moves_to_the_loop_and_answers_right(tmp_path):
-    # the small MLP (16 -> 64 -> 8), one ORT thread: a batch of 8 costs a few microseconds
+    # the small MLP (16 -> 64 -> 8), one ORT thread: a batch of 8 costs tens of microseconds
+    # (more in the pure twins, whose assembly is Python), so the threshold is the largest
+    # allowed, to make the test about the runtime's path, not about this box's speed
     import numpy as np
     import onnx_models as M
 
@@ -301,7 +318,8 @@ def test_a_real_model_through_the_runtime_moves_to_the_loop_and_answers_right(tm
     path = M.mlp(tmp_path / "mlp.onnx")
     cfg = {"tasks": [{"name": "mlp", "backend": "onnx", "model": str(path), "instances": 1,
                       "intra_op_threads": 1,
-                      "batching": {"max_batch_size": 8, "max_queue_delay_us": 0}}]}
+                      "batching": {"max_batch_size": 8, "max_queue_delay_us": 0,
+                                   "loop_execution_us": 1000}}]}
     xs = np.random.default_rng(3).standard_normal((64, 16)).astype(np.float32)
     ref = M.mlp_reference(xs)
 
