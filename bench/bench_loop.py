@@ -1,6 +1,6 @@
 """Loop execution against the engine worker: what handing each batch to a thread costs.
 
-``[tasks.batching] loop_execution_us`` (default 50) lets a dynamic batcher whose batches are
+``[tasks.batching] loop_execution_us`` (default 100) lets a dynamic batcher whose batches are
 cheaper than a hand-over run them on the event loop (``batching/dynamic.py``, ``LoopTurn``).
 This measures the two ways on the null model (``bench_null.py``'s: the 16x16 MatMul, one
 instance of one ORT thread, batches of 32), one process per run, alternating:

@@ -102,7 +102,7 @@ def test_zero_keeps_every_batch_on_the_worker():
 
 
 def test_a_model_far_over_the_threshold_is_never_tried_on_the_loop():
-    # 4 ms a batch: 80x the 50 us threshold, 20x past the trial's reach
+    # 4 ms a batch: 40x the 100 us threshold, 10x past the trial's reach
     async def main():
         m = Model(cost_s=lambda k: 0.004)
         b = DynamicBatcher("t", cfg(), [m])
@@ -264,7 +264,7 @@ def test_config_reads_and_bounds_loop_execution_us(value, ok):
     else:
         with pytest.raises(ConfigError, match="loop_execution_us"):
             parse_config(doc)
-    assert parse_config({"tasks": [base]}).tasks[0].batching.loop_execution_us == 50
+    assert parse_config({"tasks": [base]}).tasks[0].batching.loop_execution_us == 100
 
 
 def test_the_worker_is_parked_while_the_loop_runs_its_batches():
