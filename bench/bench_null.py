@@ -144,10 +144,20 @@ async def runtime_paths(path: str, reqs: list, callers: int) -> dict:
             # as many items in flight as the single path: callers / 32 groups of 32
             await asyncio.gather(*[caller(k) for k in range(callers // BATCH or 1)])
 
+        def where() -> str:  # where the batches ran at the end (loop execution, if any)
+            on = rt.load()["null"].get("cost", {}).get("loop_execution")
+            return "" if on is None else ("loop" if on else "worker")
+
         await _timed(single, len(reqs))  # warm-up: lazy imports, arena, ORT's first runs
         out["infer"] = await _timed(single, per * callers)
+        out["infer"]["ran"] = where()
         out["infer_many"] = await _timed(bulk, gper * (callers // BATCH or 1))
+        out["infer_many"]["ran"] = where()
     return out
+
+
+def _ran(res: dict) -> str:
+    return f" on the {res['ran']}" if res.get("ran") else ""
 
 
 def child(a: argparse.Namespace) -> dict:
@@ -259,8 +269,8 @@ def main() -> None:
                 raise SystemExit("the compiled extensions are not built: pip install .")
             runs[impl].append(res)
             print(f"round {r + 1} {impl:2s}: " + ", ".join(
-                f"{p} {res[p]['cpu_us']:.2f} us ({res[p]['items_s'] / 1000:.1f}k/s)"
-                for p in PATHS), flush=True)
+                f"{p} {res[p]['cpu_us']:.2f} us ({res[p]['items_s'] / 1000:.1f}k/s"
+                f"{_ran(res[p])})" for p in PATHS), flush=True)
     load = os.getloadavg()
     print(f"\nnull model (16x16 MatMul, 1 instance x 1 thread, batches of {BATCH}), "
           f"{a.callers} callers, {a.requests} requests, "
@@ -296,7 +306,7 @@ def ab(a: argparse.Namespace) -> None:
                 raise SystemExit(f"{trees[name]}: extensions not built in place")
             runs[name].append(res)
             print(f"round {r + 1} {name:8s}: " + ", ".join(
-                f"{p} {res[p]['cpu_us']:.2f} us" for p in PATHS), flush=True)
+                f"{p} {res[p]['cpu_us']:.2f} us{_ran(res[p])}" for p in PATHS), flush=True)
     load = os.getloadavg()
     print(f"\nthis tree against {trees['baseline']}, {a.rounds} interleaved rounds, "
           f"{a.requests} requests, {a.callers} callers; load average {load[0]:.2f} "
