@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from test_batching import Item
 
 from lumen_core.batching import dynamic
 from lumen_core.batching.cost import COST_MIN_SAMPLES
@@ -17,14 +18,6 @@ from lumen_core.batching.dynamic import (LOOP_BACKOFF, LOOP_PROBE_FACTOR, LOOP_S
                                          DynamicBatcher)
 from lumen_core.config import BatchingConfig, parse_config
 from lumen_core.errors import ConfigError, DeadlineExceeded, InternalError, Unavailable
-
-
-class Item:
-    __slots__ = ("signature", "value")
-
-    def __init__(self, value, signature="s"):
-        self.value = value
-        self.signature = signature
 
 
 class Model:
@@ -58,6 +51,19 @@ def cfg(**kw) -> BatchingConfig:
     kw.setdefault("max_batch_size", 8)
     kw.setdefault("max_queue_size", 4096)
     return BatchingConfig(**kw)
+
+
+def run(model, n_rounds, **config):
+    """``n_rounds`` bursts of 8 requests through a fresh batcher over ``model``; its cost
+    figures at the end."""
+    async def main():
+        b = DynamicBatcher("t", cfg(**config), [model])
+        await rounds(b, n_rounds)
+        figures = b.cost_figures()
+        await b.close()
+        return figures
+
+    return asyncio.run(main())
 
 
 async def rounds(b, n_rounds, per_round=8, start=0):
@@ -118,16 +124,8 @@ def test_a_model_that_slows_down_goes_back_to_its_worker():
     # last LOOP_SAMPLES batches were slow (their median crosses the threshold), and not take
     # it again at once
     slow_from = 40
-
-    async def main():
-        m = Model(cost_s=lambda k: 0.003 if k >= slow_from else 0.0)
-        b = DynamicBatcher("t", cfg(), [m])
-        await rounds(b, 80)
-        figures = b.cost_figures()
-        await b.close()
-        return m, figures
-
-    m, figures = asyncio.run(main())
+    m = Model(cost_s=lambda k: 0.003 if k >= slow_from else 0.0)
+    figures = run(m, 80)
     assert any(m.on_loop(0)[:slow_from])  # it was on the loop while cheap
     slow_on_loop = sum(m.on_loop(slow_from))
     assert slow_on_loop == LOOP_SAMPLES // 2  # held the loop for a few slow batches ...
@@ -137,15 +135,8 @@ def test_a_model_that_slows_down_goes_back_to_its_worker():
 
 def test_a_lone_slow_batch_does_not_send_the_model_back():
     # a garbage collection or the OS holding one batch up for 5 ms is not the model's cost
-    async def main():
-        m = Model(cost_s=lambda k: 0.005 if k in (30, 45, 60) else 0.0)
-        b = DynamicBatcher("t", cfg(), [m])
-        await rounds(b, 80)
-        figures = b.cost_figures()
-        await b.close()
-        return m, figures
-
-    m, figures = asyncio.run(main())
+    m = Model(cost_s=lambda k: 0.005 if k in (30, 45, 60) else 0.0)
+    figures = run(m, 80)
     assert all(m.on_loop(25)) and figures["loop_execution"] is True
 
 
