@@ -115,7 +115,8 @@ class Admission:
         self.started = False
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.queues: dict[Any, entry_types.SignatureQueue] = {}
-        self.idle: list = []  # the wake locks of workers waiting for work
+        #: waiting workers: their wake locks, or a LoopTurn in a parked one's place (dynamic.py)
+        self.idle: list = []
         self.delay_ns = delay_ns
         self.ready_live = ready_live  # a queue this long forms a batch without waiting
         self.deadlines: list[tuple] = []

@@ -167,7 +167,7 @@ class LoopTurn:
     which goes on as a worker.  The loop and the thread never use the instance at once.
     """
 
-    __slots__ = ("worker", "b", "loop", "loop_thread", "lent", "scheduled", "timer")
+    __slots__ = ("worker", "b", "loop", "loop_thread", "lent", "scheduled", "running", "timer")
 
     def __init__(self, worker: Worker, batcher: "DynamicBatcher"):
         self.worker = worker
@@ -175,11 +175,13 @@ class LoopTurn:
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.loop_thread = 0  # the loop's thread, once known (0: call it thread-safely)
         self.lent = False  # under the lock: the loop holds the instance, the thread is parked
-        self.scheduled = False  # a step is on the loop's ready queue
+        self.scheduled = False  # a step is on the loop's ready queue (loop thread only)
+        self.running = False  # under the lock: a step is running a batch
         self.timer: Optional[asyncio.TimerHandle] = None
 
     def release(self) -> None:
-        """The batcher's wake-up (under its lock, from any thread): schedule a step."""
+        """The batcher's wake-up (under its lock from any thread, or from the loop's own
+        step): schedule a step."""
         if self.scheduled:
             return
         self.scheduled = True
@@ -243,22 +245,33 @@ class LoopTurn:
                         self.timer = loop.call_at(
                             loop.time() + max(0, wake_at - now) / 1e9, self._fire)
                     return
+                self.running = True
             t0 = time.perf_counter_ns()
             try:
                 results: Any = run_split(self.worker.runner.execute, batch.items)
-            except BaseException as exc:  # noqa: BLE001 - never strand a batch's callers
+            except Exception as exc:  # noqa: BLE001 - never strand a batch's callers
                 results = exc
+            except BaseException as exc:  # Ctrl-C or an exit on the loop's own thread: the
+                with b.lock:  # batch is answered, the worker takes its instance back, and
+                    self.running = False  # the exception goes on to whoever runs the loop
+                    b.back_to_worker()
+                    self.give_back()
+                b.deliver_batch(batch.entries, exc, 0)
+                raise
             us = (time.perf_counter_ns() - t0) // 1000
             try:
                 with b.lock:
+                    self.running = False
                     b.learnt(batch, results, us, True)
             finally:  # whatever learning did, the batch's callers get their answers
                 b.deliver_batch(batch.entries, results, us)
             self.release()  # the next batch, after the loop's other callbacks
-        except Exception:  # a formation bug: logged, and the thread takes its instance back
+        except Exception:  # a formation bug: logged, and the worker takes its instance back
             log.exception("loop execution of %s: error between batches; back to the worker",
                           b.name)
             with b.lock:
+                self.running = False
+                b.back_to_worker()  # and keeps it for a backoff: no ping-pong on a fault
                 self.give_back()
 
 
@@ -288,27 +301,40 @@ class DynamicBatcher(QueuePolicy):
             self.target_ns = self._target_ns
         self.batch_limit = config.max_batch_size
         self._init_workers(name, runners)
-        #: loop execution (``LoopTurn``): a batch predicted within this runs on the loop
-        self._loop_ns = config.loop_execution_us * 1000
+        #: loop execution (``LoopTurn``): batches that run within this run on the loop.  One
+        #: engine instance only (several were asked for to run batches at once, which the
+        #: loop cannot), and not with length-aware formation (a batch of long texts costs
+        #: many times a batch of short ones: no typical batch time to judge it by)
+        self.turn = (LoopTurn(self.workers[0], self) if config.loop_execution_us
+                     and len(self.workers) == 1 and not self._max_tokens else None)
+        self._loop_ns = config.loop_execution_us * 1000 if self.turn is not None else 0
         self.loop_runs = False  # under the lock: batches run on the loop (``_judge``)
         self.loop_batches = 0  # batches run on the loop since the last trial began
         self.loop_recent = [0] * LOOP_SAMPLES  # the newest ones' times (ns), a ring
         self.loop_median_ns = 0  # their median, judged once the ring is full
         self.loop_wait = 0  # worker batches before the next trial
         self.loop_backoff = LOOP_BACKOFF
-        self.turns = [LoopTurn(w, self) for w in self.workers]
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         started = self.started
         super().start(loop)
-        if not started:
+        t = self.turn
+        if not started and t is not None:
             try:
                 here = asyncio.get_running_loop() is self.loop
             except RuntimeError:
                 here = False
-            for t in self.turns:
-                t.loop = self.loop
-                t.loop_thread = threading.get_ident() if here else 0
+            t.loop = self.loop
+            t.loop_thread = threading.get_ident() if here else 0
+
+    async def close(self) -> None:
+        t = self.turn
+        if t is not None:  # a lent instance goes back to its worker, which drains and stops
+            with self.lock:  # (directly: the loop that would run the turn may be gone)
+                self.stopping = True
+                if not t.running:
+                    t.give_back()
+        await super().close()
 
     def learnt(self, batch: Batch, results: Any, compute_us: int, on_loop: bool = False) -> None:
         """Under the lock, once per finished batch: learn its cost, steer the budget, judge
@@ -341,9 +367,7 @@ class DynamicBatcher(QueuePolicy):
             if k >= LOOP_SAMPLES:
                 self.loop_median_ns = median = sorted(recent)[LOOP_SAMPLES // 2]
                 if median > self._loop_ns:
-                    self.loop_runs = False
-                    self.loop_wait = self.loop_backoff
-                    self.loop_backoff = min(LOOP_BACKOFF_MAX, 2 * self.loop_backoff)
+                    self.back_to_worker()
                 elif k == LOOP_SETTLED:  # it held: a later trial starts from the first backoff
                     self.loop_backoff = LOOP_BACKOFF
         elif self.loop_wait:
@@ -354,6 +378,14 @@ class DynamicBatcher(QueuePolicy):
                     LOOP_PROBE_FACTOR * self._loop_ns):
                 self.loop_runs = True
                 self.loop_batches = 0
+                self.loop_median_ns = 0
+
+    def back_to_worker(self) -> None:
+        """Under the lock: end loop execution (a failed trial, a fault on the loop) and try
+        again only after ``loop_backoff`` worker batches, doubled for the next time."""
+        self.loop_runs = False
+        self.loop_wait = self.loop_backoff
+        self.loop_backoff = min(LOOP_BACKOFF_MAX, 2 * self.loop_backoff)
 
     def cost_figures(self) -> Optional[dict]:
         out = super().cost_figures()
@@ -366,8 +398,10 @@ class DynamicBatcher(QueuePolicy):
         """Worker thread, holding the lock: lend this instance to the loop (``LoopTurn``)
         and park until the loop hands it back; return holding the lock again.  False (and
         nothing lent) when the loop is gone."""
-        turn = self.turns[worker.index]
-        if turn.loop is None:
+        turn = self.turn
+        if turn is None or turn.loop is None:  # the loop is gone: loop execution ends here
+            self.loop_runs = False
+            self._loop_ns = 0
             return False
         worker.flush()  # results waiting for the loop go before the instance does
         turn.lent = True

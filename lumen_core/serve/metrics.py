@@ -170,8 +170,8 @@ class RuntimeCollector:
             for step, st in load.get("steps", {}).items():  # an ensemble (batching/pipeline.py)
                 step_queue.add_metric([name, step], st["queue_us"] / 1e6)
                 step_requests.add_metric([name, step], float(st["requests"]))
-        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests, cost, on_loop,
-                    target)
+        yield from (ready, pending, in_flight, padding, active, step_queue, step_requests, cost,
+                    on_loop, target)
         caches = self.runtime.cache_stats() if hasattr(self.runtime, "cache_stats") else {}
         if caches:
             yield from _cache_families(caches)

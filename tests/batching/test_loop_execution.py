@@ -12,7 +12,6 @@ import time
 import pytest
 from test_batching import Item
 
-from lumen_core.batching import dynamic
 from lumen_core.batching.cost import COST_MIN_SAMPLES
 from lumen_core.batching.dynamic import (LOOP_BACKOFF, LOOP_PROBE_FACTOR, LOOP_SAMPLES,
                                          DynamicBatcher)
@@ -47,9 +46,13 @@ class Model:
 
 
 def cfg(**kw) -> BatchingConfig:
+    """The mechanics tests' batcher: batches of 8 at once, and the largest threshold allowed,
+    so that where a fake model (a few microseconds a batch) runs does not depend on how fast
+    or loaded the box is; the tests of the threshold itself set their own."""
     kw.setdefault("max_queue_delay_us", 0)
     kw.setdefault("max_batch_size", 8)
     kw.setdefault("max_queue_size", 4096)
+    kw.setdefault("loop_execution_us", 1000)
     return BatchingConfig(**kw)
 
 
@@ -80,7 +83,7 @@ async def rounds(b, n_rounds, per_round=8, start=0):
 def test_a_model_cheaper_than_a_hand_over_runs_its_batches_on_the_loop():
     async def main():
         m = Model()
-        b = DynamicBatcher("t", cfg(), [m])
+        b = DynamicBatcher("t", cfg(loop_execution_us=100), [m])  # the default
         got = await rounds(b, 40)
         assert got == [2 * v for v in range(320)]
         figures = b.cost_figures()
@@ -95,38 +98,42 @@ def test_a_model_cheaper_than_a_hand_over_runs_its_batches_on_the_loop():
 
 
 def test_zero_keeps_every_batch_on_the_worker():
-    async def main():
-        m = Model()
-        b = DynamicBatcher("t", cfg(loop_execution_us=0), [m])
-        assert await rounds(b, 40) == [2 * v for v in range(320)]
-        figures = b.cost_figures()
-        await b.close()
-        return m, figures
-
-    m, figures = asyncio.run(main())
-    assert not any(m.on_loop()) and figures["loop_execution"] is False
+    m = Model()
+    figures = run(m, 40, loop_execution_us=0)
+    assert len(m.runs) == 40 and not any(m.on_loop()) and figures["loop_execution"] is False
 
 
 def test_a_model_far_over_the_threshold_is_never_tried_on_the_loop():
-    # 4 ms a batch: 40x the 100 us threshold, 10x past the trial's reach
-    async def main():
-        m = Model(cost_s=lambda k: 0.004)
-        b = DynamicBatcher("t", cfg(), [m])
-        assert await rounds(b, 30) == [2 * v for v in range(240)]
-        await b.close()
-        return m
+    # 4 ms a batch: 40x the default 100 us threshold, 10x past the trial's reach
+    m = Model(cost_s=lambda k: 0.004)
+    figures = run(m, 30, loop_execution_us=100)
+    assert len(m.runs) == 30 and not any(m.on_loop()) and figures["loop_execution"] is False
 
-    assert not any(asyncio.run(main()).on_loop())
+
+def test_several_instances_or_length_aware_batches_keep_their_workers():
+    async def main(b, models):
+        res = await rounds(b, 30)
+        await b.close()
+        return res
+
+    models = [Model(), Model()]
+    b = DynamicBatcher("t", cfg(), models)
+    assert asyncio.run(main(b, models)) == [2 * v for v in range(240)]
+    assert b.turn is None and not any(loop for m in models for loop in m.on_loop())
+    m = Model()
+    b = DynamicBatcher("t", cfg(), [m], max_batch_tokens=4096)
+    assert asyncio.run(main(b, [m])) == [2 * v for v in range(240)]
+    assert b.turn is None and not any(m.on_loop())
 
 
 def test_a_model_that_slows_down_goes_back_to_its_worker():
-    # cheap for 40 batches, then 3 ms a batch: the loop must give it back once most of its
-    # last LOOP_SAMPLES batches were slow (their median crosses the threshold), and not take
-    # it again at once
+    # cheap for 40 batches, then 6 ms a batch (past the trial's reach of 4 x 1 ms, so it is
+    # not tried again): the loop gives it back once most of its last LOOP_SAMPLES batches
+    # were slow (their median crosses the threshold)
     slow_from = 40
-    m = Model(cost_s=lambda k: 0.003 if k >= slow_from else 0.0)
+    m = Model(cost_s=lambda k: 0.006 if k >= slow_from else 0.0)
     figures = run(m, 80)
-    assert any(m.on_loop(0)[:slow_from])  # it was on the loop while cheap
+    assert all(m.on_loop(COST_MIN_SAMPLES + LOOP_SAMPLES)[:slow_from - 20])  # cheap: on it
     slow_on_loop = sum(m.on_loop(slow_from))
     assert slow_on_loop == LOOP_SAMPLES // 2  # held the loop for a few slow batches ...
     assert not any(m.on_loop(slow_from + slow_on_loop))  # ... then the worker ran every one
@@ -134,8 +141,8 @@ def test_a_model_that_slows_down_goes_back_to_its_worker():
 
 
 def test_a_lone_slow_batch_does_not_send_the_model_back():
-    # a garbage collection or the OS holding one batch up for 5 ms is not the model's cost
-    m = Model(cost_s=lambda k: 0.005 if k in (30, 45, 60) else 0.0)
+    # a garbage collection or the OS holding one batch up for 8 ms is not the model's cost
+    m = Model(cost_s=lambda k: 0.008 if k in (30, 45, 60) else 0.0)
     figures = run(m, 80)
     assert all(m.on_loop(25)) and figures["loop_execution"] is True
 
@@ -146,8 +153,8 @@ def test_a_trial_that_fails_backs_off():
     # LOOP_BACKOFF worker batches, and the one after twice as many.
     async def main():
         m = Model(cost_s=lambda k: 0.002)
-        b = DynamicBatcher("t", cfg(max_batch_size=1, loop_execution_us=1000), [m])
-        for i in range(8 + LOOP_SAMPLES + LOOP_BACKOFF + LOOP_SAMPLES + 100):
+        b = DynamicBatcher("t", cfg(max_batch_size=1), [m])
+        for i in range(COST_MIN_SAMPLES + LOOP_SAMPLES + LOOP_BACKOFF + LOOP_SAMPLES + 100):
             await b.infer(Item(i))
         await b.close()
         return m
@@ -168,17 +175,45 @@ def test_a_failing_item_fails_alone_on_the_loop_too():
         m = Model(fail={1003})
         b = DynamicBatcher("t", cfg(), [m])
         await rounds(b, 20)  # now on the loop
-        assert m.on_loop(len(m.runs) - 1) == [True]
+        since = len(m.runs)
         res = await asyncio.gather(*[b.infer(Item(1000 + i)) for i in range(8)],
                                    return_exceptions=True)
         await b.close()
-        return res
+        return m, since, res
 
-    res = asyncio.run(main())
+    m, since, res = asyncio.run(main())
+    assert len(m.runs) > since + 1 and all(m.on_loop(since))  # the whole split, on the loop
     assert isinstance(res[3], InternalError)
     assert [r.value for i, r in enumerate(res) if i != 3] == [2 * (1000 + i) for i in range(8)
                                                               if i != 3]
 
+
+def test_a_fault_between_batches_sends_the_instance_back_once_not_back_and_forth():
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(), [m])
+        await rounds(b, 20)
+        assert b.loop_runs
+        form = b._form
+        calls = [0]
+
+        def broken(now):
+            calls[0] += threading.current_thread() is threading.main_thread()
+            raise RuntimeError("formation bug")
+
+        b._form = broken  # the next formation on the loop fails
+        stuck = asyncio.ensure_future(b.infer(Item(5)))
+        await asyncio.sleep(0.05)
+        b._form = form  # the worker forms it now
+        r = await asyncio.wait_for(stuck, 5)
+        loop_runs, calls_seen = b.loop_runs, calls[0]
+        await b.close()
+        return r, loop_runs, calls_seen
+
+    r, loop_runs, calls_seen = asyncio.run(main())
+    assert loop_runs is False  # backed off, not lent again at once
+    assert calls_seen == 1  # the loop tried once; the worker retried on its own backoff
+    assert r.value == 10
 
 def test_deadlines_queue_delay_drain_and_close_hold_on_the_loop():
     async def main():
@@ -227,22 +262,22 @@ def test_close_without_drain_gives_the_instance_back_and_answers_everything():
     assert all((isinstance(r, Unavailable) or r.value == 2 * i) for i, r in enumerate(res))
 
 
-def test_many_callers_and_two_instances_each_get_their_own_result():
+def test_many_callers_each_get_their_own_result_on_the_loop():
     async def main():
-        models = [Model(), Model()]
-        b = DynamicBatcher("t", cfg(max_batch_size=16), models)
+        m = Model()
+        b = DynamicBatcher("t", cfg(max_batch_size=16), [m])
         vals = list(range(4000))
         res = await asyncio.gather(*[b.infer(Item(v)) for v in vals])
         assert [r.value for r in res] == [2 * v for v in vals]
+        since = len(m.runs)
         res = await rounds(b, 50, per_round=16, start=10_000)
         assert res == [2 * v for v in range(10_000, 10_800)]
         await b.close()
-        return models
+        return m, since
 
-    models = asyncio.run(main())
-    assert sorted(v for m in models for v in m.values) == sorted(
-        list(range(4000)) + list(range(10_000, 10_800)))
-    assert any(loop for m in models for loop in m.on_loop())
+    m, since = asyncio.run(main())
+    assert sorted(m.values) == sorted(list(range(4000)) + list(range(10_000, 10_800)))
+    assert all(m.on_loop(since))
 
 
 @pytest.mark.parametrize("value, ok", [(0, True), (50, True), (1000, True), (-1, False),
@@ -263,38 +298,46 @@ def test_the_worker_is_parked_while_the_loop_runs_its_batches():
         m = Model()
         b = DynamicBatcher("t", cfg(), [m])
         await rounds(b, 20)
-        turn, worker = b.turns[0], b.workers[0]
-        # lent: the worker thread waits on its own lock, which only the turn releases
-        assert b.loop_runs and turn.lent and worker.wake.locked()
-        assert worker.thread.is_alive()
+        turn, worker = b.turn, b.workers[0]
+        # lent: the worker thread waits on its own lock, which only the turn releases, and
+        # the turn waits in the idle list (or is about to run) in its place
+        assert b.loop_runs and turn.lent and (turn in b.idle or turn.scheduled)
+        assert worker.thread.is_alive() and worker.wake not in b.idle
         since = len(m.runs)
         await rounds(b, 200)
-        assert turn.lent and worker.wake.locked()
+        assert turn.lent
         await b.close()
+        assert not worker.thread.is_alive()
         return m, since
 
     m, since = asyncio.run(main())
-    assert all(m.on_loop(since))
+    assert len(m.runs) == since + 200 and all(m.on_loop(since))
 
 
-def test_a_loop_that_is_gone_gives_the_instance_back():
-    turn_cls = dynamic.LoopTurn
-
+@pytest.mark.parametrize("step_queued", [False, True])
+def test_a_loop_that_is_gone_gives_the_instance_back(step_queued):
+    # the loop closes without closing the batcher: between steps, or with a step still on
+    # its ready queue; a close from another loop must still stop the parked worker
     async def main():
         m = Model()
         b = DynamicBatcher("t", cfg(), [m])
         await rounds(b, 20)
-        return b, m
+        if step_queued:
+            b.submit(Item(1))  # formable at once: a step is scheduled, and never runs
+            assert b.turn.scheduled
+        return b
 
     loop = asyncio.new_event_loop()
-    b, m = loop.run_until_complete(main())
-    loop.close()  # closed without closing the batcher
-    turn = b.turns[0]
-    assert isinstance(turn, turn_cls) and turn.lent
-    with b.lock:
-        turn.release()  # a wake-up that cannot reach the closed loop ...
-    assert not turn.lent and turn.loop is None  # ... hands the instance back to the thread
-    b.workers[0].join(0.1)
+    b = loop.run_until_complete(main())
+    loop.close()
+    turn, worker = b.turn, b.workers[0]
+    assert turn.lent and worker.thread.is_alive()
+    if not step_queued:
+        with b.lock:
+            turn.release()  # a wake-up that cannot reach the closed loop ...
+        assert not turn.lent and turn.loop is None  # ... hands the instance back
+    asyncio.run(asyncio.wait_for(b.close(), 10))
+    assert not turn.lent and not worker.thread.is_alive()
 
 
 def test_a_real_model_through_the_runtime_moves_to_the_loop_and_answers_right(tmp_path):
