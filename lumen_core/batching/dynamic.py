@@ -156,15 +156,16 @@ def _length_window(lengths: Sequence[int], p: int, n: int, max_tokens: int) -> t
 class LoopTurn:
     """A worker's engine instance, lent to the event loop (loop execution).
 
-    While a batcher's largest batch is predicted to run within ``loop_execution_us``, its
-    worker thread parks (``DynamicBatcher.lend``) and this turn stands in the batcher's idle
-    list in its place: a request that makes a batch formable "wakes" it by scheduling
-    :meth:`step` on the loop, which forms the batch, runs it and answers its callers there,
-    then schedules itself again after the loop's other callbacks (so I/O and admissions
-    interleave with batches, and a burst of callers fills the next batch).  No thread hands a
-    batch over and the GIL never changes hands.  When the prediction grows past the threshold,
-    or the batcher stops, the turn hands the instance back: it releases the parked thread,
-    which goes on as a worker.  The loop and the thread never use the instance at once.
+    While loop execution holds (``DynamicBatcher._judge``: the batches run within
+    ``loop_execution_us``), the worker thread of a one-instance batcher parks
+    (``DynamicBatcher.lend``) and this turn stands in the batcher's idle list in its place: a
+    request that makes a batch formable "wakes" it by scheduling :meth:`step` on the loop,
+    which forms the batch, runs it and answers its callers there, then schedules itself again
+    after the loop's other callbacks (so I/O and admissions interleave with batches, and a
+    burst of callers fills the next batch).  No thread hands a batch over and the GIL never
+    changes hands.  When the batches' times on the loop grow past the threshold, a fault hits
+    the loop, or the batcher stops, the turn hands the instance back: it releases the parked
+    thread, which goes on as a worker.  The loop and the thread never use the instance at once.
     """
 
     __slots__ = ("worker", "b", "loop", "loop_thread", "lent", "scheduled", "running", "timer")
