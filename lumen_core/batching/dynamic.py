@@ -69,6 +69,12 @@ LOOP_BACKOFF = 64
 LOOP_BACKOFF_MAX = 65536
 #: batches on the loop after which a trial counts as held (the backoff starts over)
 LOOP_SETTLED = 4096
+#: a queue-delay timer that fired before the queue was due is set again for at least this
+#: long: uvloop rounds a timer to whole milliseconds (and its clock to the loop iteration), so
+#: a timer for the last fraction of a millisecond fires at once, again and again (300-400
+#: times over a 1.5 ms wait, measured), where the worker's lock timeout waits exactly.  So a
+#: batch may form up to this late on such a loop, once per queue delay.
+LOOP_TIMER_FLOOR_NS = 1_000_000
 
 
 def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePolicy,
@@ -168,7 +174,8 @@ class LoopTurn:
     thread, which goes on as a worker.  The loop and the thread never use the instance at once.
     """
 
-    __slots__ = ("worker", "b", "loop", "loop_thread", "lent", "scheduled", "running", "timer")
+    __slots__ = ("worker", "b", "loop", "loop_thread", "lent", "scheduled", "running", "timer",
+                 "fired")
 
     def __init__(self, worker: Worker, batcher: "DynamicBatcher"):
         self.worker = worker
@@ -179,6 +186,7 @@ class LoopTurn:
         self.scheduled = False  # a step is on the loop's ready queue (loop thread only)
         self.running = False  # under the lock: a step is running a batch
         self.timer: Optional[asyncio.TimerHandle] = None
+        self.fired = False  # this step comes from the queue-delay timer
 
     def release(self) -> None:
         """The batcher's wake-up (under its lock from any thread, or from the loop's own
@@ -213,6 +221,7 @@ class LoopTurn:
 
     def _fire(self) -> None:
         self.timer = None
+        self.fired = True
         with self.b.lock:
             idle = self.b.idle
             if self in idle:
@@ -223,6 +232,7 @@ class LoopTurn:
         """On the loop: form one batch, run it, answer it; then the next, after the loop's
         other callbacks; or wait in the idle list; or hand the instance back."""
         self.scheduled = False
+        fired, self.fired = self.fired, False
         b = self.b
         try:
             with b.lock:
@@ -243,8 +253,10 @@ class LoopTurn:
                             self.timer.cancel()
                         loop = self.loop
                         assert loop is not None
-                        self.timer = loop.call_at(
-                            loop.time() + max(0, wake_at - now) / 1e9, self._fire)
+                        delay = max(0, wake_at - now)
+                        if fired:  # the timer came early: a loop whose timers round to
+                            delay = max(delay, LOOP_TIMER_FLOOR_NS)  # whole ms (uvloop)
+                        self.timer = loop.call_at(loop.time() + delay / 1e9, self._fire)
                     return
                 self.running = True
             t0 = time.perf_counter_ns()

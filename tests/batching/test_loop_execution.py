@@ -244,6 +244,41 @@ def test_deadlines_queue_delay_drain_and_close_hold_on_the_loop():
     asyncio.run(main())
 
 
+def test_a_queue_delay_on_uvloop_waits_without_spinning():
+    # uvloop rounds timers to whole milliseconds: a timer for the last fraction of one fires
+    # at once, again and again (hundreds of times over a 1.5 ms wait) unless it is set again
+    # for at least LOOP_TIMER_FLOOR_NS
+    uvloop = pytest.importorskip("uvloop")
+    delay_us = 1500
+
+    async def main():
+        m = Model()
+        b = DynamicBatcher("t", cfg(max_queue_delay_us=delay_us), [m])
+        await rounds(b, 20)  # full batches form at once: now on the loop
+        assert b.loop_runs
+        form = b._form
+        calls = [0]
+
+        def counted(now):
+            calls[0] += 1
+            return form(now)
+
+        b._form = counted
+        waits = []
+        for i in range(5):  # lone requests: each waits out the delay for company
+            r = await b.infer(Item(i))
+            assert r.batch_size == 1 and r.queue_us >= delay_us * 0.9
+            waits.append(r.queue_us)
+        b._form = form
+        await b.close()
+        return calls[0], m, waits
+
+    calls, m, waits = uvloop.run(main())
+    assert all(m.on_loop(len(m.runs) - 5))
+    # per request: the formation at admission, at most one early timer and the due one
+    assert calls <= 5 * 3, (calls, waits)
+
+
 def test_close_without_drain_gives_the_instance_back_and_answers_everything():
     async def main():
         m = Model()
