@@ -142,10 +142,11 @@ class BatchingConfig:
     #: a request predicted to finish past it (or past its deadline) is refused at admission
     #: with 429 and a Retry-After (a stateful task: only the start of a new sequence)
     latency_target_ms: int = 0
-    #: a dynamic batcher whose largest batch is predicted (from the learnt cost) to run within
-    #: this many microseconds runs its batches on the event loop's own thread instead of
-    #: handing each to the engine's worker thread: for so small a model the hand-over costs
-    #: more CPU than the run (bench/README.md, "loop execution").  0: always the worker.
+    #: a one-instance dynamic batcher without length-aware formation whose batches run within
+    #: this many microseconds (the median of the last 8, on the loop) runs them on the event
+    #: loop's own thread instead of handing each to the engine's worker thread: for so small a
+    #: model the hand-over costs more CPU than the run (batching/dynamic.py, ``LoopTurn``;
+    #: bench/README.md, "loop execution").  0: always the worker.
     loop_execution_us: int = DEFAULT_LOOP_EXECUTION_US
 
 

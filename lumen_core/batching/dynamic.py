@@ -207,13 +207,17 @@ class LoopTurn:
             self.loop = None
             self.give_back()
 
+    def unidle(self) -> None:
+        """Under the lock: out of the batcher's idle list, if it waits there."""
+        idle = self.b.idle
+        if self in idle:
+            idle.remove(self)
+
     def give_back(self) -> None:
         """Under the lock: the parked thread takes its instance back."""
         if self.lent:
             self.lent = False
-            idle = self.b.idle
-            if self in idle:
-                idle.remove(self)
+            self.unidle()
             if self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
@@ -223,9 +227,7 @@ class LoopTurn:
         self.timer = None
         self.fired = True
         with self.b.lock:
-            idle = self.b.idle
-            if self in idle:
-                idle.remove(self)
+            self.unidle()
             self.release()
 
     def step(self) -> None:
@@ -238,16 +240,14 @@ class LoopTurn:
             with b.lock:
                 if not self.lent:
                     return
-                idle = b.idle
-                if self in idle:
-                    idle.remove(self)
+                self.unidle()
                 if b.stopping or not b.loop_runs:
                     self.give_back()
                     return
                 now = time.monotonic_ns()
                 batch, wake_at = b._form(now) if b.pending else (None, 0)
                 if batch is None:
-                    idle.append(self)
+                    b.idle.append(self)
                     if wake_at:  # a queue delay runs: come back when it is due
                         if self.timer is not None:
                             self.timer.cancel()
@@ -386,9 +386,8 @@ class DynamicBatcher(QueuePolicy):
         elif self.loop_wait:
             self.loop_wait -= 1
         elif self.cost_ready and not self.loop_runs:
-            m, n = self.cost, self._max_batch
-            if m.predict_us(n, int(n * m.tokens_per_item)) * 1000 <= (
-                    LOOP_PROBE_FACTOR * self._loop_ns):
+            # (no token term: loop execution is never on with length-aware formation)
+            if self.cost.predict_us(self._max_batch) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns:
                 self.loop_runs = True
                 self.loop_batches = 0
                 self.loop_median_ns = 0
