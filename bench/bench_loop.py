@@ -10,8 +10,8 @@ instance of one ORT thread, batches of 32), one process per run, alternating:
 * ``loop``: the default: once the cost is learnt, the loop forms, runs and answers each batch
   itself and the worker thread is parked.
 
-Both entry points: ``infer`` (256 callers, one request each at a time) and ``infer_many`` (8
-callers x groups of 32).  Per run: process CPU per item, each thread's share
+Both entry points, driven as ``bench_null.py`` drives them: ``infer`` (256 callers, one request
+each at a time) and ``infer_many`` (8 callers x groups of 32).  Per run: process CPU per item, each thread's share
 (``/proc/self/task/*/stat``, 10 ms ticks) and voluntary context switches per batch.  The
 ratio loop / worker is taken per round (the box drifts between rounds, not within one).
 ``python bench/bench_loop.py --rounds 3``.
@@ -27,10 +27,17 @@ import subprocess
 import sys
 import time
 
-from bench_null import BATCH, null_config, null_model, null_requests  # the same null model
+from bench_null import (  # the same null model, driven the same way
+    BATCH,
+    drive,
+    null_config,
+    null_model,
+    null_requests,
+    ran_on,
+)
 
-#: in-process callers: ``infer`` callers each awaiting one request; ``infer_many`` groups
-CALLERS = {"infer": 256, "infer_many": 8}
+#: in-process callers (bench_null's): 256 awaiting one request each, or 8 awaiting groups of 32
+CALLERS = 256
 MODES = ("worker", "loop")
 PATHS = ("infer", "infer_many")
 
@@ -54,27 +61,15 @@ def child(mode: str, path: str, n: int) -> dict:
     cfg = null_config(null_model(), n)
     if mode == "worker":
         cfg["tasks"][0]["batching"]["loop_execution_us"] = 0
-    callers = CALLERS[path]
-    per = n // callers
 
     async def main() -> dict:
         async with lc.Runtime.from_dict(cfg) as rt:
-            async def one(k: int) -> None:
-                for r in reqs[k * per:(k + 1) * per]:
-                    await rt.infer(r)
-
-            async def many(k: int) -> None:
-                mine = reqs[k * per:(k + 1) * per]
-                for i in range(0, len(mine), BATCH):
-                    await rt.infer_many(mine[i:i + BATCH])
-
-            caller = one if path == "infer" else many
-            await asyncio.gather(*[caller(k) for k in range(callers)])  # warm-up, cost learnt
+            send, items = drive(rt, reqs, path, CALLERS)
+            await send()  # warm-up: the cost learnt, the batches where they will stay
             a, c0 = _threads(), time.process_time()
-            await asyncio.gather(*[caller(k) for k in range(callers)])
+            await send()
             c1, b = time.process_time(), _threads()
-            on_loop = rt.load()["null"]["cost"]["loop_execution"]
-        items = per * callers
+            on_loop = ran_on(rt) == "loop"
         split: dict = {}
         for t, (name, ticks, vcs) in b.items():
             if t in a:

@@ -120,39 +120,55 @@ async def floor(n: int, callers: int) -> dict:
     return await _timed(go, per * callers)
 
 
+def drive(rt, reqs: list, path: str, callers: int) -> tuple:
+    """``(send, items)``: the coroutine function that sends ``reqs`` through ``rt`` one way,
+    and how many items it sends.  ``infer``: ``callers`` coroutines, each awaiting one request
+    at a time; ``infer_many``: as many items in flight, ``callers / BATCH`` coroutines each
+    awaiting groups of ``BATCH``."""
+    if path == "infer":
+        per = len(reqs) // callers
+
+        async def one(k: int) -> None:
+            for r in reqs[k * per:(k + 1) * per]:
+                await rt.infer(r)
+
+        n, caller = callers, one
+    else:
+        n = callers // BATCH or 1
+        per = len(reqs) // n
+
+        async def many(k: int) -> None:
+            mine = reqs[k * per:(k + 1) * per]
+            for i in range(0, len(mine), BATCH):
+                await rt.infer_many(mine[i:i + BATCH])
+
+        caller = many
+
+    async def send() -> None:
+        await asyncio.gather(*[caller(k) for k in range(n)])
+
+    return send, per * n
+
+
+def ran_on(rt) -> str:
+    """Where the null task's batches ran at the end (loop execution), or "" (a tree without)."""
+    on = rt.load()["null"].get("cost", {}).get("loop_execution")
+    return "" if on is None else ("loop" if on else "worker")
+
+
 async def runtime_paths(path: str, reqs: list, callers: int) -> dict:
     import lumen_core as lc
 
     cfg = null_config(path, callers * BATCH * 2)
     out = {}
     async with lc.Runtime.from_dict(cfg) as rt:
-        per = len(reqs) // callers
-
-        async def single() -> None:
-            async def caller(k: int) -> None:
-                for r in reqs[k * per:(k + 1) * per]:
-                    await rt.infer(r)
-            await asyncio.gather(*[caller(k) for k in range(callers)])
-
-        gper = len(reqs) // (callers // BATCH or 1)
-
-        async def bulk() -> None:
-            async def caller(k: int) -> None:
-                mine = reqs[k * gper:(k + 1) * gper]
-                for i in range(0, len(mine), BATCH):
-                    await rt.infer_many(mine[i:i + BATCH])
-            # as many items in flight as the single path: callers / 32 groups of 32
-            await asyncio.gather(*[caller(k) for k in range(callers // BATCH or 1)])
-
-        def where() -> str:  # where the batches ran at the end (loop execution, if any)
-            on = rt.load()["null"].get("cost", {}).get("loop_execution")
-            return "" if on is None else ("loop" if on else "worker")
-
+        single, n_single = drive(rt, reqs, "infer", callers)
+        bulk, n_bulk = drive(rt, reqs, "infer_many", callers)
         await _timed(single, len(reqs))  # warm-up: lazy imports, arena, ORT's first runs
-        out["infer"] = await _timed(single, per * callers)
-        out["infer"]["ran"] = where()
-        out["infer_many"] = await _timed(bulk, gper * (callers // BATCH or 1))
-        out["infer_many"]["ran"] = where()
+        out["infer"] = await _timed(single, n_single)
+        out["infer"]["ran"] = ran_on(rt)
+        out["infer_many"] = await _timed(bulk, n_bulk)
+        out["infer_many"]["ran"] = ran_on(rt)
     return out
 
 
