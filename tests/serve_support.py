@@ -129,7 +129,10 @@ def prepared_home(tmp_path_factory: Any) -> Optional[pathlib.Path]:
     if "home" not in _PREPARED:
         from lumen_core import models
 
-        home = tmp_path_factory.mktemp("lumen_home")
+        # LUMEN_TEST_HOME: a developer's store reused across test sessions (prepare skips what
+        # is up to date there); unset (CI), a fresh temporary one
+        reuse = os.environ.get("LUMEN_TEST_HOME")
+        home = pathlib.Path(reuse) if reuse else tmp_path_factory.mktemp("lumen_home")
         models.prepare(home=home)
         _PREPARED["home"] = home
     return _PREPARED["home"]
