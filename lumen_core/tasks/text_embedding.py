@@ -1,7 +1,7 @@
 """``text_embedding`` backend (task ``text_embed``): sentence embeddings from a BERT-style ONNX model.
 
 Raw route: ``text/plain`` (strict decoding, UTF-8 unless the mime's ``charset`` names another
-Python codec) -> WordPiece ids with the model's ``tokenizers`` tokenizer, truncated to
+Python codec) -> token ids with the model's ``tokenizers`` tokenizer, truncated to
 ``max_seq_length`` tokens including [CLS]/[SEP].  Tensor route: int64 ``[1, L]`` ``NL`` token
 ids with preprocess id ``bert_wordpiece_uncased_v1``; the descriptor parser enforces the dtype,
 layout and ``1 <= L <= max_seq_length``, this backend checks every id against the vocabulary
@@ -22,9 +22,16 @@ stall the loop: payloads above ``INLINE_PREPARE_MAX_BYTES`` go to a worker threa
 honours ``inline_prepare_max_bytes``) and use ``encode_batch``, which releases the GIL.  Long
 texts are never tokenized in full when a prefix proves enough (see :meth:`_count_ids`).
 
-The model's graph I/O (input / mask / output names, token dtype, embedding size, default and
-largest sequence length) is defined once, in :mod:`lumen_core.models.minilm`; a configured
-``model`` must have the same I/O.
+Which model, and how to feed it: :mod:`.text_source` resolves the task's ``model_id`` (a
+model in the store: the built-in MiniLM or one ``lumen models import`` made), ``model =
+"folder"`` (a sentence-transformers folder, prepared once) or ``model = "file.onnx"``; the
+prepared directory's ``"text_model"`` block (:mod:`lumen_core.models.text_model`) gives the
+embedding size, ``max_seq_length``, lower-casing, pad id, prompts and normalisation.  The graph
+I/O names (input / mask / outputs, token dtype) are those of :mod:`lumen_core.models.minilm`
+for every text model.  A model's prompts are applied by :mod:`.text_prompts` (option
+``prompt_name``); the compiled fast path applies the default prompt too.  The preprocess id of
+the tensor route is the tokenizer's (``text_source.preprocess_id``): ``bert_wordpiece_uncased_v1``
+for the MiniLM's vocabulary, ``tokenizer_<hash>_v1`` for another.
 
 Batching: the backend asks the dynamic batcher for length-aware formation with a token budget
 (``max_batch_tokens``), see ``lumen_core/batching/dynamic.py``.
@@ -81,38 +88,38 @@ from ..errors import (
     InvalidArgument,
     PayloadTooLarge,
 )
-from ..models import MINILM, MINILM_INT8, MODEL_FILE, model_card, require_model
+from ..models import MINILM, MINILM_INT8, require_model
 from ..models.minilm import (
     ATTENTION_MASK,
     EMBEDDING_DIM,
     INPUT_IDS,
-    MAX_POSITIONS,
     MAX_SEQ_LENGTH,
     OUTPUT,
     OUTPUT_DTYPE,
-    PAD_TOKEN_ID,
     POOLED,
     TOKEN_DTYPE,
-    TOKENIZER_FILE,
 )
+from ..models.text_model import KIND_EMBED
 from ..request import new_infer_request
 from .base import TaskBackend, split_outputs
 from .charset import DEFAULT_CHARSET, codec_for
 from .embedding_output import EmbeddingOutputs, shape_embedding
+from .text_prompts import OPT_PROMPT_NAME, Prompts
 from .text_reduce import Reducer
+from .text_source import BERT_UNCASED_PREPROCESS_ID, preprocess_id, resolve
 
 TASK_NAME = "text_embed"
 #: the same embeddings from the int8 model (default runtime, when prepared)
 INT8_TASK_NAME = "text_embed_int8"
-#: prepared models a text_embedding task may name by ``model_id`` (graph I/O of minilm.py)
-PREPARED_MODELS = (MINILM, MINILM_INT8)
 BACKEND_NAME = "text_embedding"
-PREPROCESS_ID = "bert_wordpiece_uncased_v1"
+#: the preprocess id of all-MiniLM-L6-v2's token ids (other tokenizers: text_source.py)
+PREPROCESS_ID = BERT_UNCASED_PREPROCESS_ID
 TEXT_MIME = "text/plain"
 LAYOUT = "NL"
 #: numpy dtype of token ids (the model's, little-endian as on the wire)
 TOKEN_NP = DTYPES[TOKEN_DTYPE]
-#: tokens per input (incl. [CLS]/[SEP]) unless ``options.max_seq_length`` says otherwise
+#: all-MiniLM-L6-v2's tokens per input (incl. [CLS]/[SEP]); another model's come from its
+#: "text_model" block, and ``options.max_seq_length`` may lower either
 DEFAULT_MAX_SEQ_LENGTH = MAX_SEQ_LENGTH
 #: token budget of one batch (rows x padded length), see batching/dynamic.py; 0 = length-blind
 DEFAULT_MAX_BATCH_TOKENS = 8192
@@ -181,13 +188,15 @@ class TextEmbeddingBackend(TaskBackend):
         OPT_NORMALIZE: "false: the mean-pooled vector before L2 normalisation (default true)",
         OPT_TRUNCATE: "false: a text over max_seq_length tokens is a 413 instead of cut "
                       "(default true)",
+        OPT_PROMPT_NAME: "the model's prompt put before the text (default: the model's "
+                         "default prompt, if any; GET /v1/tasks lists its prompts)",
     }
     options_schema = (
         Option("tokenizer", str, None, "path of the model's tokenizer.json; default: the "
                                        "tokenizer.json beside the model"),
-        Option("max_seq_length", int, DEFAULT_MAX_SEQ_LENGTH,
-               "tokens per input, [CLS] and [SEP] included; longer texts are truncated",
-               lo=2, hi=MAX_POSITIONS),
+        Option("max_seq_length", int, None,
+               "tokens per input, [CLS] and [SEP] included; longer texts are truncated "
+               "(default: the model's max_seq_length; at most its max_positions)", lo=2),
         Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
                "token budget of one batch (rows x padded length); 0: length-blind batching",
                lo=0, hi=MAX_BATCH_TOKENS),
@@ -196,7 +205,7 @@ class TextEmbeddingBackend(TaskBackend):
     def __init__(self, config):
         super().__init__(config)
         self.tokenizer: Any = None
-        self.max_seq_length: int = self.options["max_seq_length"]
+        self.max_seq_length: int = self.options["max_seq_length"] or DEFAULT_MAX_SEQ_LENGTH
         self.max_batch_tokens: int = self.options["max_batch_tokens"]
         self.vocab_size = 0
         self.model_id = ""
@@ -206,60 +215,65 @@ class TextEmbeddingBackend(TaskBackend):
         self._reducer: Optional[Reducer] = None  # built at load (or the first long text)
         self.has_pooled = False  # the model outputs POOLED (normalize=false is served)
         self.model_card: Optional[dict] = None  # a prepared model's card (models.model_card)
+        self.dim = EMBEDDING_DIM
+        self.normalized = True  # the model's embedding is L2-normalised
+        self.prompts = Prompts({}, None, False)
+        self.preprocess_id = PREPROCESS_ID
+        self.text_model: dict = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
         cfg = self.config
-        src, key = cfg.source, cfg.key
-        model_path, tok_default = self._model_files()
-        tok_path = self.options["tokenizer"] or tok_default
+        src = resolve(cfg, KIND_EMBED, BACKEND_NAME)
+        tm = src.text_model
+        tok_path = self.options["tokenizer"] or src.tokenizer_path
         if not os.path.isfile(tok_path):
-            raise ConfigError(src, f"{key}.options.tokenizer",
+            raise ConfigError(cfg.source, f"{cfg.key}.options.tokenizer",
                               f"must name the model's tokenizer.json; no such file: {tok_path!r}")
+        asked = self.options["max_seq_length"]
+        if asked is not None and asked > tm.max_positions:
+            raise ConfigError(cfg.source, f"{cfg.key}.options.max_seq_length",
+                              f"must be at most {tm.max_positions} (the positions of model "
+                              f"{src.model_id!r}), got {asked}")
+        self.max_seq_length = asked or tm.max_seq_length
         self._load_tokenizer(tok_path)
-        self.model_id = cfg.model_id or MINILM
-        self.has_pooled = self._model_has_pooled(model_path)
-        if not cfg.model:  # a prepared model (not a configured file): what it is and measured
-            self.model_card = model_card(self.model_id if self.model_id in PREPARED_MODELS
-                                         else MINILM)
+        self.model_id = src.model_id
+        self.dim, self.normalized = tm.dimension, tm.normalize
+        self.prompts = Prompts(tm.prompts, tm.default_prompt_name, tm.do_lower_case)
+        self.has_pooled = self._model_has_pooled(src)
+        self.model_card = src.card
+        self.text_model = {"architecture": tm.architecture, "pooling": tm.pooling,
+                           "normalize": tm.normalize, "do_lower_case": tm.do_lower_case,
+                           **({"source": tm.source} if tm.source else {})}
+        self.preprocess_id = pp = preprocess_id(tok_path, self.model_id)
         self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
-                                    None, LAYOUT, PREPROCESS_ID)
+                                    None, LAYOUT, pp)
         self.contract = TensorContract(
-            specs=(TensorSpec(TOKEN_DTYPE, LAYOUT, frozenset({PREPROCESS_ID}),
+            specs=(TensorSpec(TOKEN_DTYPE, LAYOUT, frozenset({pp}),
                               ((1, 1), (1, self.max_seq_length))),),
             model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids=frozenset({PREPROCESS_ID}))
+            raw_preprocess_ids=frozenset({pp}))
         self.model = ModelSpec(
-            model_path,
-            [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=PAD_TOKEN_ID, mask_name=ATTENTION_MASK,
-                         mask_dtype=TOKEN_NP)],
-            [OutputSpec(name, DTYPES[OUTPUT_DTYPE], (EMBEDDING_DIM,))
+            src.model_path,
+            [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=tm.pad_token_id,
+                         mask_name=ATTENTION_MASK, mask_dtype=TOKEN_NP)],
+            [OutputSpec(name, DTYPES[OUTPUT_DTYPE], (self.dim,))
              for name in ((OUTPUT, POOLED) if self.has_pooled else (OUTPUT,))])
         return self.model
 
-    def _model_has_pooled(self, model_path: str) -> bool:
-        """Whether the model has the mean-pooled output (``normalize=false``): every prepared
-        model at its current revision does (``require_model`` checks it); a configured file
-        is read."""
-        if not self.config.model:
+    def _model_has_pooled(self, src) -> bool:
+        """Whether the model has the pooled output (``normalize=false``): every prepared
+        model at its current revision does (``require_model`` and the importer see to it); a
+        configured file is read, and its ``embedding`` output's size, when fixed, is the
+        embedding size."""
+        if src.prepared:
             return True
-        _, outputs = read_io(model_path)
-        return any(name == POOLED and dtype == OUTPUT_DTYPE and dims[-1:] == (EMBEDDING_DIM,)
+        _, outputs = read_io(src.model_path)
+        for name, _, dims in outputs:
+            if name == OUTPUT and dims and isinstance(dims[-1], int):
+                self.dim = dims[-1]
+        return any(name == POOLED and dtype == OUTPUT_DTYPE and dims[-1:] == (self.dim,)
                    for name, dtype, dims in outputs)
-
-    def _model_files(self) -> tuple:
-        """(model.onnx, default tokenizer path): the configured file, else the prepared model."""
-        cfg = self.config
-        if cfg.model:
-            if not os.path.isfile(cfg.model):
-                raise ConfigError(cfg.source, f"{cfg.key}.model",
-                                  f"no such file: {cfg.model} (leave it out to use the prepared "
-                                  f"all-MiniLM-L6-v2 from `lumen models prepare`)")
-            return cfg.model, os.path.join(os.path.dirname(cfg.model), TOKENIZER_FILE)
-        # the prepared model the task names (the int8 one), else the fp32 MiniLM; either way
-        # require_model names `lumen models prepare` if it is absent
-        directory = require_model(cfg.model_id if cfg.model_id in PREPARED_MODELS else MINILM)
-        return str(directory / MODEL_FILE), str(directory / TOKENIZER_FILE)
 
     def _load_tokenizer(self, path: str) -> None:
         from tokenizers import Tokenizer
@@ -285,7 +299,9 @@ class TextEmbeddingBackend(TaskBackend):
         C: the same ids and item :meth:`prepare_raw` makes for it."""
         mimes = frozenset({TEXT_MIME, f"{TEXT_MIME}; charset={DEFAULT_CHARSET}",
                            f"{TEXT_MIME};charset={DEFAULT_CHARSET}"})
-        return native.dispatch.TextPrep(self.tokenizer.encode, self._signature,
+        # a default prompt or lower-casing is applied by the encoder it is given
+        return native.dispatch.TextPrep(self.prompts.encoder(self.tokenizer.encode),
+                                         self._signature,
                                          self.max_seq_length,
                                          min(LONG_TEXT_CHARS, self.inline_prepare_max_bytes), mimes)
 
@@ -298,17 +314,20 @@ class TextEmbeddingBackend(TaskBackend):
                           dtype=TOKEN_NP)
         return [
             new_infer_request(self.name).for_raw_input(b"lumen warm-up", TEXT_MIME).build(),
-            new_infer_request(self.name).for_tensor_array(longest, LAYOUT, PREPROCESS_ID).build(),
+            new_infer_request(self.name).for_tensor_array(longest, LAYOUT,
+                                                          self.preprocess_id).build(),
         ]
 
     def describe(self) -> dict:
         return {**super().describe(), "max_seq_length": self.max_seq_length,
-                "max_batch_tokens": self.max_batch_tokens, "outputs": {OUTPUT: [OUTPUT_DTYPE, [EMBEDDING_DIM]]},
-                "embedding": {"output": OUTPUT, "dim": EMBEDDING_DIM, "normalized": True,
+                "max_batch_tokens": self.max_batch_tokens,
+                "outputs": {OUTPUT: [OUTPUT_DTYPE, [self.dim]]},
+                "embedding": {"output": OUTPUT, "dim": self.dim, "normalized": self.normalized,
                               "normalize_false": self.has_pooled,
                               "types": dict(EMBEDDING_TYPES),
                               "quant_range": list(EMBEDDING_QUANT_RANGE)},
-                "tokenizer": PREPROCESS_ID,
+                "tokenizer": self.preprocess_id, "model_id": self.model_id,
+                "text_model": {"kind": KIND_EMBED, **self.text_model}, **self.prompts.describe(),
                 **({"model_card": self.model_card} if self.model_card else {})}
 
     # -- options ----------------------------------------------------------------------------
@@ -325,12 +344,13 @@ class TextEmbeddingBackend(TaskBackend):
                 f"L2 normalisation, which the prepared MiniLM graphs have since lumen-core's "
                 f"recipe revision 3: a file prepared earlier gets it from `lumen models "
                 f"prepare`); omit normalize (or send true)", OPT_NORMALIZE)
-        dims, etype = embedding_options(meta, EMBEDDING_DIM)
-        if pooled and etype in ("int8", "uint8"):
+        dims, etype = embedding_options(meta, self.dim)
+        if (pooled or not self.normalized) and etype in ("int8", "uint8"):
             raise InvalidArgument(
                 f"embedding_type {etype!r} quantises over the fixed range "
                 f"[{EMBEDDING_QUANT_RANGE[0]:g}, {EMBEDDING_QUANT_RANGE[1]:g}] meant for unit vectors and would clip the "
-                f"mean-pooled vector normalize=false returns; send normalize=true with it, or "
+                f"vector {'normalize=false returns' if pooled else 'this model returns (not unit length)'}"
+                f"; send normalize=true with it, or "
                 f"embedding_type float, binary or ubinary", OPT_NORMALIZE)
         if not dims and etype == "float" and not truncated and not pooled:
             return None
@@ -352,7 +372,8 @@ class TextEmbeddingBackend(TaskBackend):
             # (a non-finite pooled row makes its normalised row non-finite: already withheld)
             vec = pooled[i] if opts.pooled and pooled is not None else out[OUTPUT]
             if opts.dims or opts.etype != "float":
-                vec = shape_embedding(vec, opts.dims, opts.etype, not opts.pooled)
+                vec = shape_embedding(vec, opts.dims, opts.etype,
+                                      not opts.pooled and self.normalized)
             out = {**out, OUTPUT: vec}
             res[i] = EmbeddingOutputs(out, {RESP_TRUNCATED: "true"}) if opts.truncated else out
         return res
@@ -449,6 +470,8 @@ class TextEmbeddingBackend(TaskBackend):
                                   f"one character (send token ids [CLS, SEP] as a tensor for the "
                                   f"embedding of no text)", "payload")
         truncate = _flag(req.meta, OPT_TRUNCATE) if req.meta else None
+        if not self.prompts.identity or req.meta:
+            text = self.prompts.apply(text, req.meta, self.name)
         try:
             ids, truncated = self._count_ids(text, off_loop, truncate is not False)
         except TypeError:  # tokenizers refuses str with lone surrogates (e.g. from utf-7)
@@ -475,6 +498,7 @@ class TextEmbeddingBackend(TaskBackend):
         # a writable buffer could change between this check and batch assembly: own a copy
         tensor = ids.copy() if not payload.readonly else payload
         _flag(req.meta, OPT_TRUNCATE)  # checked; token ids are never cut (L is bounded above)
+        self.prompts.check_tensor(req.meta, self.name)
         return EmbedRequest(self._signature, (tensor,), ids.shape[0], self._options(req, False))
 
     def _token_ids(self, text: str, off_loop: bool) -> list:
