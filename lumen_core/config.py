@@ -592,7 +592,8 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
         raise r.err("name", "is required (the task name requests route on)")
     backend = r.get("backend", str, "")
     if not backend:
-        raise r.err("backend", "is required (onnx, text_embedding, vad, image_embedding, ...)")
+        raise r.err("backend", "is required (onnx, text_embedding, rerank, vad, "
+                               "image_embedding, ...)")
     cfg = TaskConfig(name=name, backend=backend, source=source, key=key)
     cfg.model = _resolve_model(r.get("model", str, ""), base_dir)
     cfg.model_id = r.get("model_id", str, "")

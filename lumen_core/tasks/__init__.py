@@ -15,6 +15,7 @@ BACKENDS = {
     "image_embedding": "lumen_core.tasks.image_embedding:ImageEmbeddingBackend",
     "vad": "lumen_core.tasks.vad:VadBackend",
     "ocr": "lumen_core.tasks.ocr:OcrBackend",
+    "rerank": "lumen_core.tasks.rerank:RerankBackend",
 }
 
 #: the built-in default tasks: name -> "module:function" returning the task's ``[[tasks]]``

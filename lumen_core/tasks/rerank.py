@@ -1,0 +1,303 @@
+"""``rerank`` backend: relevance scores of (query, document) pairs from a cross-encoder.
+
+The model is a prepared text model of kind ``"rerank"`` (``lumen models import`` of a
+``*ForSequenceClassification`` folder, or ``model = "folder"``; :mod:`.text_source`): graph
+inputs ``input_ids`` / ``attention_mask`` int64 ``[N, L]``, output ``logits`` fp32 ``[N, 1]``,
+the raw score before the sigmoid.  Token type ids are derived inside the graph, so a pair is
+one ragged row and pairs batch by length exactly like texts do (``RaggedInput``, length-aware
+formation under ``max_batch_tokens``).
+
+A request is one document: raw ``text/plain`` payload (the document) with the plain option
+``query``; the HTTP routes (``POST /rerank``, ``POST /v1/rerank``: ``serve/rerank.py``) submit
+the documents of one call together (``Runtime.infer_many``), so they batch together.  The
+tensor route takes the pair's token ids as the tokenizer makes them (``[1, L]`` ``NL`` under
+the tokenizer's preprocess id).
+
+Encoding, as sentence-transformers' ``CrossEncoder`` does (its tokenizer called on the pair,
+``truncation="longest_first"``, ``max_length``): the tokenizer's pair encoding (its post
+processor's template: ``[CLS] q [SEP] d [SEP]``, ``<s> q </s></s> d </s>``, ...), both sides
+cut by the Rust tokenizers' longest-first rule (:func:`longest_first`) to ``max_seq_length``
+tokens including the special ones.  A long document is tokenized by prefix (the rule only
+needs its first ``max(budget, query tokens) + 1`` tokens), so a 16 MB document costs what a
+page costs; a query is tokenized whole (at most ``MAX_QUERY_CHARS`` characters) and once per
+call (a small cache keyed by the query text).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from ..batching.signature import signature
+from ..config import Option
+from ..contract import TensorContract, TensorSpec
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
+from ..errors import ConfigError, InvalidArgument, PayloadTooLarge
+from ..models.minilm import ATTENTION_MASK, INPUT_IDS, TOKEN_DTYPE
+from ..models.text_model import KIND_RERANK
+from ..request import new_infer_request
+from .base import TaskBackend
+from .charset import codec_for
+from .text_reduce import Reducer
+from .text_source import preprocess_id, resolve
+
+BACKEND_NAME = "rerank"
+TEXT_MIME = "text/plain"
+LAYOUT = "NL"
+TOKEN_NP = np.dtype("<i8")
+#: the graph's output: raw scores (logits) [N, num_labels]
+LOGITS = "logits"
+#: the plain request options (TEI's names where TEI has one)
+OPT_QUERY = "query"
+OPT_TRUNCATE = "truncate"
+DEFAULT_MAX_BATCH_TOKENS = 8192
+MAX_BATCH_TOKENS = 1 << 24
+INLINE_PREPARE_MAX_BYTES = 4096
+#: documents up to this many characters are tokenized whole; longer ones prefix-first
+LONG_TEXT_CHARS = 2048
+PREFIX_GROWTH = 4
+#: the longest query (characters): tokenized whole, on the event loop
+MAX_QUERY_CHARS = 16384
+#: queries whose token ids are kept (one call's documents share its query)
+QUERY_CACHE_SIZE = 64
+
+
+def longest_first(n_a: int, n_b: int, budget: int) -> tuple:
+    """How many tokens of each side a pair keeps under ``budget`` (the tokens left after the
+    special ones): the Rust ``tokenizers`` LongestFirst rule, which ``CrossEncoder`` runs.  The
+    shorter side keeps what it has unless even half the budget is too little for it; the
+    longer side gets the rest; both over half: halves, the odd token to the longer side."""
+    if n_a + n_b <= budget:
+        return n_a, n_b
+    swap = n_a > n_b
+    n1, n2 = (n_b, n_a) if swap else (n_a, n_b)  # n1: the shorter
+    n2 = n1 if n1 > budget else max(n1, budget - n1)
+    if n1 + n2 > budget:
+        n1 = budget // 2
+        n2 = n1 + budget % 2
+    return (n2, n1) if swap else (n1, n2)
+
+
+class RerankBackend(TaskBackend):
+    raw_mimes = (TEXT_MIME,)
+    accepts_text = True
+    inline_prepare_max_bytes = INLINE_PREPARE_MAX_BYTES
+    request_options = {
+        OPT_QUERY: "the query the document (the payload) is scored against (required)",
+        OPT_TRUNCATE: "false: a pair over max_seq_length tokens is a 413 instead of cut "
+                      "(default true)",
+    }
+    options_schema = (
+        Option("tokenizer", str, None, "path of the model's tokenizer.json; default: the "
+                                       "tokenizer.json beside the model"),
+        Option("max_seq_length", int, None,
+               "tokens per pair, special tokens included; longer pairs are cut longest-first "
+               "(default: the model's max_seq_length; at most its max_positions)", lo=3),
+        Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
+               "token budget of one batch (rows x padded length); 0: length-blind batching",
+               lo=0, hi=MAX_BATCH_TOKENS),
+    )
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tokenizer: Any = None
+        self.max_seq_length = 0
+        self.max_batch_tokens: int = self.options["max_batch_tokens"]
+        self.model_id = ""
+        self.preprocess_id = ""
+        self.vocab_size = 0
+        self.num_labels = 1
+        self._signature: Any = None
+        self._pre: list = []  # the pair template's special tokens: before a, between, after b
+        self._mid: list = []
+        self._post: list = []
+        self._budget = 0
+        self._reducer: Optional[Reducer] = None
+        self._queries: dict = {}
+        self._lower = False
+        self.text_model: dict = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def load(self) -> ModelSpec:
+        cfg = self.config
+        src = resolve(cfg, KIND_RERANK, BACKEND_NAME)
+        tm = src.text_model
+        tok_path = self.options["tokenizer"] or src.tokenizer_path
+        if not os.path.isfile(tok_path):
+            raise ConfigError(cfg.source, f"{cfg.key}.options.tokenizer",
+                              f"must name the model's tokenizer.json; no such file: {tok_path!r}")
+        asked = self.options["max_seq_length"]
+        if asked is not None and asked > tm.max_positions:
+            raise ConfigError(cfg.source, f"{cfg.key}.options.max_seq_length",
+                              f"must be at most {tm.max_positions} (the positions of model "
+                              f"{src.model_id!r}), got {asked}")
+        self.max_seq_length = asked or tm.max_seq_length
+        self._load_tokenizer(tok_path)
+        self.model_id, self.num_labels = src.model_id, tm.num_labels
+        self.text_model = {"kind": KIND_RERANK, "architecture": tm.architecture,
+                           "do_lower_case": tm.do_lower_case, "num_labels": tm.num_labels,
+                           **({"source": tm.source} if tm.source else {})}
+        self._lower = tm.do_lower_case
+        self.preprocess_id = pp = preprocess_id(tok_path, self.model_id)
+        self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
+                                    None, LAYOUT, pp)
+        self.contract = TensorContract(
+            specs=(TensorSpec(TOKEN_DTYPE, LAYOUT, frozenset({pp}),
+                              ((1, 1), (1, self.max_seq_length))),),
+            model_id=self.model_id, model_version=cfg.model_version,
+            raw_preprocess_ids=frozenset({pp}))
+        self.model = ModelSpec(
+            src.model_path,
+            [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=tm.pad_token_id,
+                         mask_name=ATTENTION_MASK, mask_dtype=TOKEN_NP)],
+            [OutputSpec(LOGITS, np.dtype(np.float32), (tm.num_labels,))])
+        return self.model
+
+    def _load_tokenizer(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(path)
+        tok.no_truncation()  # ours: longest_first over the two sides' ids
+        tok.no_padding()
+        probe = tok.encode("a", "b")
+        seq, ids = probe.sequence_ids, probe.ids
+        first = [i for i, s in enumerate(seq) if s == 0]
+        second = [i for i, s in enumerate(seq) if s == 1]
+        if not first or not second or first[-1] > second[0]:
+            raise ConfigError(self.config.source, f"{self.config.key}.model",
+                              f"the tokenizer {path} has no pair encoding (its post-processor "
+                              f"does not join two texts); a cross-encoder needs one")
+        self._pre, self._mid = ids[:first[0]], ids[first[-1] + 1:second[0]]
+        self._post = ids[second[-1] + 1:]
+        self._budget = self.max_seq_length - len(self._pre) - len(self._mid) - len(self._post)
+        if self._budget < 2:
+            raise ConfigError(self.config.source, f"{self.config.key}.options.max_seq_length",
+                              f"must leave room for a query and a document token after the "
+                              f"{self.max_seq_length - self._budget} special tokens of a pair")
+        self.tokenizer = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._reducer = Reducer(tok)
+
+    def batching_options(self) -> dict:
+        return {"max_batch_tokens": self.max_batch_tokens}
+
+    def warmup_requests(self) -> list:
+        longest = np.full((1, self.max_seq_length), self._pre[0] if self._pre else 0,
+                          dtype=TOKEN_NP)
+        return [
+            new_infer_request(self.name).for_raw_input(b"lumen warm-up document", TEXT_MIME)
+            .with_meta(OPT_QUERY, "warm-up query").build(),
+            new_infer_request(self.name).for_tensor_array(longest, LAYOUT,
+                                                          self.preprocess_id).build(),
+        ]
+
+    def describe(self) -> dict:
+        return {**super().describe(), "model_id": self.model_id,
+                "max_seq_length": self.max_seq_length, "max_batch_tokens": self.max_batch_tokens,
+                "outputs": {LOGITS: ["fp32", [self.num_labels]]},
+                "rerank": {"output": LOGITS, "num_labels": self.num_labels,
+                           "score": "sigmoid(logit); raw_scores: the logit"},
+                "text_model": self.text_model, "tokenizer": self.preprocess_id}
+
+    # -- request path -----------------------------------------------------------------------
+    def prepare_raw(self, req, desc, payload: Any, mime: str, params: dict) -> PreparedModelRequest:
+        if type(payload) is str:
+            doc = payload
+            off_loop = len(doc) > self.inline_prepare_max_bytes
+        else:
+            codec = codec_for(params.get("charset"))
+            try:
+                doc = str(payload, codec)
+            except UnicodeError as exc:
+                raise InvalidArgument(f"the document is not valid {codec} text ({exc}); send "
+                                      f"{codec} or name the right charset", "payload") from None
+            off_loop = payload.nbytes > self.inline_prepare_max_bytes
+        meta = req.meta or {}
+        query = meta.get(OPT_QUERY)
+        if not isinstance(query, str) or not query:
+            raise InvalidArgument(f"task {self.name!r} scores a document against a query: send "
+                                  f"the query as the option {OPT_QUERY!r} (a non-empty string)",
+                                  OPT_QUERY)
+        if not doc:
+            raise InvalidArgument("the document is empty; send at least one character",
+                                  "payload")
+        truncate = meta.get(OPT_TRUNCATE, True)
+        if isinstance(truncate, str):
+            if truncate not in ("true", "false", "1", "0"):
+                raise InvalidArgument(f"{OPT_TRUNCATE} must be 'true' or 'false', got "
+                                      f"{truncate[:20]!r}", OPT_TRUNCATE)
+            truncate = truncate in ("true", "1")
+        try:
+            ids, total = self.pair_ids(query, doc, off_loop)
+        except TypeError:  # lone surrogates
+            raise InvalidArgument("the query or document holds unpaired surrogate code points, "
+                                  "which is not text", "payload") from None
+        if total and not truncate:
+            raise PayloadTooLarge(f"the pair is {total}+ tokens; task {self.name!r} takes at most "
+                                  f"{self.max_seq_length} (max_seq_length) and truncate=false "
+                                  f"was sent: shorten it or allow truncation", "payload")
+        return PreparedModelRequest(self._signature, (np.array(ids, dtype=TOKEN_NP),), (),
+                                    len(ids))
+
+    def prepare_tensor(self, req, desc, payload: memoryview) -> PreparedModelRequest:
+        ids = np.frombuffer(payload, dtype=TOKEN_NP)
+        if int(ids.view("<u8").max()) >= self.vocab_size:
+            pos = int(np.argmax(ids.view("<u8") >= self.vocab_size))
+            raise InvalidArgument(f"token id {int(ids[pos])} at position {pos} is outside the "
+                                  f"vocabulary [0, {self.vocab_size}) of {self.model_id}",
+                                  "payload")
+        tensor = ids.copy() if not payload.readonly else payload
+        return PreparedModelRequest(self._signature, (tensor,), (), ids.shape[0])
+
+    # -- pair encoding ----------------------------------------------------------------------
+    def pair_ids(self, query: str, doc: str, off_loop: bool = False) -> tuple:
+        """``(ids, n)``: the pair's token ids as CrossEncoder feeds them, and 0 when nothing
+        was cut, else (a lower bound of) the uncut pair's token count."""
+        q = self._query_ids(query)
+        d = self._doc_ids(doc, max(self._budget, len(q)) + 1, off_loop)
+        a, b = longest_first(len(q), len(d), self._budget)
+        cut = a < len(q) or b < len(d)
+        ids = self._pre + q[:a] + self._mid + d[:b] + self._post
+        return ids, (len(q) + len(d) + len(ids) - a - b) if cut else 0
+
+    def _prepped(self, text: str) -> str:
+        return text.lower() if self._lower else text
+
+    def _query_ids(self, query: str) -> list:
+        ids = self._queries.get(query)
+        if ids is None:
+            if len(query) > MAX_QUERY_CHARS:
+                raise PayloadTooLarge(f"the query is {len(query)} characters; at most "
+                                      f"{MAX_QUERY_CHARS}", OPT_QUERY)
+            ids = self.tokenizer.encode(self._prepped(query), add_special_tokens=False).ids
+            if len(self._queries) >= QUERY_CACHE_SIZE:
+                self._queries.pop(next(iter(self._queries)))
+            self._queries[query] = ids
+        return ids
+
+    def _doc_ids(self, doc: str, need: int, off_loop: bool) -> list:
+        """The document's ids (no special tokens): all of them, or a prefix's when that prefix
+        has more than ``need`` tokens and provably the whole text's first ``need``."""
+        tok = self.tokenizer
+        if off_loop:
+            def encode(s: str) -> Any:
+                return tok.encode_batch([s], add_special_tokens=False)[0]
+        else:
+            def encode(s: str) -> Any:
+                return tok.encode(s, add_special_tokens=False)
+        doc = self._prepped(doc)
+        n = len(doc)
+        if n <= LONG_TEXT_CHARS:
+            return encode(doc).ids
+        reducer = self._reducer if self._reducer is not None and self._reducer.ok else None
+        margin = reducer.cut_words if reducer is not None else 1
+        p = LONG_TEXT_CHARS
+        while p < n:
+            enc = encode(reducer(doc[:p]) if reducer is not None else doc[:p])
+            words = enc.word_ids
+            if len(words) > need and words[need - 1] is not None and words[-1] is not None \
+                    and words[need - 1] + margin <= words[-1]:
+                return enc.ids
+            p *= PREFIX_GROWTH
+        return encode(reducer(doc) if reducer is not None else doc).ids
