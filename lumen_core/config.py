@@ -107,6 +107,12 @@ class ServerConfig:
     shm_max_regions: int = DEFAULT_SHM_MAX_REGIONS
     #: OpenTelemetry spans per request and per batch (``tracing.py``; also ``LUMEN_TRACING=1``)
     tracing: bool = False
+    #: the embedding task TEI's own routes serve (``POST /embed``, ``POST /``, ``GET /info``);
+    #: empty: the only embedding task, else the first (``serve/tei.py``)
+    tei_task: str = ""
+    #: the rerank task of TEI's ``POST /rerank`` and of ``POST /v1/rerank`` without a
+    #: ``model``; empty: the first rerank task (``serve/rerank.py``)
+    rerank_task: str = ""
 
     def __repr__(self) -> str:  # never print the keys
         secret = ("api_keys", "admin_api_keys")
@@ -763,6 +769,8 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         shm_max_regions=srv.get("shm_max_regions", int, DEFAULT_SHM_MAX_REGIONS, lo=1,
                                 hi=MAX_SHM_REGIONS),
         tracing=srv.get("tracing", bool, False),
+        tei_task=srv.get("tei_task", str, ""),
+        rerank_task=srv.get("rerank_task", str, ""),
     )
     if set(server.admin_api_keys) & set(server.api_keys):
         raise srv.err("admin_api_keys", "a key may not be both an inference key (api_keys) and "
@@ -780,6 +788,12 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
             raise ConfigError(source, f"tasks[{i}].name", f"duplicate task name {tc.name!r}")
         seen.add(tc.name)
         tasks.append(tc)
+    for key in ("tei_task", "rerank_task"):  # the routes that serve one task name one
+        named = getattr(server, key)
+        if named and tasks and named not in seen:
+            raise ConfigError(source, f"server.{key}",
+                              f"names no configured task: {named!r} (tasks: "
+                              f"{', '.join(sorted(seen))})")
     root.finish()
     return LumenConfig(server=server, tasks=tasks, source=source)
 

@@ -16,9 +16,11 @@ the manifest with the block).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import pathlib
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Optional
 
 from . import minilm
@@ -175,3 +177,10 @@ def find_prepared(name: str, models_root: pathlib.Path) -> Optional[pathlib.Path
     if manifest is None or not outputs_intact(directory, manifest, deep=False):
         return None
     return directory
+
+
+def importer() -> ModuleType:
+    """``lumen_core.models.st_import``, the folder importer, loaded when a folder or ``lumen
+    models import`` needs it (it pulls in the graph builders; a server of prepared models never
+    loads it).  ImportError when this build has none."""
+    return importlib.import_module(f"{__package__}.st_import")

@@ -62,6 +62,8 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
 from .oip import OipRoutes
 from .openai import OpenAiRoutes
+from .rerank import RerankRoutes
+from .tei import TeiRoutes
 
 log = logging.getLogger("lumen.http")
 #: one line per finished request when the access log is on (never a header or a body)
@@ -77,6 +79,7 @@ OUTPUT_HEADER = "lumen-output"
 MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
 ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, POST /v1/tokenize, "
+               "POST /v1/rerank, TEI's POST /embed, /rerank and GET /info, "
                "GET /v1/tasks, /v1/admin/tasks, /v1/models, /healthz, /readyz, /metrics, "
                "the WebSocket /v1/stream/{task}, and the Open Inference Protocol under /v2 "
                "(GET /v2, /v2/models/{task}, POST /v2/models/{task}/infer)")
@@ -141,6 +144,8 @@ class HttpApp:
             Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
             Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
             *OpenAiRoutes(self).routes(),  # embeddings, tokenize, models (openai.py)
+            *TeiRoutes(self).routes(),  # TEI's /embed, / and /info (tei.py)
+            *RerankRoutes(self).routes(),  # /rerank (TEI), /v1/rerank (Cohere) (rerank.py)
             *OipRoutes(self).routes(),  # the Open Inference Protocol under /v2 (oip.py)
             *AdminRoutes(self).routes(),  # versions, reloads, traffic (admin.py)
             # live speech segments over a WebSocket (ws.py)

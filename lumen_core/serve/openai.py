@@ -36,6 +36,8 @@ EMBEDDING_TYPES = tuple(EMBEDDING_TYPE_DTYPES)
 #: the boolean plain options of /v1/embeddings and /v1/tokenize, sent to the task as meta
 OPT_TRUNCATE = "truncate"
 OPT_NORMALIZE = "normalize"
+#: the prompt a text model puts before the text (TEI's name; tasks/text_prompts.py)
+OPT_PROMPT_NAME = "prompt_name"
 #: the most characters of an unknown model name quoted back
 MAX_NAME_ECHO = 200
 #: a lone UTF-16 surrogate (JSON can carry one as \ud800): no encoding can represent it
@@ -91,20 +93,39 @@ class OpenAiRoutes:
         obj = await self.app.json_body(request, "/v1/embeddings")
         model, items, fmt, meta = self._parse_embeddings(obj)
         note_task(model)  # the access line names the task (the path does not)
+        results = await self.embed_items(request, model, items, meta, "input")
+        data = []
+        tokens = 0
+        for i, res in enumerate(results):
+            vec = self.embedding_output(res)
+            emb: Any = (codec.b64_tensor(vec) if fmt == "base64"
+                        else vec.reshape(-1).tolist())
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+            if res.stats is not None:
+                tokens += res.stats.tokens
+        return _reply({"object": "list", "data": data, "model": model,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def embed_items(self, request: Request, model: str, items: list, meta: dict,
+                          field: str) -> list:
+        """The responses of embedding task ``model`` for ``items`` (texts or token-id lists),
+        each its own runtime request with ``meta`` (``/v1/embeddings``, TEI's ``/embed`` and
+        ``/``); the first error in index order answers the call, naming ``field[i]``."""
         desc = self._embedding_task(model)
         if desc is not None and (KEY_EMBEDDING_DIMENSIONS in meta or KEY_EMBEDDING_TYPE in meta) \
                 and not isinstance(desc.get("embedding"), dict):
-            field = "dimensions" if KEY_EMBEDDING_DIMENSIONS in meta else "embedding_type"
+            key = "dimensions" if KEY_EMBEDDING_DIMENSIONS in meta else "embedding_type"
             raise InvalidArgument(f"task {model!r} returns its embedding as the model gives it; "
-                                  f"it takes no {field!r} (omit the field)", field)
+                                  f"it takes no {key!r} (omit the field)", key)
         if desc is not None and KEY_EMBEDDING_DIMENSIONS in meta:
             dim = embedding_dim(desc)
-            if dim is not None and not 1 <= obj["dimensions"] <= dim:
+            asked = int(meta[KEY_EMBEDDING_DIMENSIONS])
+            if dim is not None and not 1 <= asked <= dim:
                 raise InvalidArgument(f"'dimensions' must be in 1..{dim} (the embedding size of "
-                                      f"{model!r}), got {obj['dimensions']}", "dimensions")
+                                      f"{model!r}), got {asked}", "dimensions")
         cid = request.headers.get("x-correlation-id", "")
         reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "",
-                                        "input" if len(items) == 1 else f"input[{i}]")
+                                        field if len(items) == 1 else f"{field}[{i}]")
                 for i, item in enumerate(items)]
         if meta:
             for r in reqs:
@@ -116,7 +137,7 @@ class OpenAiRoutes:
                     results = [await self.app.until_done_or_gone(request, rt.infer(reqs[0]))]
                 except LumenError as exc:
                     if exc.field == "payload":  # the body's name for the text
-                        exc.field = "input"
+                        exc.field = field
                     raise
             else:
                 # each item is its own request (batched by the runtime) and has its own
@@ -126,8 +147,8 @@ class OpenAiRoutes:
                 for i, res in enumerate(results):
                     if isinstance(res, LumenError):
                         if res.field == "payload":
-                            res.field = f"input[{i}]"
-                            res.message = f"input[{i}]: {res.message}"
+                            res.field = f"{field}[{i}]"
+                            res.message = f"{field}[{i}]: {res.message}"
                         raise res
         except TaskNotFound as exc:
             raise TaskNotFound(exc.message, "model") from None
@@ -135,17 +156,7 @@ class OpenAiRoutes:
             if exc.field in _OPTION_FIELDS:
                 raise InvalidArgument(exc.message, _OPTION_FIELDS[exc.field]) from None
             raise
-        data = []
-        tokens = 0
-        for i, res in enumerate(results):
-            vec = self._embedding_output(res)
-            emb: Any = (codec.b64_tensor(vec) if fmt == "base64"
-                        else vec.reshape(-1).tolist())
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-            if res.stats is not None:
-                tokens += res.stats.tokens
-        return _reply({"object": "list", "data": data, "model": model,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return results
 
     def _parse_embeddings(self, obj: Any) -> tuple:
         if not isinstance(obj, dict):
@@ -178,12 +189,7 @@ class OpenAiRoutes:
                                       f"float32 only, and the openai client asks for base64 "
                                       f"unless told otherwise)", "encoding_format")
             meta[KEY_EMBEDDING_TYPE] = etype
-        for key in (OPT_TRUNCATE, OPT_NORMALIZE):  # TEI's /embed flags, extensions here
-            flag = obj.get(key)
-            if flag is not None:
-                if not isinstance(flag, bool):
-                    raise InvalidArgument(f"'{key}' must be true or false, got {flag!r}", key)
-                meta[key] = "true" if flag else "false"
+        tei_options(obj, meta)  # TEI's /embed flags and prompt_name, extensions here
         inp = obj.get("input")
         if isinstance(inp, str):
             items: list = [inp]
@@ -251,12 +257,7 @@ class OpenAiRoutes:
         tokenizer contract stays the task's: the runtime builds that request)."""
         rt = self.runtime
         if isinstance(item, str):
-            if not item.isascii():
-                bad = _SURROGATE.search(item)
-                if bad is not None:
-                    raise InvalidArgument(f"{field} holds a lone UTF-16 surrogate "
-                                          f"(U+{ord(bad.group()):04X}) at character {bad.start()}:"
-                                          f" not a valid Unicode string", field)
+            check_text(item, field)
             return rt.text_request(model, item, cid)
         if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in item):
@@ -268,7 +269,8 @@ class OpenAiRoutes:
         raise InvalidArgument("each 'input' item must be a string or an array of token ids", "input")
 
     @staticmethod
-    def _embedding_output(res: Any) -> np.ndarray:
+    def embedding_output(res: Any) -> np.ndarray:
+        """The embedding of one response: its ``embedding`` output, or its only output."""
         outs = res.outputs
         if EMBEDDING_OUTPUT in outs:
             return outs[EMBEDDING_OUTPUT]
@@ -278,6 +280,9 @@ class OpenAiRoutes:
                               f"(outputs: {', '.join(outs)}); use /v1/infer/{res.task}", "model")
 
     async def models(self, request: Request) -> Response:
+        """Every task as an OpenAI model entry, with what it can do (``capabilities``:
+        ``embed``, ``rerank``) and, for text models, the model it runs, its embedding size,
+        sequence length and prompts."""
         created = int(time.time())
         described = self.runtime.describe()
         data = []
@@ -293,14 +298,53 @@ class OpenAiRoutes:
                 if isinstance(card, dict):  # what the model is and measured (the task's card)
                     entry["description"] = card.get("summary", "")
                     entry["model_card"] = card
+            elif d is not None and reranks(d):
+                entry["capabilities"] = ["rerank"]
             else:
                 entry["capabilities"] = []
+            if d is not None:
+                for key in ("model_id", "max_seq_length", "prompts", "default_prompt_name"):
+                    if key in d:
+                        entry[key] = d[key]
             data.append(entry)
         return _reply({"object": "list", "data": data})
 
 
 #: a task's option names (its error fields) -> the /v1/embeddings body fields that set them
 _OPTION_FIELDS = {KEY_EMBEDDING_DIMENSIONS: "dimensions", KEY_EMBEDDING_TYPE: "embedding_type"}
+
+
+def tei_options(obj: dict, meta: dict) -> None:
+    """TEI's ``truncate`` / ``normalize`` flags and ``prompt_name`` of a JSON body, into the
+    task's request ``meta`` (the task checks the prompt name against its model's)."""
+    for key in (OPT_TRUNCATE, OPT_NORMALIZE):
+        flag = obj.get(key)
+        if flag is not None:
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"'{key}' must be true or false, got {flag!r}", key)
+            meta[key] = "true" if flag else "false"
+    prompt = obj.get(OPT_PROMPT_NAME)
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidArgument(f"'{OPT_PROMPT_NAME}' must be a string naming one of the "
+                                  f"model's prompts (GET /v1/models lists them), got "
+                                  f"{type(prompt).__name__}", OPT_PROMPT_NAME)
+        meta[OPT_PROMPT_NAME] = prompt
+
+
+def check_text(text: str, field: str) -> None:
+    """A lone UTF-16 surrogate (JSON can carry one) is no text: 400 naming ``field``."""
+    if not text.isascii():
+        bad = _SURROGATE.search(text)
+        if bad is not None:
+            raise InvalidArgument(f"{field} holds a lone UTF-16 surrogate "
+                                  f"(U+{ord(bad.group()):04X}) at character {bad.start()}: "
+                                  f"not a valid Unicode string", field)
+
+
+def reply(obj: Any) -> Response:
+    """A JSON response of ``obj`` (the routes classes' shared encoder)."""
+    return _reply(obj)
 
 
 def embeds(desc: dict) -> bool:
@@ -310,6 +354,12 @@ def embeds(desc: dict) -> bool:
         return True
     outs = desc.get("outputs")
     return isinstance(outs, dict) and EMBEDDING_OUTPUT in outs
+
+
+def reranks(desc: dict) -> bool:
+    """Whether a task (by its description) scores (query, document) pairs: a ``rerank``
+    backend says so (``rerank``)."""
+    return isinstance(desc.get("rerank"), dict)
 
 
 def embedding_dim(desc: dict) -> Optional[int]:

@@ -46,6 +46,7 @@ from ..models.text_model import (
     TextModel,
     TextModelError,
     find_prepared,
+    importer,
     minilm_text_model,
     prepared_text_models,
     read_text_model,
@@ -141,7 +142,7 @@ def _folder(cfg: TaskConfig) -> TextSource:
     manifest = read_manifest(folder)
     if manifest is None or "text_model" not in manifest or not (folder / MODEL_FILE).is_file():
         try:  # the importer (models/st_import.py), loaded only for a folder that needs it
-            from ..models import st_import
+            st_import = importer()
         except ImportError as exc:
             raise ConfigError(cfg.source, f"{cfg.key}.model",
                               f"{folder} is a folder, and this build cannot import model "

@@ -374,7 +374,8 @@ def test_unknown_native_options_are_a_400_naming_the_known_ones(http, srv):
     # the names are published with each task
     tasks = http.get("/v1/tasks").json()["tasks"]
     assert set(tasks["text_embed"]["request_options"]) == {
-        "normalize", "truncate", "lumen.embedding.dimensions", "lumen.embedding.type"}
+        "normalize", "truncate", "lumen.embedding.dimensions", "lumen.embedding.type",
+        "prompt_name"}
     assert "lumen.vad.threshold" in tasks["vad"]["request_options"]
     # an unknown task still answers 404 (the options of no task are not checked)
     r = http.post("/v1/infer/nope?normalise=false", content=b"x",
