@@ -74,12 +74,18 @@ class TaskLoader:
             raise ConfigError(tc.source, f"{tc.key}.backend",
                               f"unknown backend {tc.backend!r} (known: {', '.join(sorted(BACKENDS))})") from None
         backend = cls(tc)
-        spec = backend.load()
+        try:
+            spec = backend.load()
+        except Exception as exc:
+            raise model_file_error(tc, tc.model, exc) from None
         steps = backend.steps()
         if steps is not None:  # an ensemble: one batcher per step (batching/pipeline.py)
             return self._load_pipeline(tc, backend, steps)
-        instances = make_instances(spec, tc.name, tc.device, tc.instances, tc.intra_op_threads,
-                                   tc.allow_spinning)
+        try:
+            instances = make_instances(spec, tc.name, tc.device, tc.instances,
+                                       tc.intra_op_threads, tc.allow_spinning)
+        except Exception as exc:
+            raise model_file_error(tc, spec.path, exc) from None
         runners = [BatchRunner(inst, backend.postprocess) for inst in instances]
         on_batch = self._batch_observer(tc.name)
         if backend.stateful:
@@ -140,3 +146,24 @@ class TaskLoader:
                 obs.batch(name, n, compute_us)
         return on_batch
 
+
+
+#: the packages whose exceptions mean "this model file cannot be read" (protobuf's decoder,
+#: onnx's checker, ONNX Runtime's session)
+_MODEL_FILE_ERRORS = ("google.protobuf", "onnx", "onnxruntime")
+
+
+def model_file_error(tc: TaskConfig, path: Any, exc: Exception) -> Exception:
+    """A model file that the ONNX libraries cannot read (corrupt, truncated, not ONNX) as a
+    one-line ConfigError naming the task and the file; any other exception unchanged (the
+    backends raise their own ConfigErrors, with their own keys)."""
+    top = type(exc).__module__.split(".")[0]
+    if top == "google":
+        top = "google.protobuf"
+    if top not in _MODEL_FILE_ERRORS:
+        return exc
+    what = str(path) if path else "its model"
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return ConfigError(tc.source, f"{tc.key}.model",
+                       f"task {tc.name!r}: cannot load the model file {what}: {first} (is it "
+                       f"a complete ONNX file? prepare or export it again)")

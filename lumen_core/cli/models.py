@@ -1,4 +1,5 @@
-"""``lumen models prepare``: build the embedded default models offline."""
+"""``lumen models prepare``: build the embedded default models offline; ``lumen models import``:
+prepare a sentence-transformers folder (or an ONNX export folder) into the model store."""
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,34 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_models_import(args: argparse.Namespace) -> int:
+    """``lumen models import DIR [--name NAME] [--int8]``: ``st_import.import_folder`` (loaded
+    here only: the importer pulls in the graph builders).  Its errors (``ModelImportError``)
+    are one line, exit 2, like every error ``main`` prints."""
+    from ..models.text_model import importer
+
+    try:
+        st_import = importer()
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.endswith("st_import"):
+            raise ValueError("this build of lumen-core has no model importer "
+                             "(lumen_core.models.st_import)") from None
+        raise
+    done = st_import.import_folder(args.folder, name=args.name, int8=args.int8, home=args.home,
+                                   progress=StepPrinter(sys.stderr))
+    pairs = list(done.items()) if isinstance(done, dict) else [tuple(done)]
+    for name, directory in pairs:
+        print(f"{name}\t{directory}")
+    for name, _ in pairs:
+        print(f"{PROG}: serve it with model_id = \"{name}\" on a text_embedding (or rerank) "
+              f"task", file=sys.stderr)
+    return EXIT_OK
+
+
 def add_models(sub: argparse._SubParsersAction) -> None:
     from ..models import DEFAULT_MODELS
 
-    models = sub.add_parser("models", help="manage the embedded default models")
+    models = sub.add_parser("models", help="manage the model store (the built-in models, imported ones)")
     actions = models.add_subparsers(dest="action", metavar="ACTION", required=True)
     prep = actions.add_parser(
         "prepare",
@@ -64,3 +89,18 @@ def add_models(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--home", metavar="DIR", default=None,
                       help="use DIR instead of $LUMEN_HOME (models go to DIR/models)")
     prep.set_defaults(func=cmd_models_prepare)
+    imp = actions.add_parser(
+        "import",
+        help="prepare a sentence-transformers folder (or an ONNX export) into the model store",
+        description="Build a sentence-transformers folder (config.json, model.safetensors, "
+                    "tokenizer.json, modules.json, ...; or an ONNX export beside the same files) "
+                    "into $LUMEN_HOME/models/NAME, offline and without torch; then serve it "
+                    "with model_id = \"NAME\". Errors are one line, exit 2.")
+    imp.add_argument("folder", metavar="DIR", help="the model folder")
+    imp.add_argument("--name", default=None,
+                     help="the name in the store (default: the folder's name, lower-cased)")
+    imp.add_argument("--int8", action="store_true",
+                     help="also build int8 weights (kept only if they match the fp32 model)")
+    imp.add_argument("--home", metavar="DIR", default=None,
+                     help="use DIR instead of $LUMEN_HOME (models go to DIR/models)")
+    imp.set_defaults(func=cmd_models_import)

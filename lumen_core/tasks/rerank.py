@@ -39,6 +39,7 @@ from ..models.text_model import KIND_RERANK
 from ..request import new_infer_request
 from .base import TaskBackend
 from .charset import codec_for
+from .text_embedding import MAX_SEQ_LENGTH_CAP
 from .text_reduce import Reducer
 from .text_source import preprocess_id, resolve
 
@@ -93,7 +94,8 @@ class RerankBackend(TaskBackend):
                                        "tokenizer.json beside the model"),
         Option("max_seq_length", int, None,
                "tokens per pair, special tokens included; longer pairs are cut longest-first "
-               "(default: the model's max_seq_length; at most its max_positions)", lo=3),
+               "(default: the model's max_seq_length; at most its max_positions)", lo=3,
+               hi=MAX_SEQ_LENGTH_CAP),
         Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
                "token budget of one batch (rows x padded length); 0: length-blind batching",
                lo=0, hi=MAX_BATCH_TOKENS),

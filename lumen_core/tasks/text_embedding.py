@@ -121,6 +121,9 @@ TOKEN_NP = DTYPES[TOKEN_DTYPE]
 #: all-MiniLM-L6-v2's tokens per input (incl. [CLS]/[SEP]); another model's come from its
 #: "text_model" block, and ``options.max_seq_length`` may lower either
 DEFAULT_MAX_SEQ_LENGTH = MAX_SEQ_LENGTH
+#: the largest ``options.max_seq_length`` any model may take (each model's own bound, its
+#: ``max_positions``, is checked at load)
+MAX_SEQ_LENGTH_CAP = 8192
 #: token budget of one batch (rows x padded length), see batching/dynamic.py; 0 = length-blind
 DEFAULT_MAX_BATCH_TOKENS = 8192
 #: the largest ``options.max_batch_tokens`` (16 Mi tokens: 32 Ki rows of 512)
@@ -196,7 +199,8 @@ class TextEmbeddingBackend(TaskBackend):
                                        "tokenizer.json beside the model"),
         Option("max_seq_length", int, None,
                "tokens per input, [CLS] and [SEP] included; longer texts are truncated "
-               "(default: the model's max_seq_length; at most its max_positions)", lo=2),
+               "(default: the model's max_seq_length; at most its max_positions)", lo=2,
+               hi=MAX_SEQ_LENGTH_CAP),
         Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
                "token budget of one batch (rows x padded length); 0: length-blind batching",
                lo=0, hi=MAX_BATCH_TOKENS),

@@ -152,8 +152,9 @@ def _folder(cfg: TaskConfig) -> TextSource:
         tm = read_text_model(folder)
     except TextModelError as exc:
         raise ConfigError(cfg.source, f"{cfg.key}.model", str(exc)) from None
+    # named after the user's folder (not the cache directory it was prepared into)
     return TextSource(str(folder / MODEL_FILE), str(folder / TOKENIZER_FILE), tm,
-                      cfg.model_id or folder.name, True)
+                      cfg.model_id or pathlib.Path(cfg.model).name, True)
 
 
 def _file(cfg: TaskConfig) -> TextSource:
