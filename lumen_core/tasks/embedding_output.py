@@ -1,17 +1,59 @@
-"""The text embedding's output shaping: an item's outputs with the response meta it reports
-(:class:`EmbeddingOutputs`), and one embedding cut to ``dimensions`` and encoded as an
+"""The text embedding's request options and output shaping: the prepared item with the
+options it asks (:class:`EmbedRequest`, :class:`EmbedOptions`), an item's outputs with the
+response meta it reports (:class:`EmbeddingOutputs`), and one embedding cut to ``dimensions`` and encoded as an
 ``embedding_type`` (:func:`shape_embedding`; the types and their formulas are in the
 ``text_embedding`` module docstring and ``contract.EMBEDDING_TYPES``).
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import numpy as np
 
 from ..contract import EMBEDDING_QUANT_RANGE
+from ..descriptor import parse_bool
+from ..engine.plan import PreparedModelRequest
+from ..errors import InvalidArgument
 from ..models.minilm import NORMALIZE_EPS
 
 _QUANT_LO, _QUANT_HI = EMBEDDING_QUANT_RANGE
 _QUANT_SCALE = 255.0 / (_QUANT_HI - _QUANT_LO)  # levels per unit
+
+
+class EmbedRequest(PreparedModelRequest):
+    """A prepared request plus the options it asks (``options``: None for all defaults, the
+    common case), read back in :meth:`TextEmbeddingBackend.postprocess`."""
+
+    __slots__ = ("options",)
+
+    def __init__(self, signature: Any, tensors: tuple, length: int, options: Any):
+        super().__init__(signature, tensors, (), length)
+        self.options = options
+
+
+class EmbedOptions:
+    """What one request asks beyond the defaults (``EmbedRequest.options``)."""
+
+    __slots__ = ("dims", "etype", "truncated", "pooled")
+
+    def __init__(self, dims: int, etype: str, truncated: bool, pooled: bool = False):
+        self.dims = dims
+        self.etype = etype
+        self.truncated = truncated
+        self.pooled = pooled  # normalize=false: the mean-pooled vector, not normalised
+
+
+def flag_option(meta: Any, key: str) -> Optional[bool]:
+    """A boolean plain option of ``meta`` (``true`` / ``false`` / ``1`` / ``0``, or a bool from
+    an in-process caller); None when absent."""
+    if not meta:
+        return None
+    v = meta.get(key)
+    if v is None or isinstance(v, bool):
+        return v
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{key} must be 'true' or 'false', got {type(v).__name__}", key)
+    return parse_bool(key, v)
 
 
 class EmbeddingOutputs(dict):

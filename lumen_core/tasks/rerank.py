@@ -39,6 +39,7 @@ from ..models.text_model import KIND_RERANK
 from ..request import new_infer_request
 from .base import TaskBackend
 from .charset import codec_for
+from .embedding_output import flag_option
 from .text_embedding import MAX_SEQ_LENGTH_CAP
 from .text_reduce import Reducer
 from .text_source import preprocess_id, resolve
@@ -224,12 +225,7 @@ class RerankBackend(TaskBackend):
         if not doc:
             raise InvalidArgument("the document is empty; send at least one character",
                                   "payload")
-        truncate = meta.get(OPT_TRUNCATE, True)
-        if isinstance(truncate, str):
-            if truncate not in ("true", "false", "1", "0"):
-                raise InvalidArgument(f"{OPT_TRUNCATE} must be 'true' or 'false', got "
-                                      f"{truncate[:20]!r}", OPT_TRUNCATE)
-            truncate = truncate in ("true", "1")
+        truncate = flag_option(meta, OPT_TRUNCATE) is not False
         try:
             ids, total = self.pair_ids(query, doc, off_loop)
         except TypeError:  # lone surrogates

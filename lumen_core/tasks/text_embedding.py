@@ -80,7 +80,7 @@ from ..contract import (
     TensorContract,
     TensorSpec,
 )
-from ..descriptor import embedding_options, parse_bool
+from ..descriptor import embedding_options
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
 from ..engine.session import read_io
 from ..errors import (
@@ -103,7 +103,13 @@ from ..models.text_model import KIND_EMBED
 from ..request import new_infer_request
 from .base import TaskBackend, split_outputs
 from .charset import DEFAULT_CHARSET, codec_for
-from .embedding_output import EmbeddingOutputs, shape_embedding
+from .embedding_output import (
+    EmbeddingOutputs,
+    EmbedOptions,
+    EmbedRequest,
+    flag_option,
+    shape_embedding,
+)
 from .text_prompts import OPT_PROMPT_NAME, Prompts
 from .text_reduce import Reducer
 from .text_source import BERT_UNCASED_PREPROCESS_ID, preprocess_id, resolve
@@ -141,42 +147,6 @@ MAX_TOKENIZE_TOKENS = 65536
 #: plain (non-``lumen.*``) request options this backend reads (TEI's names)
 OPT_TRUNCATE = "truncate"
 OPT_NORMALIZE = "normalize"
-
-class EmbedRequest(PreparedModelRequest):
-    """A prepared request plus the options it asks (``options``: None for all defaults, the
-    common case), read back in :meth:`TextEmbeddingBackend.postprocess`."""
-
-    __slots__ = ("options",)
-
-    def __init__(self, signature: Any, tensors: tuple, length: int, options: Any):
-        super().__init__(signature, tensors, (), length)
-        self.options = options
-
-
-class _Options:
-    """What one request asks beyond the defaults (``EmbedRequest.options``)."""
-
-    __slots__ = ("dims", "etype", "truncated", "pooled")
-
-    def __init__(self, dims: int, etype: str, truncated: bool, pooled: bool = False):
-        self.dims = dims
-        self.etype = etype
-        self.truncated = truncated
-        self.pooled = pooled  # normalize=false: the mean-pooled vector, not normalised
-
-
-def _flag(meta: Any, key: str) -> Optional[bool]:
-    """A boolean plain option of ``meta`` (``true`` / ``false`` / ``1`` / ``0``, or a bool from
-    an in-process caller); None when absent."""
-    if not meta:
-        return None
-    v = meta.get(key)
-    if v is None or isinstance(v, bool):
-        return v
-    if not isinstance(v, str):
-        raise InvalidArgument(f"{key} must be 'true' or 'false', got {type(v).__name__}", key)
-    return parse_bool(key, v)
-
 
 class TextEmbeddingBackend(TaskBackend):
     raw_mimes = (TEXT_MIME,)
@@ -335,12 +305,12 @@ class TextEmbeddingBackend(TaskBackend):
                 **({"model_card": self.model_card} if self.model_card else {})}
 
     # -- options ----------------------------------------------------------------------------
-    def _options(self, req, truncated: bool) -> Optional[_Options]:
+    def _options(self, req, truncated: bool) -> Optional[EmbedOptions]:
         """The request's options (None: all defaults and nothing to report, the common case)."""
         meta = req.meta
         if not meta:
-            return None if not truncated else _Options(0, "float", True)
-        pooled = _flag(meta, OPT_NORMALIZE) is False
+            return None if not truncated else EmbedOptions(0, "float", True)
+        pooled = flag_option(meta, OPT_NORMALIZE) is False
         if pooled and not self.has_pooled:
             raise InvalidArgument(
                 f"normalize=false is not available on task {self.name!r}: its model "
@@ -358,7 +328,7 @@ class TextEmbeddingBackend(TaskBackend):
                 f"embedding_type float, binary or ubinary", OPT_NORMALIZE)
         if not dims and etype == "float" and not truncated and not pooled:
             return None
-        return _Options(dims, etype, truncated, pooled)
+        return EmbedOptions(dims, etype, truncated, pooled)
 
     def postprocess(self, outputs: dict, items) -> list:
         pooled = outputs.get(POOLED)
@@ -473,7 +443,7 @@ class TextEmbeddingBackend(TaskBackend):
             raise InvalidArgument(f"the text is empty; task {self.name!r} embeds text of at least "
                                   f"one character (send token ids [CLS, SEP] as a tensor for the "
                                   f"embedding of no text)", "payload")
-        truncate = _flag(req.meta, OPT_TRUNCATE) if req.meta else None
+        truncate = flag_option(req.meta, OPT_TRUNCATE) if req.meta else None
         if not self.prompts.identity or req.meta:
             text = self.prompts.apply(text, req.meta, self.name)
         try:
@@ -501,7 +471,7 @@ class TextEmbeddingBackend(TaskBackend):
                 f"[0, {self.vocab_size}) of {self.model_id}", "payload")
         # a writable buffer could change between this check and batch assembly: own a copy
         tensor = ids.copy() if not payload.readonly else payload
-        _flag(req.meta, OPT_TRUNCATE)  # checked; token ids are never cut (L is bounded above)
+        flag_option(req.meta, OPT_TRUNCATE)  # checked; token ids are never cut (L is bounded above)
         self.prompts.check_tensor(req.meta, self.name)
         return EmbedRequest(self._signature, (tensor,), ids.shape[0], self._options(req, False))
 
