@@ -215,23 +215,7 @@ class OpenAiRoutes:
         obj = await self.app.json_body(request, "/v1/tokenize")
         if not isinstance(obj, dict):
             raise InvalidArgument("the body must be a JSON object", "body")
-        inp = obj.get("inputs", obj.get("input"))
-        if isinstance(inp, str):
-            texts = [inp]
-        elif isinstance(inp, list) and inp and all(isinstance(t, str) for t in inp):
-            texts = inp
-        else:
-            raise InvalidArgument("'inputs' must be a string or a non-empty array of strings",
-                                  "inputs")
-        if len(texts) > MAX_EMBEDDING_INPUTS:
-            raise InvalidArgument(f"'inputs' has {len(texts)} items; at most "
-                                  f"{MAX_EMBEDDING_INPUTS} per call", "inputs")
-        for i, text in enumerate(texts):
-            bad = None if text.isascii() else _SURROGATE.search(text)
-            if bad is not None:
-                raise InvalidArgument(f"inputs[{i}] holds a lone UTF-16 surrogate "
-                                      f"(U+{ord(bad.group()):04X}): not a valid Unicode string",
-                                      "inputs")
+        texts = text_inputs(obj.get("inputs", obj.get("input")), MAX_EMBEDDING_INPUTS)
         truncate = obj.get("truncate", True)
         if not isinstance(truncate, bool):
             raise InvalidArgument(f"'truncate' must be true or false, got {truncate!r}", "truncate")
@@ -330,6 +314,24 @@ def tei_options(obj: dict, meta: dict) -> None:
                                   f"model's prompts (GET /v1/models lists them), got "
                                   f"{type(prompt).__name__}", OPT_PROMPT_NAME)
         meta[OPT_PROMPT_NAME] = prompt
+
+
+def text_inputs(inp: Any, most: int) -> list:
+    """TEI's ``inputs`` (a string or a non-empty array of at most ``most`` strings) as a list,
+    each a valid Unicode string; 400 naming ``inputs`` otherwise."""
+    if isinstance(inp, str):
+        texts = [inp]
+    elif isinstance(inp, list) and inp and all(isinstance(t, str) for t in inp):
+        texts = inp
+    else:
+        raise InvalidArgument("'inputs' must be a string or a non-empty array of strings",
+                              "inputs")
+    if len(texts) > most:
+        raise InvalidArgument(f"'inputs' has {len(texts)} items; at most {most} per call",
+                              "inputs")
+    for i, text in enumerate(texts):
+        check_text(text, "inputs" if len(texts) == 1 else f"inputs[{i}]")
+    return texts
 
 
 def check_text(text: str, field: str) -> None:

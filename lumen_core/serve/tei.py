@@ -26,12 +26,12 @@ from .logs import note_task
 from .openai import (
     MAX_EMBEDDING_INPUTS,
     OpenAiRoutes,
-    check_text,
     embedding_dim,
     embeds,
     reply,
     reranks,
     tei_options,
+    text_inputs,
 )
 
 #: the most inputs one /embed call may carry (as /v1/embeddings)
@@ -123,20 +123,7 @@ def parse_embed(obj: Any) -> tuple:
     """``(inputs, meta)`` of a TEI ``/embed`` body."""
     if not isinstance(obj, dict):
         raise InvalidArgument("the body must be a JSON object", "body")
-    inp = obj.get("inputs")
-    if isinstance(inp, str):
-        items: list = [inp]
-    elif isinstance(inp, list) and inp and all(isinstance(t, str) for t in inp):
-        items = inp
-    else:
-        raise InvalidArgument("'inputs' must be a string or a non-empty array of strings",
-                              "inputs")
-    if len(items) > MAX_CLIENT_BATCH_SIZE:
-        raise InvalidArgument(f"'inputs' has {len(items)} items; at most "
-                              f"{MAX_CLIENT_BATCH_SIZE} per call (max_client_batch_size)",
-                              "inputs")
-    for i, text in enumerate(items):
-        check_text(text, "inputs" if len(items) == 1 else f"inputs[{i}]")
+    items = text_inputs(obj.get("inputs"), MAX_CLIENT_BATCH_SIZE)
     meta: dict = {}
     tei_options(obj, meta)
     dims: Optional[Any] = obj.get("dimensions")

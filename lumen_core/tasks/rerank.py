@@ -24,7 +24,6 @@ call (a small cache keyed by the query text).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import numpy as np
@@ -42,7 +41,7 @@ from .charset import codec_for
 from .embedding_output import flag_option
 from .text_embedding import MAX_SEQ_LENGTH_CAP
 from .text_reduce import Reducer
-from .text_source import preprocess_id, resolve
+from .text_source import load_source, preprocess_id
 
 BACKEND_NAME = "rerank"
 TEXT_MIME = "text/plain"
@@ -124,18 +123,9 @@ class RerankBackend(TaskBackend):
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
         cfg = self.config
-        src = resolve(cfg, KIND_RERANK, BACKEND_NAME)
+        src, tok_path, self.max_seq_length = load_source(cfg, self.options, KIND_RERANK,
+                                                         BACKEND_NAME)
         tm = src.text_model
-        tok_path = self.options["tokenizer"] or src.tokenizer_path
-        if not os.path.isfile(tok_path):
-            raise ConfigError(cfg.source, f"{cfg.key}.options.tokenizer",
-                              f"must name the model's tokenizer.json; no such file: {tok_path!r}")
-        asked = self.options["max_seq_length"]
-        if asked is not None and asked > tm.max_positions:
-            raise ConfigError(cfg.source, f"{cfg.key}.options.max_seq_length",
-                              f"must be at most {tm.max_positions} (the positions of model "
-                              f"{src.model_id!r}), got {asked}")
-        self.max_seq_length = asked or tm.max_seq_length
         self._load_tokenizer(tok_path)
         self.model_id, self.num_labels = src.model_id, tm.num_labels
         self.text_model = {"kind": KIND_RERANK, "architecture": tm.architecture,

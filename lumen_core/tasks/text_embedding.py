@@ -62,7 +62,6 @@ every other; they are applied to the item's own row in :meth:`postprocess`):
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import numpy as np
@@ -112,7 +111,7 @@ from .embedding_output import (
 )
 from .text_prompts import OPT_PROMPT_NAME, Prompts
 from .text_reduce import Reducer
-from .text_source import BERT_UNCASED_PREPROCESS_ID, preprocess_id, resolve
+from .text_source import BERT_UNCASED_PREPROCESS_ID, load_source, preprocess_id
 
 TASK_NAME = "text_embed"
 #: the same embeddings from the int8 model (default runtime, when prepared)
@@ -198,18 +197,9 @@ class TextEmbeddingBackend(TaskBackend):
     # -- lifecycle --------------------------------------------------------------------------
     def load(self) -> ModelSpec:
         cfg = self.config
-        src = resolve(cfg, KIND_EMBED, BACKEND_NAME)
+        src, tok_path, self.max_seq_length = load_source(cfg, self.options, KIND_EMBED,
+                                                         BACKEND_NAME)
         tm = src.text_model
-        tok_path = self.options["tokenizer"] or src.tokenizer_path
-        if not os.path.isfile(tok_path):
-            raise ConfigError(cfg.source, f"{cfg.key}.options.tokenizer",
-                              f"must name the model's tokenizer.json; no such file: {tok_path!r}")
-        asked = self.options["max_seq_length"]
-        if asked is not None and asked > tm.max_positions:
-            raise ConfigError(cfg.source, f"{cfg.key}.options.max_seq_length",
-                              f"must be at most {tm.max_positions} (the positions of model "
-                              f"{src.model_id!r}), got {asked}")
-        self.max_seq_length = asked or tm.max_seq_length
         self._load_tokenizer(tok_path)
         self.model_id = src.model_id
         self.dim, self.normalized = tm.dimension, tm.normalize

@@ -101,6 +101,24 @@ def resolve(cfg: TaskConfig, kind: str, backend: str) -> TextSource:
     return src
 
 
+def load_source(cfg: TaskConfig, options: dict, kind: str, backend: str) -> tuple:
+    """``(source, tokenizer path, max_seq_length)`` of a text task at load: :func:`resolve`,
+    then the task's ``tokenizer`` and ``max_seq_length`` options checked against the model
+    (the sequence length defaults to the model's, and may not pass its positions)."""
+    src = resolve(cfg, kind, backend)
+    tm = src.text_model
+    tok_path = options["tokenizer"] or src.tokenizer_path
+    if not os.path.isfile(tok_path):
+        raise ConfigError(cfg.source, f"{cfg.key}.options.tokenizer",
+                          f"must name the model's tokenizer.json; no such file: {tok_path!r}")
+    asked = options["max_seq_length"]
+    if asked is not None and asked > tm.max_positions:
+        raise ConfigError(cfg.source, f"{cfg.key}.options.max_seq_length",
+                          f"must be at most {tm.max_positions} (the positions of model "
+                          f"{src.model_id!r}), got {asked}")
+    return src, tok_path, asked or tm.max_seq_length
+
+
 def _prepared(cfg: TaskConfig) -> TextSource:
     name = cfg.model_id or MINILM
     if name in MINILM_MODELS:  # require_model names `lumen models prepare`, checks the revision
