@@ -28,20 +28,24 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..batching.signature import signature
 from ..config import Option
-from ..contract import TensorContract, TensorSpec
-from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..errors import ConfigError, InvalidArgument, PayloadTooLarge
-from ..models.minilm import ATTENTION_MASK, INPUT_IDS, TOKEN_DTYPE
 from ..models.text_model import KIND_RERANK
 from ..request import new_infer_request
 from .base import TaskBackend
 from .charset import codec_for
 from .embedding_output import flag_option
-from .text_embedding import MAX_SEQ_LENGTH_CAP
+from .text_embedding import (  # the text path's bounds: documents are texts like any other
+    INLINE_PREPARE_MAX_BYTES,
+    LONG_TEXT_CHARS,
+    MAX_BATCH_TOKENS_OPTION,
+    MAX_SEQ_LENGTH_CAP,
+    PREFIX_GROWTH,
+    TOKENIZER_OPTION,
+)
 from .text_reduce import Reducer
-from .text_source import load_source, preprocess_id
+from .text_source import load_source, preprocess_id, token_ids, token_plan
 
 BACKEND_NAME = "rerank"
 TEXT_MIME = "text/plain"
@@ -52,12 +56,6 @@ LOGITS = "logits"
 #: the plain request options (TEI's names where TEI has one)
 OPT_QUERY = "query"
 OPT_TRUNCATE = "truncate"
-DEFAULT_MAX_BATCH_TOKENS = 8192
-MAX_BATCH_TOKENS = 1 << 24
-INLINE_PREPARE_MAX_BYTES = 4096
-#: documents up to this many characters are tokenized whole; longer ones prefix-first
-LONG_TEXT_CHARS = 2048
-PREFIX_GROWTH = 4
 #: the longest query (characters): tokenized whole, on the event loop
 MAX_QUERY_CHARS = 16384
 #: queries whose token ids are kept (one call's documents share its query)
@@ -90,15 +88,12 @@ class RerankBackend(TaskBackend):
                       "(default true)",
     }
     options_schema = (
-        Option("tokenizer", str, None, "path of the model's tokenizer.json; default: the "
-                                       "tokenizer.json beside the model"),
+        TOKENIZER_OPTION,
         Option("max_seq_length", int, None,
                "tokens per pair, special tokens included; longer pairs are cut longest-first "
                "(default: the model's max_seq_length; at most its max_positions)", lo=3,
                hi=MAX_SEQ_LENGTH_CAP),
-        Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
-               "token budget of one batch (rows x padded length); 0: length-blind batching",
-               lo=0, hi=MAX_BATCH_TOKENS),
+        MAX_BATCH_TOKENS_OPTION,
     )
 
     def __init__(self, config):
@@ -133,17 +128,8 @@ class RerankBackend(TaskBackend):
                            **({"source": tm.source} if tm.source else {})}
         self._lower = tm.do_lower_case
         self.preprocess_id = pp = preprocess_id(tok_path, self.model_id)
-        self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
-                                    None, LAYOUT, pp)
-        self.contract = TensorContract(
-            specs=(TensorSpec(TOKEN_DTYPE, LAYOUT, frozenset({pp}),
-                              ((1, 1), (1, self.max_seq_length))),),
-            model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids=frozenset({pp}))
-        self.model = ModelSpec(
-            src.model_path,
-            [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=tm.pad_token_id,
-                         mask_name=ATTENTION_MASK, mask_dtype=TOKEN_NP)],
+        self._signature, self.contract, self.model = token_plan(
+            cfg, src, self.model_id, pp, self.max_seq_length,
             [OutputSpec(LOGITS, np.dtype(np.float32), (tm.num_labels,))])
         return self.model
 
@@ -229,13 +215,7 @@ class RerankBackend(TaskBackend):
                                     len(ids))
 
     def prepare_tensor(self, req, desc, payload: memoryview) -> PreparedModelRequest:
-        ids = np.frombuffer(payload, dtype=TOKEN_NP)
-        if int(ids.view("<u8").max()) >= self.vocab_size:
-            pos = int(np.argmax(ids.view("<u8") >= self.vocab_size))
-            raise InvalidArgument(f"token id {int(ids[pos])} at position {pos} is outside the "
-                                  f"vocabulary [0, {self.vocab_size}) of {self.model_id}",
-                                  "payload")
-        tensor = ids.copy() if not payload.readonly else payload
+        ids, tensor = token_ids(payload, self.vocab_size, self.model_id)
         return PreparedModelRequest(self._signature, (tensor,), (), ids.shape[0])
 
     # -- pair encoding ----------------------------------------------------------------------

@@ -67,7 +67,6 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import native
-from ..batching.signature import signature
 from ..config import Option
 from ..contract import (
     DTYPES,
@@ -76,11 +75,9 @@ from ..contract import (
     KEY_EMBEDDING_DIMENSIONS,
     KEY_EMBEDDING_TYPE,
     RESP_TRUNCATED,
-    TensorContract,
-    TensorSpec,
 )
 from ..descriptor import embedding_options
-from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest, RaggedInput
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import (
     ConfigError,
@@ -89,9 +86,7 @@ from ..errors import (
 )
 from ..models import MINILM, MINILM_INT8, require_model
 from ..models.minilm import (
-    ATTENTION_MASK,
     EMBEDDING_DIM,
-    INPUT_IDS,
     MAX_SEQ_LENGTH,
     OUTPUT,
     OUTPUT_DTYPE,
@@ -111,7 +106,13 @@ from .embedding_output import (
 )
 from .text_prompts import OPT_PROMPT_NAME, Prompts
 from .text_reduce import Reducer
-from .text_source import BERT_UNCASED_PREPROCESS_ID, load_source, preprocess_id
+from .text_source import (
+    BERT_UNCASED_PREPROCESS_ID,
+    load_source,
+    preprocess_id,
+    token_ids,
+    token_plan,
+)
 
 TASK_NAME = "text_embed"
 #: the same embeddings from the int8 model (default runtime, when prepared)
@@ -147,6 +148,15 @@ MAX_TOKENIZE_TOKENS = 65536
 OPT_TRUNCATE = "truncate"
 OPT_NORMALIZE = "normalize"
 
+#: the ``[tasks.options]`` every text task (this one, ``rerank``) takes alike
+TOKENIZER_OPTION = Option("tokenizer", str, None, "path of the model's tokenizer.json; "
+                                                  "default: the tokenizer.json beside the model")
+MAX_BATCH_TOKENS_OPTION = Option(
+    "max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
+    "token budget of one batch (rows x padded length); 0: length-blind batching",
+    lo=0, hi=MAX_BATCH_TOKENS)
+
+
 class TextEmbeddingBackend(TaskBackend):
     raw_mimes = (TEXT_MIME,)
     inline_prepare_max_bytes = INLINE_PREPARE_MAX_BYTES
@@ -164,15 +174,12 @@ class TextEmbeddingBackend(TaskBackend):
                          "default prompt, if any; GET /v1/tasks lists its prompts)",
     }
     options_schema = (
-        Option("tokenizer", str, None, "path of the model's tokenizer.json; default: the "
-                                       "tokenizer.json beside the model"),
+        TOKENIZER_OPTION,
         Option("max_seq_length", int, None,
                "tokens per input, [CLS] and [SEP] included; longer texts are truncated "
                "(default: the model's max_seq_length; at most its max_positions)", lo=2,
                hi=MAX_SEQ_LENGTH_CAP),
-        Option("max_batch_tokens", int, DEFAULT_MAX_BATCH_TOKENS,
-               "token budget of one batch (rows x padded length); 0: length-blind batching",
-               lo=0, hi=MAX_BATCH_TOKENS),
+        MAX_BATCH_TOKENS_OPTION,
     )
 
     def __init__(self, config):
@@ -210,17 +217,8 @@ class TextEmbeddingBackend(TaskBackend):
                            "normalize": tm.normalize, "do_lower_case": tm.do_lower_case,
                            **({"source": tm.source} if tm.source else {})}
         self.preprocess_id = pp = preprocess_id(tok_path, self.model_id)
-        self._signature = signature(self.name, self.model_id, cfg.model_version, TOKEN_DTYPE,
-                                    None, LAYOUT, pp)
-        self.contract = TensorContract(
-            specs=(TensorSpec(TOKEN_DTYPE, LAYOUT, frozenset({pp}),
-                              ((1, 1), (1, self.max_seq_length))),),
-            model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids=frozenset({pp}))
-        self.model = ModelSpec(
-            src.model_path,
-            [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=tm.pad_token_id,
-                         mask_name=ATTENTION_MASK, mask_dtype=TOKEN_NP)],
+        self._signature, self.contract, self.model = token_plan(
+            cfg, src, self.model_id, pp, self.max_seq_length,
             [OutputSpec(name, DTYPES[OUTPUT_DTYPE], (self.dim,))
              for name in ((OUTPUT, POOLED) if self.has_pooled else (OUTPUT,))])
         return self.model
@@ -452,15 +450,7 @@ class TextEmbeddingBackend(TaskBackend):
 
     def prepare_tensor(self, req, desc, payload: memoryview) -> PreparedModelRequest:
         # dtype, layout, [1, L] with 1 <= L <= max_seq_length and the byte count are checked
-        ids = np.frombuffer(payload, dtype=TOKEN_NP)
-        # negative ids wrap to huge unsigned values: one reduction checks both bounds
-        if int(ids.view("<u8").max()) >= self.vocab_size:
-            pos = int(np.argmax(ids.view("<u8") >= self.vocab_size))
-            raise InvalidArgument(
-                f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
-                f"[0, {self.vocab_size}) of {self.model_id}", "payload")
-        # a writable buffer could change between this check and batch assembly: own a copy
-        tensor = ids.copy() if not payload.readonly else payload
+        ids, tensor = token_ids(payload, self.vocab_size, self.model_id)
         flag_option(req.meta, OPT_TRUNCATE)  # checked; token ids are never cut (L is bounded above)
         self.prompts.check_tensor(req.meta, self.name)
         return EmbedRequest(self._signature, (tensor,), ids.shape[0], self._options(req, False))

@@ -25,18 +25,16 @@ MAX_NAME_ECHO = 100
 class Prompts:
     """``prompts`` (name -> prefix text), the default one, and lower-casing."""
 
-    __slots__ = ("prompts", "default", "lower")
+    __slots__ = ("prompts", "default", "lower", "identity")
 
     def __init__(self, prompts: Mapping[str, str], default: Optional[str], lower: bool):
         self.prompts = dict(prompts)
         self.default = default
         self.lower = lower
-
-    @property
-    def identity(self) -> bool:
-        """True when a request without options embeds its text unchanged (no default
-        prompt, no lower-casing): the compiled fast path may tokenize it as it is."""
-        return not self.lower and not (self.default and self.prompts.get(self.default))
+        #: True when a request without options embeds its text unchanged (no default prompt,
+        #: no lower-casing): the compiled fast path may tokenize it as it is (an attribute,
+        #: not a property: the request path reads it per text)
+        self.identity = not lower and not (default and self.prompts.get(default))
 
     def prefix(self, meta: Any, task: str) -> str:
         """The prompt text ``meta`` asks (``prompt_name``), else the default prompt's, else ""."""

@@ -27,8 +27,13 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
+from ..batching.signature import signature
 from ..config import TaskConfig
-from ..errors import ConfigError
+from ..contract import TensorContract, TensorSpec
+from ..engine.plan import ModelSpec, RaggedInput
+from ..errors import ConfigError, InvalidArgument
 from ..models import (
     MINILM,
     MINILM_INT8,
@@ -39,7 +44,7 @@ from ..models import (
     read_manifest,
     require_model,
 )
-from ..models.minilm import TOKENIZER_FILE
+from ..models.minilm import ATTENTION_MASK, INPUT_IDS, TOKEN_DTYPE, TOKENIZER_FILE
 from ..models.text_model import (
     IMPORT_COMMAND,
     KIND_EMBED,
@@ -210,3 +215,39 @@ def preprocess_id(tokenizer_path: str, model_id: str) -> str:
     if model_id in MINILM_MODELS or digest == BERT_UNCASED_TOKENIZER_HASH or digest is None:
         return BERT_UNCASED_PREPROCESS_ID
     return f"tokenizer_{digest}_v1"
+
+
+def token_ids(payload: memoryview, vocab_size: int, model_id: str) -> tuple:
+    """``(ids, tensor)`` of a tensor-route payload of int64 token ids (dtype, layout and shape
+    already checked by the descriptor): every id inside the vocabulary (an out-of-range id
+    would make the model's Gather fail for the whole batch), ``tensor`` the payload itself, or
+    a copy when it is writable (it could change between this check and batch assembly)."""
+    ids = np.frombuffer(payload, dtype="<i8")
+    # negative ids wrap to huge unsigned values: one reduction checks both bounds
+    if int(ids.view("<u8").max()) >= vocab_size:
+        pos = int(np.argmax(ids.view("<u8") >= vocab_size))
+        raise InvalidArgument(f"token id {int(ids[pos])} at position {pos} is outside the "
+                              f"vocabulary [0, {vocab_size}) of {model_id}", "payload")
+    return ids, (ids.copy() if not payload.readonly else payload)
+
+
+#: token ids on the tensor route: int64 ``[1, L]`` ``NL``
+TOKEN_LAYOUT = "NL"
+TOKEN_NP = np.dtype("<i8")
+
+
+def token_plan(cfg: TaskConfig, src: TextSource, model_id: str, pp: str, max_seq_length: int,
+               outputs: list) -> tuple:
+    """``(signature, contract, model spec)`` of a text task: one ragged int64 token input
+    (padded with the model's pad id, its attention mask filled in the same pass) under
+    preprocess id ``pp``, token ids ``[1, 1..max_seq_length]`` on the tensor route, and
+    ``outputs`` (``OutputSpec``s)."""
+    sig = signature(cfg.name, model_id, cfg.model_version, TOKEN_DTYPE, None, TOKEN_LAYOUT, pp)
+    contract = TensorContract(
+        specs=(TensorSpec(TOKEN_DTYPE, TOKEN_LAYOUT, frozenset({pp}),
+                          ((1, 1), (1, max_seq_length))),),
+        model_id=model_id, model_version=cfg.model_version, raw_preprocess_ids=frozenset({pp}))
+    spec = ModelSpec(src.model_path,
+                     [RaggedInput(INPUT_IDS, TOKEN_NP, pad_value=src.text_model.pad_token_id,
+                                  mask_name=ATTENTION_MASK, mask_dtype=TOKEN_NP)], outputs)
+    return sig, contract, spec
