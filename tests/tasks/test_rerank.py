@@ -118,3 +118,24 @@ def test_describe_and_kind_checks(rt, rr_dir, prepared_home):
     with pytest.raises(ConfigError, match='backend = "text_embedding"'):
         asyncio.run(lc.Runtime.from_dict({"tasks": [
             {"name": "r", "backend": "rerank", "model": str(mini)}]}).start())
+
+
+def test_the_documents_of_one_call_batch_together(rt, tok_path):
+    """infer_many submits a call's documents at once: they run in fewer batches than there
+    are documents (the task's queue delay lets them gather), each with its own score."""
+    task = rt.tasks[TASK]
+
+    def batches() -> tuple:
+        return (sum(i.stats["batches"] for i in task.instances),
+                sum(i.stats["items"] for i in task.instances))
+
+    docs = [f"document number {i} about rice" for i in range(16)]
+    b0, n0 = batches()
+    res = score(rt, QUERY_FOR_BATCH, docs)
+    b1, n1 = batches()
+    assert n1 - n0 == len(docs) and b1 - b0 < len(docs)
+    want = TM.rerank_reference(tok_path, QUERY_FOR_BATCH, docs, MAX_LEN)
+    np.testing.assert_allclose([r.outputs["logits"][0] for r in res], want, atol=1e-5)
+
+
+QUERY_FOR_BATCH = "rice"
