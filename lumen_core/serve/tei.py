@@ -51,7 +51,9 @@ def first_task(runtime: Any, configured: str, fits: Any, what: str, route: str) 
             raise TaskNotFound(f"{route} serves the task [server] names ({configured!r}), which "
                                f"is not loaded", None)
         return configured
-    names = [n for n, d in described.items() if fits(d)]
+    order = {t.name: i for i, t in enumerate(runtime.config.tasks)}  # config order
+    names = sorted((n for n, d in described.items() if fits(d)),
+                   key=lambda n: order.get(n, len(order)))
     if not names:
         raise TaskNotFound(f"{route} needs {what} task and this server has none (tasks: "
                            f"{', '.join(sorted(described)) or 'none'})", None)
