@@ -484,10 +484,15 @@ class Runtime:
         return native.using_extensions()
 
     def token_ids_request(self, task: str, ids: Any, correlation_id: str = "",
-                          field: str = "payload") -> InferRequest:
+                          field: str = "payload", truncate: bool = True) -> InferRequest:
         """A tensor-route request carrying token ids, under the preprocess id ``task``
         declares for int64 ``[1, L]`` ``NL`` input; ``InvalidArgument`` (``field``) when the
-        task takes no token ids or an id does not fit in int64."""
+        task takes no token ids or an id does not fit in int64.  A task that fits ids to its
+        length (``fit_token_ids``: text_embedding) cuts them when ``truncate``, else refuses
+        too many with 413, as it treats a text."""
+        fit = getattr(self._task(task).backend, "fit_token_ids", None)
+        if fit is not None:
+            ids = fit(ids, truncate, field)
         for spec in self.contract(task).specs:
             if spec.dtype == TOKEN_DTYPE and spec.layout == TOKEN_LAYOUT and spec.preprocess_ids:
                 try:

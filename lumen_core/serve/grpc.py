@@ -38,6 +38,7 @@ from . import audio, codec
 from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
 from .oip_grpc import OipServicer
+from .options import check_options
 from .proto import lumen_pb2, lumen_pb2_grpc
 from .streams import StreamWindow, call_metadata, windowed_replies
 
@@ -169,6 +170,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         if isinstance(msg, Oversized):
             raise msg.error()
         try:
+            check_options(self.runtime, msg.task, msg.meta)  # the HTTP route's rule
             return await self.runtime.infer(to_request(msg, scope))
         except LumenError as exc:
             raise unscope_error(exc, scope) from None

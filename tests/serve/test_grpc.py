@@ -106,6 +106,9 @@ def test_unary_infer(stub):
      grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "payload"),
     (lambda: mlp_request(S.mlp_input(), **{"lumen.bogus": "1"}),
      grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "lumen.bogus"),
+    # issue 38 row 9: a plain key the task does not read is the HTTP route's 400, not ignored
+    (lambda: mlp_request(S.mlp_input(), normalise="false"),
+     grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "normalise"),
     (lambda: pb.InferRequest(task="vad", payload=b"\0" * 1024, payload_mime="image/png",
                              meta={"lumen.sequence.id": "x", "lumen.sequence.start": "true"}),
      grpc.StatusCode.INVALID_ARGUMENT, "unsupported_media_type", "payload_mime"),
