@@ -533,6 +533,8 @@ class DynamicBatcher(QueuePolicy):
             self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
             self.pending -= len(entries)
             self.running_items += len(entries)
+            if self.queued_tokens:  # (a latency target tracks the queued texts' lengths)
+                self.dequeued_tokens(entries)
             return Batch(entries, [e.item for e in entries], tokens), 0
         return None, 0
 

@@ -35,6 +35,7 @@ task wake-up, not N.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
@@ -68,6 +69,9 @@ STEER_LOW = 0.55
 STEER_DOWN = 0.95
 STEER_UP = 1.01
 STEER_MIN = 0.25
+#: a probe (``scheduler.PROBE_IDLE_NS``) whose batch ran in under ``1 / PROBE_STALE`` of its
+#: predicted time shows a stale cost model: it starts over (``forget_cost``)
+PROBE_STALE = 2
 #: weight of the newest batch in the running mean of formed batch sizes (``batch_seen``)
 BATCH_SEEN_EMA = 0.05
 
@@ -230,7 +234,12 @@ class QueuePolicy(_sched.Admission):
         """Under the lock, once per finished batch (never per request): learn its compute
         time, then hand admission the figures its latency check reads (C fields)."""
         m = self.cost
+        if self.probing:  # the first batch after an idle batcher admitted a probe
+            self.probing = False
+            if m.ready and compute_us * PROBE_STALE < m.predict_us(n, tokens):
+                m = self.forget_cost()
         m.update(n, tokens, compute_us)
+        self.learnt_ns = time.monotonic_ns()  # an idle batcher probes from here (check_latency)
         if m.ready:
             fixed_us, item_us = m.linear()
             self.cost_fixed_ns = fixed_us * 1000.0
@@ -242,6 +251,16 @@ class QueuePolicy(_sched.Admission):
             self.batch_seen + BATCH_SEEN_EMA * (n - self.batch_seen))
         if m.ready:
             self._size_batches()
+
+    def forget_cost(self) -> CostModel:
+        """Under the lock: a probe ran in under ``1 / PROBE_STALE`` of its predicted time, so
+        the learnt cost is stale (learnt while other processes held the cores): start over,
+        with the whole target as the budget; nothing is refused until the new model is ready
+        (``COST_MIN_SAMPLES`` batches), as at start-up."""
+        m = self.cost = CostModel(self.cost.forgetting)
+        self.cost_ready = False
+        self.budget_ns = 0
+        return m
 
     def _size_batches(self) -> None:
         """Formation's cap and the batch size predictions count (see ``batch_seen``)."""
@@ -269,6 +288,7 @@ class QueuePolicy(_sched.Admission):
             return
         if h != was:
             self.budget_ns = int(target * h)
+            self.budget_at_ns = time.monotonic_ns()  # it grows back from here while idle
             if self.cost_ready:
                 self._size_batches()
 
@@ -286,7 +306,7 @@ class QueuePolicy(_sched.Admission):
         out["batch_cap"] = self.batch_cap
         out["workers"] = self.cost_workers
         out["latency_target_ms"] = self.target_ns // 1_000_000
-        out["latency_budget_ms"] = (self.budget_ns or self.target_ns) / 1e6
+        out["latency_budget_ms"] = self.budget_now(time.monotonic_ns()) / 1e6
         return out
 
     # -- draining ---------------------------------------------------------------------------
