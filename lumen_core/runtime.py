@@ -420,6 +420,17 @@ class Runtime:
     def has_task(self, name: str) -> bool:
         return name in self.tasks
 
+    def room(self, task: str, sequence_id: Optional[str] = None) -> int:
+        """Whether a request for ``task`` (of sequence ``sequence_id``, scoped as its meta
+        is) would find room now (``batching.policy.ROOM``), or the queue is full
+        (``QUEUE_FULL``), or the sequence waits for a slot (``AWAITING_SLOT``): a stream
+        reads on only with room (``serve/streams.py``).  An unknown task has room: its
+        request answers 404."""
+        route = self.tasks.get(task)
+        if route is None:
+            return 0
+        return route.batcher.room(sequence_id)
+
     def _task(self, name: str) -> Task:
         task = self.tasks.get(name)
         if task is None:

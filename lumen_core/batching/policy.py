@@ -69,6 +69,9 @@ STEER_LOW = 0.55
 STEER_DOWN = 0.95
 STEER_UP = 1.01
 STEER_MIN = 0.25
+#: ``QueuePolicy.room``: a request may be admitted now / the queue is full / its sequence
+#: waits for a slot (a stream stops reading on either of the last two: serve/streams.py)
+ROOM, QUEUE_FULL, AWAITING_SLOT = 0, 1, 2
 #: a probe (``scheduler.PROBE_IDLE_NS``) whose batch ran in under ``1 / PROBE_STALE`` of its
 #: predicted time shows a stale cost model: it starts over (``forget_cost``)
 PROBE_STALE = 2
@@ -213,6 +216,12 @@ class QueuePolicy(_sched.Admission):
         assert loop is not None, f"batcher {self.name!r} is not started"
         return loop
 
+    def room(self, sequence_id: Optional[str] = None) -> int:
+        """Loop thread, a hint without the lock (workers only make room): ``ROOM`` when one
+        more request would be admitted past the queue limit now, else ``QUEUE_FULL``.  A
+        stream asks before it reads on (``serve/streams.py``: paced, never refused)."""
+        return ROOM if self.pending < self.max_queue_size else QUEUE_FULL
+
     def counters(self) -> dict:
         """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
         return {}
@@ -321,5 +330,5 @@ class QueuePolicy(_sched.Admission):
             await self.idle_event.wait()
 
 
-__all__ = ["BatchResult", "Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
+__all__ = ["AWAITING_SLOT", "QUEUE_FULL", "ROOM", "BatchResult", "Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
            "Entry", "Group", "QueuePolicy", "answer"]
