@@ -60,6 +60,8 @@ log = logging.getLogger("lumen.batching")
 
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
 LENGTH_WINDOW_FACTOR = 4
+#: weight of the newest batch in the running mean of its items' size (``units_per_item``)
+UNITS_EMA = 0.05
 #: a request joins a length-aware batch while the padded slots it adds beyond its own length
 #: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS``.  On CPU a batch costs about its
 #: padded slots and batching buys little beyond that (bench/README.md, text_embed: 0/4 beat
@@ -114,10 +116,10 @@ def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePo
 
 
 def batch_units(entries: Sequence[Entry]) -> int:
-    """What a FIFO batch's cost grows with beyond its rows, for the cost model's size
-    term: the padded token slots of texts (``n`` x the longest ``length``), else the
-    elements of dense items (``n`` x the item's elements: a batch has one signature, so
-    one item shape), else 0 (rows only)."""
+    """What a batch's cost grows with beyond its rows (``DynamicBatcher.loop_fits``): the
+    padded token slots of texts (``n`` x the longest ``length``), else the elements of dense
+    items (``n`` x the item's elements: a batch has one signature, so one item shape), else
+    0 (rows only)."""
     first = entries[0].item
     if getattr(first, "length", 0):
         return len(entries) * max(_item_length(e) for e in entries)
@@ -216,6 +218,9 @@ class DynamicBatcher(QueuePolicy):
         self.loop_backoff = LOOP_BACKOFF
         #: under the lock: a batch the loop formed but handed to the worker (``loop_fits``)
         self.handoff: Optional[Batch] = None
+        #: running mean of a learnt batch's ``batch_units`` per row (0: none yet, or sizes
+        #: unknown): the typical item's size, for ``loop_fits``
+        self.units_per_item = 0.0
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         started = self.started
@@ -242,7 +247,17 @@ class DynamicBatcher(QueuePolicy):
         """Under the lock, once per finished batch: learn its cost, steer the budget, judge
         where the next batches run (``on_loop``: this one ran on the loop)."""
         if not isinstance(results, BaseException):  # a failed run's time means nothing
-            self.learn(len(batch.entries), batch.extra or 0, compute_us)
+            n = len(batch.entries)
+            rows = 0.0
+            if self._loop_ns:  # sizes matter: learnt per typical row (see ``loop_fits``)
+                units = batch_units(batch.entries)
+                if units:
+                    per = self.units_per_item
+                    if per > 0.0:
+                        rows = max(float(n), units / per)
+                    self.units_per_item = units / n if not per else (
+                        per + UNITS_EMA * (units / n - per))
+            self.learn(n, batch.extra or 0, compute_us, rows)
             if self.target_ns:  # its oldest request's wait steers the budget
                 self.steer(time.monotonic_ns() - min(e.arrival_ns for e in batch.entries))
             if self._loop_ns:
@@ -278,37 +293,39 @@ class DynamicBatcher(QueuePolicy):
         elif self.loop_wait:
             self.loop_wait -= 1
         elif self.cost_ready and not self.loop_runs:
-            # the largest batch of typical items (tokens or elements at the running mean)
-            fixed, item = self.cost.linear()
-            if (fixed + item * self._max_batch) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns:
+            # (no token term: loop execution is never on with length-aware formation)
+            if self.cost.predict_us(self._max_batch) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns:
                 self.loop_runs = True
                 self.loop_batches = 0
                 self.loop_median_ns = 0
 
     def loop_fits(self, batch: Batch) -> bool:
         """Under the lock: whether ``batch`` may run on the loop: its predicted cost, from
-        what formation knows of it (rows, and the elements or token slots its cost grows with:
-        ``batch_units``, learnt per unit by the cost model), within the trial's reach of the
-        threshold (``LOOP_PROBE_FACTOR``: the learnt cost mixes the worker's times, GIL waits
-        included).  A unit is priced at least at the typical item's cost per unit, so items
-        far larger than any seen yet (one client's 8192-token rows after 4-token ones) are
-        priced by their size, not by the rows of the batches that moved the task to the loop;
-        and items over ``LOOP_ITEM_GROWTH`` times the typical size never run there: the loop
-        was judged on items of that size, and a cost may grow faster than the elements
-        (attention: as L^2), which no linear price foresees (issue 38 row 1)."""
+        what formation knows of it, within the trial's reach of the threshold
+        (``LOOP_PROBE_FACTOR``: the learnt cost mixes the worker's times, GIL waits included).
+        The learnt cost is per row of the typical item; a batch counts as many typical rows
+        as its size (``batch_units``: the elements or token slots its cost grows with) over
+        the typical item's (``units_per_item``), at least its rows.  So items far larger than
+        the ones learnt (one client's 8192-token rows after 4-token ones) are priced by their
+        size, not by the rows of the batches that moved the task to the loop; and items over
+        ``LOOP_ITEM_GROWTH`` times the typical size never run there: the loop was judged on
+        items of that size, and a cost may grow faster than the elements (attention: as
+        L^2), which no linear price foresees (issue 38 row 1).  The sizes are not a term of
+        the cost model itself: a dense task's elements are its rows times a constant, and
+        one warm-up batch of another shape would make that fit ill-posed."""
         m = self.cost
         if not m.samples:
             return True
         n = len(batch.entries)
-        units = batch.extra or 0
-        pred = m.predict_us(n, units)
-        per = m.tokens_per_item
-        if units and per > 0.0:
+        rows = float(n)
+        per = self.units_per_item
+        if per > 0.0:
+            units = batch_units(batch.entries)
             if units > LOOP_ITEM_GROWTH * n * per:
                 return False  # items far larger than those learnt: their cost may grow faster
-            fixed, item = m.linear()
-            pred = max(pred, fixed + item * units / per)
-        return pred * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns
+            rows = max(rows, units / per)
+        fixed, item = m.linear()
+        return (fixed + item * rows) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns
 
     def back_to_worker(self) -> None:
         """Under the lock: end loop execution (a failed trial, a fault on the loop) and try
@@ -450,8 +467,6 @@ class DynamicBatcher(QueuePolicy):
                     tokens = len(entries) * _item_length(entries[-1])
             else:
                 entries = best.take(size, now, self)
-                if entries and self.turn is not None:  # loop execution prices it by size
-                    tokens = batch_units(entries)
             if not entries:  # everything it looked at had expired: look again
                 continue
             self.running += 1  # before pending drops: drain never sees both at 0 mid-handover

@@ -239,15 +239,18 @@ class QueuePolicy(_sched.Admission):
         return BatchResult.of(entry)
 
     # -- the cost model (issue 30) -----------------------------------------------------------
-    def learn(self, n: int, tokens: int, compute_us: int) -> None:
+    def learn(self, n: int, tokens: int, compute_us: int, rows: float = 0.0) -> None:
         """Under the lock, once per finished batch (never per request): learn its compute
-        time, then hand admission the figures its latency check reads (C fields)."""
+        time, then hand admission the figures its latency check reads (C fields).  ``rows``
+        (> 0): what the batch counts as in typical rows for the cost model (a batch of items
+        larger than the typical one: ``DynamicBatcher.loop_fits``); else its ``n``."""
         m = self.cost
+        x = rows or n
         if self.probing:  # the first batch after an idle batcher admitted a probe
             self.probing = False
-            if m.ready and compute_us * PROBE_STALE < m.predict_us(n, tokens):
+            if m.ready and compute_us * PROBE_STALE < m.predict_us(x, tokens):
                 m = self.forget_cost()
-        m.update(n, tokens, compute_us)
+        m.update(x, tokens, compute_us)
         self.learnt_ns = time.monotonic_ns()  # an idle batcher probes from here (check_latency)
         if m.ready:
             fixed_us, item_us = m.linear()
