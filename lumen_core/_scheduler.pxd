@@ -19,21 +19,29 @@ cdef class Admission:
     cdef public bint cost_ready
     cdef public double cost_fixed_ns, cost_item_ns, cost_token_ns, cost_tokens_per_item
     cdef public Py_ssize_t cost_batch, cost_workers
+    cdef public long long learnt_ns, budget_at_ns, queued_tokens
+    cdef public bint probing
 
     cpdef admit(self, Py_ssize_t n)
     @cython.locals(b=Py_ssize_t, w=Py_ssize_t, ahead=Py_ssize_t, fixed=double, item=double,
                    batch_ns=double, wait=double, own=double)
     cpdef long long predicted_ns(self, Py_ssize_t k, Py_ssize_t length=*)
+    @cython.locals(target="long long", b="long long", gap=double)
+    cpdef long long budget_now(self, long long now)
+    @cython.locals(extra=double)
+    cpdef long long excess_ns(self, long long tokens, Py_ssize_t n)
     @cython.locals(limit="long long", wait="long long", drain="long long", retry="long long",
-                   ahead=Py_ssize_t)
+                   ahead=Py_ssize_t, now="long long", queued_extra="long long",
+                   own_extra="long long")
     cpdef check_latency(self, Py_ssize_t n, long long timeout_ns, int priority=*,
-                        Py_ssize_t length=*)
+                        Py_ssize_t length=*, long long tokens=*)
     cpdef refuse_late(self, int priority, long long timeout_ms)
     @cython.locals(k=Py_ssize_t, i=Py_ssize_t, q=SignatureQueue, levels=list, e=Entry)
     cpdef Py_ssize_t queued_up_to(self, int priority)
-    @cython.locals(now="long long", e=Entry)
+    @cython.locals(now="long long", e=Entry, length="long long")
     cpdef Entry submit(self, object item, object desc=*, int priority=*, long long timeout_ms=*)
-    @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group)
+    @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group,
+                   tokens="long long")
     cpdef tuple submit_many(self, object specs)
     @cython.locals(q=SignatureQueue)
     cpdef enqueue(self, Entry e, object sig)
@@ -42,6 +50,8 @@ cdef class Admission:
     @cython.locals(got=bint)
     cpdef wait_for_work(self, object wake, double timeout, list idle)
     cpdef kill(self, Entry e)
+    @cython.locals(k="long long", e=Entry)
+    cpdef dequeued_tokens(self, list entries)
     @cython.locals(q=SignatureQueue)
     cpdef unqueue(self, Entry e)
     cpdef arm(self, Entry e)

@@ -43,6 +43,11 @@ AUTH_OPTIONAL_ENDPOINTS = ("/readyz", "/metrics", "/v2/health/ready")
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_US = 2000
 DEFAULT_MAX_QUEUE_SIZE = 1024
+#: a backend's own [tasks.batching] defaults where its traffic differs from the general ones,
+#: applied to a task from a config file and to the backend's default task alike (one default:
+#: issue 38 row 9).  vad: every live stream sends a 32 ms chunk, so batches are wide and the
+#: queue holds several chunks of each of many streams
+BACKEND_BATCHING_DEFAULTS: dict = {"vad": {"max_batch_size": 256, "max_queue_size": 4096}}
 MAX_INSTANCES = 64
 MAX_PRIORITY_LEVELS = 16
 # [tasks.sequence] (stateful tasks, SPEC section 3)
@@ -440,12 +445,17 @@ def _parse_device(r: _Reader) -> str:
     raise r.err("device", f"must be 'cpu' or 'cuda:N', got {dev!r}")
 
 
-def _parse_batching(r: _Reader) -> BatchingConfig:
+def _parse_batching(r: _Reader, backend: str = "") -> BatchingConfig:
+    """``[tasks.batching]``; a key left out takes ``backend``'s own default
+    (``BACKEND_BATCHING_DEFAULTS``), else the general one."""
+    own = BACKEND_BATCHING_DEFAULTS.get(backend, {})
     b = BatchingConfig(
-        max_batch_size=r.get("max_batch_size", int, DEFAULT_MAX_BATCH_SIZE, lo=1, hi=65536),
+        max_batch_size=r.get("max_batch_size", int,
+                             own.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE), lo=1, hi=65536),
         max_queue_delay_us=r.get("max_queue_delay_us", int, DEFAULT_MAX_QUEUE_DELAY_US, lo=0,
                                  hi=60_000_000),
-        max_queue_size=r.get("max_queue_size", int, DEFAULT_MAX_QUEUE_SIZE, lo=1),
+        max_queue_size=r.get("max_queue_size", int,
+                             own.get("max_queue_size", DEFAULT_MAX_QUEUE_SIZE), lo=1),
         default_timeout_ms=r.get("default_timeout_ms", int, 0, lo=0),
         priority_levels=r.get("priority_levels", int, 1, lo=1, hi=MAX_PRIORITY_LEVELS),
         latency_target_ms=r.get("latency_target_ms", int, 0, lo=0, hi=MAX_LATENCY_TARGET_MS),
@@ -608,7 +618,7 @@ def parse_task(table: Mapping, source: str = "<dict>", key: str = "tasks[0]",
     cfg.instances = r.get("instances", int, 1, lo=1, hi=MAX_INSTANCES)
     cfg.intra_op_threads = r.get("intra_op_threads", int, 0, lo=0, hi=1024)
     cfg.allow_spinning = r.get("allow_spinning", bool, None)
-    cfg.batching = _parse_batching(r.sub("batching"))
+    cfg.batching = _parse_batching(r.sub("batching"), backend)
     cfg.options = r.get("options", dict, {})
     if "sequence" in r.table:
         cfg.sequence = _parse_sequence(r.sub("sequence"), cfg.batching, base_dir)

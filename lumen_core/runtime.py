@@ -420,6 +420,17 @@ class Runtime:
     def has_task(self, name: str) -> bool:
         return name in self.tasks
 
+    def room(self, task: str, sequence_id: Optional[str] = None) -> int:
+        """Whether a request for ``task`` (of sequence ``sequence_id``, scoped as its meta
+        is) would find room now (``batching.policy.ROOM``), or the queue is full
+        (``QUEUE_FULL``), or the sequence waits for a slot (``AWAITING_SLOT``): a stream
+        reads on only with room (``serve/streams.py``).  An unknown task has room: its
+        request answers 404."""
+        route = self.tasks.get(task)
+        if route is None:
+            return 0
+        return route.batcher.room(sequence_id)
+
     def _task(self, name: str) -> Task:
         task = self.tasks.get(name)
         if task is None:
@@ -484,10 +495,15 @@ class Runtime:
         return native.using_extensions()
 
     def token_ids_request(self, task: str, ids: Any, correlation_id: str = "",
-                          field: str = "payload") -> InferRequest:
+                          field: str = "payload", truncate: bool = True) -> InferRequest:
         """A tensor-route request carrying token ids, under the preprocess id ``task``
         declares for int64 ``[1, L]`` ``NL`` input; ``InvalidArgument`` (``field``) when the
-        task takes no token ids or an id does not fit in int64."""
+        task takes no token ids or an id does not fit in int64.  A task that fits ids to its
+        length (``fit_token_ids``: text_embedding) cuts them when ``truncate``, else refuses
+        too many with 413, as it treats a text."""
+        fit = getattr(self._task(task).backend, "fit_token_ids", None)
+        if fit is not None:
+            ids = fit(ids, truncate, field)
         for spec in self.contract(task).specs:
             if spec.dtype == TOKEN_DTYPE and spec.layout == TOKEN_LAYOUT and spec.preprocess_ids:
                 try:

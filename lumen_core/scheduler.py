@@ -65,6 +65,14 @@ _heappop = heapq.heappop
 OVERLOAD_RETRY_AFTER_S = 1
 #: the deadline error's field
 DEADLINE_FIELD: str = KEY_TIMEOUT_MS
+#: after the last batch finished, an idle batcher (nothing queued, nothing running) admits one
+#: request whatever the prediction says, as a probe: the learnt cost and the budget move only
+#: when a batch finishes, so a cost learnt under contention (another process on the cores)
+#: would otherwise refuse an idle server forever (issue 38 row 2)
+PROBE_IDLE_NS = 500_000_000
+#: while nothing runs, a budget shrunk by late answers (``budget_ns`` < ``target_ns``) grows
+#: back toward the target, halving the gap every this many ns (no batch finishes to steer it)
+BUDGET_HALF_LIFE_NS = 100_000_000
 #: the deadline heap is rebuilt without answered entries once it holds this many and at least
 #: twice what it held after the last rebuild (answered entries leave it lazily)
 DEADLINE_COMPACT_MIN = 256
@@ -99,7 +107,7 @@ class Admission:
                  "deadlines", "deadline_count", "compact_at", "timer", "timer_ns", "trace",
                  "on_batch", "idle_event", "target_ns", "budget_ns", "cost_ready",
                  "cost_fixed_ns", "cost_item_ns", "cost_token_ns", "cost_tokens_per_item",
-                 "cost_batch", "cost_workers")
+                 "cost_batch", "cost_workers", "learnt_ns", "budget_at_ns", "queued_tokens", "probing")
 
     def __init__(self, name: str, max_queue_size: int, levels: int = 1, delay_ns: int = 0,
                  ready_live: int = 1, on_batch: Optional[Callable[[int, int], None]] = None):
@@ -145,6 +153,14 @@ class Admission:
         self.cost_tokens_per_item = 0.0
         self.cost_batch = 1
         self.cost_workers = 1
+        # when the last batch was learnt (QueuePolicy.learn; the probe's idle time counts from
+        # it), when budget_ns was last set (its recovery counts from it: budget_now), and the
+        # token count of the queued requests (those with a ``length``), tracked while there is
+        # a target: a queue of long texts is priced at their lengths (issue 38 row 3)
+        self.learnt_ns = 0
+        self.budget_at_ns = 0
+        self.queued_tokens = 0
+        self.probing = False  # a probe was admitted (check_latency); QueuePolicy.learn reads it
 
     # -- admission (loop thread) ------------------------------------------------------------
     def admit(self, n: int) -> None:
@@ -183,28 +199,68 @@ class Admission:
             wait += (self.running * fixed + self.running_items * item) / (2 * w)
         return int(wait)
 
+    def budget_now(self, now: int) -> int:
+        """Under the lock: the budget admission plans for at ``now``: ``budget_ns`` (0: the
+        target), grown back toward the target while nothing runs (``BUDGET_HALF_LIFE_NS``):
+        with nothing running no batch finishes to steer it, and a budget shrunk under
+        contention would otherwise stay low on an idle server (issue 38 row 2)."""
+        target = self.target_ns
+        b = self.budget_ns
+        if not b or b >= target:
+            return target
+        if self.running or now <= self.budget_at_ns:
+            return b
+        gap = (target - b) * 0.5 ** ((now - self.budget_at_ns) / BUDGET_HALF_LIFE_NS)
+        return target - int(gap)
+
+    def excess_ns(self, tokens: int, n: int) -> int:
+        """Under the lock: what ``n`` requests of ``tokens`` tokens in all cost beyond ``n``
+        typical ones (the learnt cost per token slot, ``cost_tokens_per_item`` a request);
+        never below 0 (a queue of short texts is priced as typical ones)."""
+        if tokens <= 0 or self.cost_token_ns <= 0.0:
+            return 0
+        extra = self.cost_token_ns * (tokens - n * self.cost_tokens_per_item)
+        return int(extra / self.cost_workers) if extra > 0.0 else 0
+
     def check_latency(self, n: int, timeout_ns: int, priority: int = 1,
-                      length: int = 0) -> None:
+                      length: int = 0, tokens: int = 0) -> None:
         """Under the lock, with a latency target: raise ``Overloaded`` (429, Retry-After the
         predicted drain time) when ``n`` more requests of ``priority`` (of ``length`` tokens
-        each, when known: see :meth:`predicted_ns`) would be answered past the target's
-        budget or past ``timeout_ns`` (their deadline, 0: none).  Admitted requests are never
-        dropped for them: the refusal happens before anything is queued."""
-        limit = self.budget_ns or self.target_ns  # 0: the whole target (steer keeps it below)
+        each, when known: see :meth:`predicted_ns`; or of ``tokens`` tokens in all, a group's
+        own lengths) would be answered past the target's budget or past ``timeout_ns``
+        (their deadline, 0: none).  The queued requests count at their own lengths too
+        (``queued_tokens``).  Admitted requests are never dropped for them: the refusal
+        happens before anything is queued.
+
+        An idle batcher whose last batch finished ``PROBE_IDLE_NS`` ago admits one request
+        (no deadline tighter than the target) whatever the prediction: a probe, whose batch
+        teaches the cost model what the idle server costs now."""
+        now = _monotonic_ns()
+        limit = self.budget_now(now)
+        if limit != self.budget_ns and self.budget_ns:  # fold the recovery in (it compounds)
+            self.budget_ns = limit
+            self.budget_at_ns = now
         what = "latency target"
         if 0 < timeout_ns < limit:
             limit = timeout_ns
             what = "deadline"
+        elif (n == 1 and not self.pending and not self.running
+              and now - self.learnt_ns >= PROBE_IDLE_NS):
+            self.probing = True
+            return  # the probe
         ahead = self.pending
-        wait = self.predicted_ns(ahead + n, length)
+        queued_extra = self.excess_ns(self.queued_tokens, ahead)  # long texts queued ahead
+        own_extra = self.excess_ns(tokens, n)  # a group's own long texts
+        wait = self.predicted_ns(ahead + n, length) + queued_extra + own_extra
         if wait <= limit:
             return
         if priority < self.levels:  # only requests of its level or above run before it
             ahead = self.queued_up_to(priority)
-            wait = self.predicted_ns(ahead + n, length)
+            queued_extra = 0
+            wait = self.predicted_ns(ahead + n, length) + own_extra
             if wait <= limit:
                 return
-        drain = self.predicted_ns(ahead) if ahead else wait
+        drain = self.predicted_ns(ahead) + queued_extra if ahead else wait
         retry = max(1, (drain + 999_999_999) // 1_000_000_000)  # whole seconds, rounded up
         if what == "deadline":
             what = f"deadline of {limit // 1_000_000} ms"
@@ -264,11 +320,14 @@ class Admission:
         try:
             if self.closed or self.pending >= self.max_queue_size:
                 self.admit(1)
-            if self.target_ns and self.cost_ready:
-                self.check_latency(1, timeout_ms * 1_000_000, priority,
-                                   getattr(item, "length", 0) or 0)
+            length = 0
+            if self.target_ns:
+                length = getattr(item, "length", 0) or 0
+                if self.cost_ready:
+                    self.check_latency(1, timeout_ms * 1_000_000, priority, length)
             self.enqueue(e, sig)
             self.pending += 1
+            self.queued_tokens += length
             self.wake_if_formable(e.queue)
         finally:
             lock.release()
@@ -297,16 +356,21 @@ class Admission:
             sigs.append(item.signature)
             entries.append(_Entry(item, group, priority, now, None,
                                  now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0))
+        tokens = 0
+        if self.target_ns:  # each item at its own length, as a single request is priced
+            for spec in specs:
+                tokens += getattr(spec[0], "length", 0) or 0
         lock = self.lock
         lock.acquire()
         try:
             self.admit(n)
             if self.target_ns and self.cost_ready:
                 self.check_latency(n, min([s[3] for s in specs if s[3] > 0] or [0]) * 1_000_000,
-                                   max([s[2] for s in specs]))
+                                   max([s[2] for s in specs]), 0, tokens)
             for k in range(n):
                 self.enqueue(entries[k], sigs[k])
             self.pending += n
+            self.queued_tokens += tokens
             self.wake_if_formable(None)
         finally:
             lock.release()
@@ -360,7 +424,20 @@ class Admission:
         """Under the lock: a queued entry dies (it never runs)."""
         e.state = DONE
         self.pending -= 1
+        if self.queued_tokens:
+            self.dequeued_tokens([e])
         self.unqueue(e)
+
+    def dequeued_tokens(self, entries: list) -> None:
+        """Under the lock: ``entries`` left the queue (formed into a batch, or dead): their
+        lengths leave ``queued_tokens`` (which an empty queue resets, so it cannot drift)."""
+        if not self.pending:
+            self.queued_tokens = 0
+            return
+        k = 0
+        for e in entries:
+            k += getattr(e.item, "length", 0) or 0
+        self.queued_tokens = max(0, self.queued_tokens - k)
 
     def unqueue(self, e: entry_types.Entry) -> None:
         """Under the lock: drop a dead entry from the formation structures (it leaves its

@@ -33,6 +33,13 @@ log = logging.getLogger("lumen.tracing")
 ENV = "LUMEN_TRACING"
 #: instrumentation scope name
 SCOPE = "lumen_core"
+#: W3C limits a server may hold a client's trace context to (OpenTelemetry's propagator
+#: checks the same ones, but logs a WARNING per request: a client could fill the log)
+TRACEPARENT_MAX_CHARS = 512
+TRACESTATE_MAX_CHARS = 512
+#: an oversized trace context is logged at most once per this many seconds, with the count of
+#: those not logged since (``Tracing.dropped_context`` counts them all)
+OVERSIZE_LOG_EVERY_S = 60.0
 
 
 def requested(config: Any = None) -> bool:
@@ -107,6 +114,13 @@ def _otlp_exporter() -> Any:
     return OTLPSpanExporter()  # endpoint, headers, timeouts: the OTEL_EXPORTER_OTLP_* variables
 
 
+def _first(value: Any) -> Optional[str]:
+    """A header's value as a string: the first of a list (OTel's getter reads it so)."""
+    if value is None or isinstance(value, str):
+        return value
+    return value[0] if value else None
+
+
 def _wall_offset() -> int:
     """Add to a ``time.monotonic_ns()`` reading to get epoch ns (what OTel timestamps are)."""
     return time.time_ns() - time.monotonic_ns()
@@ -131,11 +145,45 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         #: task name -> model version (``Runtime`` fills it as it loads tasks)
         self.versions: dict = {}
+        #: trace contexts ignored for their size (``extract``), and the log's rate limit
+        self.dropped_context = 0
+        self._unlogged = 0
+        self._logged_at = -OVERSIZE_LOG_EVERY_S
+        self._clock = time.monotonic
 
     # -- transports -------------------------------------------------------------------------
     def extract(self, carrier: Mapping) -> Any:
-        """The OTel context of a W3C ``traceparent`` (and ``tracestate``) in ``carrier``."""
+        """The OTel context of a W3C ``traceparent`` (and ``tracestate``) in ``carrier``.
+
+        An oversized ``traceparent`` is ignored (the span starts a new trace) and an
+        oversized ``tracestate`` dropped, here, before OpenTelemetry's propagator sees them:
+        it would log a WARNING for every such request.  They are counted and logged at most
+        once per ``OVERSIZE_LOG_EVERY_S`` with the number not logged since."""
+        tp = _first(carrier.get("traceparent"))
+        ts = carrier.get("tracestate")
+        if tp is not None and len(tp) > TRACEPARENT_MAX_CHARS:
+            self._oversize("traceparent", len(tp), TRACEPARENT_MAX_CHARS)
+            return self._propagator.extract({})
+        if ts is not None:
+            n = len(ts) if isinstance(ts, str) else sum(len(x) + 1 for x in ts) - 1
+            if n > TRACESTATE_MAX_CHARS:
+                self._oversize("tracestate", n, TRACESTATE_MAX_CHARS)
+                carrier = {"traceparent": tp} if tp is not None else {}
         return self._propagator.extract(carrier)
+
+    def _oversize(self, header: str, size: int, limit: int) -> None:
+        self.dropped_context += 1
+        now = self._clock()
+        if now - self._logged_at < OVERSIZE_LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = (f" ({self._unlogged} more since the last such line)" if self._unlogged
+                else "")
+        self._logged_at = now
+        self._unlogged = 0
+        log.warning("a request's %s header of %d characters is over the W3C limit of %d: "
+                    "ignored, its span starts a new trace%s; logged at most once per %d s",
+                    header, size, limit, more, OVERSIZE_LOG_EVERY_S)
 
     def server_span(self, name: str, carrier: Optional[Mapping], attributes: dict) -> Any:
         """A context manager: the transport's SERVER span, current while it is open."""

@@ -196,3 +196,38 @@ def matmul(path, d: int = 16, seed: int = 0) -> str:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d])],
         [numpy_helper.from_array(w, "W")])
     return _save(graph, path)
+
+
+def attention(path, d: int = 32, seed: int = 0) -> str:
+    """A one-layer self-attention encoder over ``x`` [N, L, d] (``L`` symbolic): ``y = x +
+    softmax(x Wq (x Wk)^T / sqrt(d)) x Wv``, output ``y`` [N, L, d].  Its cost grows as L^2:
+    the model of issue 38 row 1 (one client's long rows stall loop execution)."""
+    rng = np.random.default_rng(seed)
+    ws = [(rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32) for _ in range(3)]
+    inits = [numpy_helper.from_array(w, n) for w, n in zip(ws, ("Wq", "Wk", "Wv"), strict=True)]
+    inits.append(numpy_helper.from_array(np.array(1 / np.sqrt(d), np.float32), "inv_sqrt_d"))
+    nodes = [
+        helper.make_node("MatMul", ["x", "Wq"], ["q"]),
+        helper.make_node("MatMul", ["x", "Wk"], ["k"]),
+        helper.make_node("MatMul", ["x", "Wv"], ["v"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s0"]),
+        helper.make_node("Mul", ["s0", "inv_sqrt_d"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["a"]),
+        helper.make_node("Add", ["x", "a"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "L", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "L", d])], inits)
+    return _save(graph, path)
+
+
+def attention_reference(x: np.ndarray, d: int = 32, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    wq, wk, wv = [(rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32) for _ in range(3)]
+    s = (x @ wq) @ np.swapaxes(x @ wk, -1, -2) / np.sqrt(d)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return x + p @ (x @ wv)

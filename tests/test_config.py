@@ -284,3 +284,20 @@ def test_model_root_defaults_to_the_config_folder(tmp_path):
     cfg.write_text("[server]\n")
     assert model_root(load_config(str(cfg))) == str(tmp_path)
     assert model_root(parse_config({})) == ""  # no file: no root, admin loads name no path
+
+
+def test_a_vad_task_from_a_config_file_gets_the_backends_batching_defaults(monkeypatch):
+    """Issue 38 row 9: a vad task written in a config file got the general max_queue_size
+    (1024) and max_batch_size (32) where the default vad task has 4096 and 256: one default."""
+    from lumen_core.tasks import vad
+
+    monkeypatch.setattr(vad, "require_model", lambda name: None)  # the table, not the model
+    from_file = config.parse_task({"name": "v", "backend": "vad"}).batching
+    default = config.parse_task(vad.default_task_table()).batching
+    assert from_file.max_queue_size == default.max_queue_size == vad.DEFAULT_MAX_QUEUE_SIZE == 4096
+    assert from_file.max_batch_size == default.max_batch_size == vad.DEFAULT_MAX_BATCH_SIZE == 256
+    # what a file says still wins; other backends keep the general defaults
+    assert config.parse_task({"name": "v", "backend": "vad",
+                              "batching": {"max_queue_size": 64}}).batching.max_queue_size == 64
+    other = config.parse_task({"name": "o", "backend": "onnx", "model": "m.onnx"}).batching
+    assert other.max_queue_size == config.DEFAULT_MAX_QUEUE_SIZE == 1024

@@ -6,6 +6,7 @@ through a provider of the test's own (the global provider is never touched, noth
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import numpy as np
@@ -221,3 +222,38 @@ def test_oip_grpc_traceparent_metadata(tmp_path):
         assert {r.parent.span_id for r in reqs} == {s.context.span_id for s in servers}
     finally:
         srv.stop()
+
+
+def test_oversized_trace_context_is_logged_rate_limited(caplog):
+    """Issue 38 row 9: a traceparent over 512 characters used to write OpenTelemetry's WARNING
+    for every request (a client could fill the log).  Now it is ignored (a new trace), counted,
+    and logged at most once per OVERSIZE_LOG_EVERY_S with the count not logged since."""
+    from opentelemetry import trace
+
+    tr, _ = in_memory()
+    clock = [1000.0]
+    tr._clock = lambda: clock[0]
+    long_parent = TRACEPARENT + "-" + "a" * 600
+    caplog.set_level(logging.DEBUG)
+    for _ in range(100):
+        ctx = tr.extract({"traceparent": long_parent})
+        assert not trace.get_current_span(ctx).get_span_context().is_valid
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert warnings[0].name == "lumen.tracing" and "traceparent" in warnings[0].getMessage()
+    assert tr.dropped_context == 100
+    clock[0] += tracing.OVERSIZE_LOG_EVERY_S
+    caplog.clear()
+    tr.extract({"traceparent": long_parent})
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "99 more" in line
+    # an oversized tracestate is dropped, the (valid) parent kept, once more without a line
+    caplog.clear()
+    ctx = tr.extract({"traceparent": TRACEPARENT, "tracestate": "k=" + "v" * 600})
+    sc = trace.get_current_span(ctx).get_span_context()
+    assert sc.is_valid and format(sc.trace_id, "032x") == TRACE_ID and not sc.trace_state
+    assert tr.dropped_context == 102
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # a well-formed context is untouched
+    ctx = tr.extract({"traceparent": TRACEPARENT, "tracestate": "k=v"})
+    assert trace.get_current_span(ctx).get_span_context().trace_state.get("k") == "v"

@@ -68,8 +68,9 @@ class CostModel:
         self.tokens_per_item = 0.0
         self.last_error_us = 0.0  # the newest batch's prediction error before it was learnt
 
-    def update(self, n: int, tokens: int, compute_us: float) -> None:
-        """Learn one finished batch of ``n`` items and ``tokens`` padded token slots."""
+    def update(self, n: float, tokens: int, compute_us: float) -> None:
+        """Learn one finished batch of ``n`` items (typical rows: may be fractional or larger
+        than the batch, see ``QueuePolicy.learn``) and ``tokens`` padded token slots."""
         if n <= 0:
             return
         lam = self.forgetting
@@ -91,7 +92,7 @@ class CostModel:
             self.tokens_per_item + TOKENS_EMA * (per - self.tokens_per_item))
         self.samples += 1
 
-    def predict_us(self, n: int, tokens: int = 0) -> float:
+    def predict_us(self, n: float, tokens: int = 0) -> float:
         """Predicted compute time (us) of a batch of ``n`` items and ``tokens`` slots (>= 0)."""
         a, b, c = self.theta
         return max(0.0, a + b * n + c * tokens)

@@ -42,6 +42,17 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import BatchingConfig
+from .loop import (
+    LOOP_BACKOFF,
+    LOOP_BACKOFF_MAX,
+    LOOP_ITEM_GROWTH,
+    LOOP_OVERRUN_FACTOR,
+    LOOP_OVERRUN_MIN_NS,
+    LOOP_PROBE_FACTOR,
+    LOOP_SAMPLES,
+    LOOP_SETTLED,
+    LoopTurn,
+)
 from .policy import QUEUED, RUNNING, UNSET, BatchResult, Entry, QueuePolicy
 from .runner import Batch, Runner, Worker, run_split
 
@@ -49,6 +60,8 @@ log = logging.getLogger("lumen.batching")
 
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
 LENGTH_WINDOW_FACTOR = 4
+#: weight of the newest batch in the running mean of its items' size (``units_per_item``)
+UNITS_EMA = 0.05
 #: a request joins a length-aware batch while the padded slots it adds beyond its own length
 #: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS``.  On CPU a batch costs about its
 #: padded slots and batching buys little beyond that (bench/README.md, text_embed: 0/4 beat
@@ -57,24 +70,6 @@ LENGTH_WINDOW_FACTOR = 4
 PAD_TOLERANCE = 0.0
 PAD_SLACK_TOKENS = 4
 
-# Loop execution (``LoopTurn``, ``DynamicBatcher._judge``): a model whose batches take less
-# than handing them to a worker thread and back costs (``loop_execution_us``) runs them on
-# the event loop.  A trial starts when the worker's learnt cost of the largest batch is within
-# this factor of the threshold (the worker's times include its waits for the GIL) ...
-LOOP_PROBE_FACTOR = 4
-#: ... and is judged on the median of the last this many batches' times on the loop
-LOOP_SAMPLES = 8
-#: worker batches before a failed trial is tried again; doubled per failure, up to the max
-LOOP_BACKOFF = 64
-LOOP_BACKOFF_MAX = 65536
-#: batches on the loop after which a trial counts as held (the backoff starts over)
-LOOP_SETTLED = 4096
-#: a queue-delay timer that fired before the queue was due is set again for at least this
-#: long: uvloop rounds a timer to whole milliseconds (and its clock to the loop iteration), so
-#: a timer for the last fraction of a millisecond fires at once, again and again (300-400
-#: times over a 1.5 ms wait, measured), where the worker's lock timeout waits exactly.  So a
-#: batch may form up to this late on such a loop, once per queue delay.
-LOOP_TIMER_FLOOR_NS = 1_000_000
 
 
 def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePolicy,
@@ -120,6 +115,29 @@ def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePo
     return out
 
 
+def batch_units(entries: Sequence[Entry]) -> int:
+    """What a batch's cost grows with beyond its rows (``DynamicBatcher.loop_fits``): the
+    padded token slots of texts (``n`` x the longest ``length``), else the elements of dense
+    items (``n`` x the item's elements: a batch has one signature, so one item shape), else
+    0 (rows only)."""
+    first = entries[0].item
+    if getattr(first, "length", 0):
+        return len(entries) * max(_item_length(e) for e in entries)
+    shape = getattr(first, "item_shape", None)
+    if not shape:
+        return 0
+    if isinstance(shape[0], tuple):  # one shape per input: their elements add up
+        return len(entries) * sum(_elements(x) for x in shape)
+    return len(entries) * _elements(shape)
+
+
+def _elements(shape: Sequence[int]) -> int:
+    k = 1
+    for d in shape:
+        k *= d
+    return k
+
+
 def _item_length(entry: Entry) -> int:
     return max(1, getattr(entry.item, "length", 0) or 0)
 
@@ -157,135 +175,6 @@ def _length_window(lengths: Sequence[int], p: int, n: int, max_tokens: int) -> t
             top = lengths[hi]
             hi += 1
     return lo, hi
-
-
-class LoopTurn:
-    """A worker's engine instance, lent to the event loop (loop execution).
-
-    While loop execution holds (``DynamicBatcher._judge``: the batches run within
-    ``loop_execution_us``), the worker thread of a one-instance batcher parks
-    (``DynamicBatcher.lend``) and this turn stands in the batcher's idle list in its place: a
-    request that makes a batch formable "wakes" it by scheduling :meth:`step` on the loop,
-    which forms the batch, runs it and answers its callers there, then schedules itself again
-    after the loop's other callbacks (so I/O and admissions interleave with batches, and a
-    burst of callers fills the next batch).  No thread hands a batch over and the GIL never
-    changes hands.  When the batches' times on the loop grow past the threshold, a fault hits
-    the loop, or the batcher stops, the turn hands the instance back: it releases the parked
-    thread, which goes on as a worker.  The loop and the thread never use the instance at once.
-    """
-
-    __slots__ = ("worker", "b", "loop", "loop_thread", "lent", "scheduled", "running", "timer",
-                 "fired")
-
-    def __init__(self, worker: Worker, batcher: "DynamicBatcher"):
-        self.worker = worker
-        self.b = batcher
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.loop_thread = 0  # the loop's thread, once known (0: call it thread-safely)
-        self.lent = False  # under the lock: the loop holds the instance, the thread is parked
-        self.scheduled = False  # a step is on the loop's ready queue (loop thread only)
-        self.running = False  # under the lock: a step is running a batch
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.fired = False  # this step comes from the queue-delay timer
-
-    def release(self) -> None:
-        """The batcher's wake-up (under its lock from any thread, or from the loop's own
-        step): schedule a step."""
-        if self.scheduled:
-            return
-        self.scheduled = True
-        loop = self.loop
-        try:
-            if loop is None:
-                raise RuntimeError("no loop")
-            if threading.get_ident() == self.loop_thread:
-                loop.call_soon(self.step)
-            else:
-                loop.call_soon_threadsafe(self.step)
-        except RuntimeError:  # the loop is closed: the thread takes its instance back for good
-            self.scheduled = False
-            self.loop = None
-            self.give_back()
-
-    def unidle(self) -> None:
-        """Under the lock: out of the batcher's idle list, if it waits there."""
-        idle = self.b.idle
-        if self in idle:
-            idle.remove(self)
-
-    def give_back(self) -> None:
-        """Under the lock: the parked thread takes its instance back."""
-        if self.lent:
-            self.lent = False
-            self.unidle()
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-            self.worker.wake.release()
-
-    def _fire(self) -> None:
-        self.timer = None
-        self.fired = True
-        with self.b.lock:
-            self.unidle()
-            self.release()
-
-    def step(self) -> None:
-        """On the loop: form one batch, run it, answer it; then the next, after the loop's
-        other callbacks; or wait in the idle list; or hand the instance back."""
-        self.scheduled = False
-        fired, self.fired = self.fired, False
-        b = self.b
-        try:
-            with b.lock:
-                if not self.lent:
-                    return
-                self.unidle()
-                if b.stopping or not b.loop_runs:
-                    self.give_back()
-                    return
-                now = time.monotonic_ns()
-                batch, wake_at = b._form(now) if b.pending else (None, 0)
-                if batch is None:
-                    b.idle.append(self)
-                    if wake_at:  # a queue delay runs: come back when it is due
-                        if self.timer is not None:
-                            self.timer.cancel()
-                        loop = self.loop
-                        assert loop is not None
-                        delay = max(0, wake_at - now)
-                        if fired:  # the timer came early: a loop whose timers round to
-                            delay = max(delay, LOOP_TIMER_FLOOR_NS)  # whole ms (uvloop)
-                        self.timer = loop.call_at(loop.time() + delay / 1e9, self._fire)
-                    return
-                self.running = True
-            t0 = time.perf_counter_ns()
-            try:
-                results: Any = run_split(self.worker.runner.execute, batch.items)
-            except Exception as exc:  # noqa: BLE001 - never strand a batch's callers
-                results = exc
-            except BaseException as exc:  # Ctrl-C or an exit on the loop's own thread: the
-                with b.lock:  # batch is answered, the worker takes its instance back, and
-                    self.running = False  # the exception goes on to whoever runs the loop
-                    b.back_to_worker()
-                    self.give_back()
-                b.deliver_batch(batch.entries, exc, 0)
-                raise
-            us = (time.perf_counter_ns() - t0) // 1000
-            try:
-                with b.lock:
-                    self.running = False
-                    b.learnt(batch, results, us, True)
-            finally:  # whatever learning did, the batch's callers get their answers
-                b.deliver_batch(batch.entries, results, us)
-            self.release()  # the next batch, after the loop's other callbacks
-        except Exception:  # a formation bug: logged, and the worker takes its instance back
-            log.exception("loop execution of %s: error between batches; back to the worker",
-                          b.name)
-            with b.lock:
-                self.running = False
-                b.back_to_worker()  # and keeps it for a backoff: no ping-pong on a fault
-                self.give_back()
 
 
 class DynamicBatcher(QueuePolicy):
@@ -327,6 +216,11 @@ class DynamicBatcher(QueuePolicy):
         self.loop_median_ns = 0  # their median, judged once the ring is full
         self.loop_wait = 0  # worker batches before the next trial
         self.loop_backoff = LOOP_BACKOFF
+        #: under the lock: a batch the loop formed but handed to the worker (``loop_fits``)
+        self.handoff: Optional[Batch] = None
+        #: running mean of a learnt batch's ``batch_units`` per row (0: none yet, or sizes
+        #: unknown): the typical item's size, for ``loop_fits``
+        self.units_per_item = 0.0
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         started = self.started
@@ -353,7 +247,17 @@ class DynamicBatcher(QueuePolicy):
         """Under the lock, once per finished batch: learn its cost, steer the budget, judge
         where the next batches run (``on_loop``: this one ran on the loop)."""
         if not isinstance(results, BaseException):  # a failed run's time means nothing
-            self.learn(len(batch.entries), batch.extra or 0, compute_us)
+            n = len(batch.entries)
+            rows = 0.0
+            if self._loop_ns:  # sizes matter: learnt per typical row (see ``loop_fits``)
+                units = batch_units(batch.entries)
+                if units:
+                    per = self.units_per_item
+                    if per > 0.0:
+                        rows = max(float(n), units / per)
+                    self.units_per_item = units / n if not per else (
+                        per + UNITS_EMA * (units / n - per))
+            self.learn(n, batch.extra or 0, compute_us, rows)
             if self.target_ns:  # its oldest request's wait steers the budget
                 self.steer(time.monotonic_ns() - min(e.arrival_ns for e in batch.entries))
             if self._loop_ns:
@@ -374,6 +278,9 @@ class DynamicBatcher(QueuePolicy):
         ``LOOP_SAMPLES // 2`` batches.  A model that fails the trial goes back to its
         worker and is not tried again for ``loop_backoff`` batches (doubling)."""
         if on_loop:
+            if ns > max(LOOP_OVERRUN_FACTOR * self._loop_ns, LOOP_OVERRUN_MIN_NS):
+                self.back_to_worker()  # an overrun: at once, not after a median
+                return
             k = self.loop_batches = self.loop_batches + 1
             recent = self.loop_recent
             recent[k % LOOP_SAMPLES] = ns
@@ -391,6 +298,34 @@ class DynamicBatcher(QueuePolicy):
                 self.loop_runs = True
                 self.loop_batches = 0
                 self.loop_median_ns = 0
+
+    def loop_fits(self, batch: Batch) -> bool:
+        """Under the lock: whether ``batch`` may run on the loop: its predicted cost, from
+        what formation knows of it, within the trial's reach of the threshold
+        (``LOOP_PROBE_FACTOR``: the learnt cost mixes the worker's times, GIL waits included).
+        The learnt cost is per row of the typical item; a batch counts as many typical rows
+        as its size (``batch_units``: the elements or token slots its cost grows with) over
+        the typical item's (``units_per_item``), at least its rows.  So items far larger than
+        the ones learnt (one client's 8192-token rows after 4-token ones) are priced by their
+        size, not by the rows of the batches that moved the task to the loop; and items over
+        ``LOOP_ITEM_GROWTH`` times the typical size never run there: the loop was judged on
+        items of that size, and a cost may grow faster than the elements (attention: as
+        L^2), which no linear price foresees (issue 38 row 1).  The sizes are not a term of
+        the cost model itself: a dense task's elements are its rows times a constant, and
+        one warm-up batch of another shape would make that fit ill-posed."""
+        m = self.cost
+        if not m.samples:
+            return True
+        n = len(batch.entries)
+        rows = float(n)
+        per = self.units_per_item
+        if per > 0.0:
+            units = batch_units(batch.entries)
+            if units > LOOP_ITEM_GROWTH * n * per:
+                return False  # items far larger than those learnt: their cost may grow faster
+            rows = max(rows, units / per)
+        fixed, item = m.linear()
+        return (fixed + item * rows) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns
 
     def back_to_worker(self) -> None:
         """Under the lock: end loop execution (a failed trial, a fault on the loop) and try
@@ -448,12 +383,16 @@ class DynamicBatcher(QueuePolicy):
 
     def _next_locked(self, worker: Worker) -> Optional[Batch]:
         while True:
+            batch = self.handoff
+            if batch is not None:  # the loop formed it, too large to run there (loop_fits)
+                self.handoff = None
+                return batch
             if self.loop_runs and not self.stopping and self.lend(worker):
                 continue
             timeout = -1.0
             if self.pending:
                 now = time.monotonic_ns()
-                batch, wake_at = self._form(now)
+                batch, wake_at = self.form(now)
                 if batch is not None:
                     return batch
                 if wake_at:
@@ -496,7 +435,7 @@ class DynamicBatcher(QueuePolicy):
             return 0
         return head.arrival_ns + self.delay_ns
 
-    def _form(self, now: int) -> tuple:
+    def form(self, now: int) -> tuple:
         """(batch, 0) or (None, ns at which a queue becomes ready, 0 if none).  Under the lock."""
         while self.pending:
             best = None
@@ -533,6 +472,8 @@ class DynamicBatcher(QueuePolicy):
             self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
             self.pending -= len(entries)
             self.running_items += len(entries)
+            if self.queued_tokens:  # (a latency target tracks the queued texts' lengths)
+                self.dequeued_tokens(entries)
             return Batch(entries, [e.item for e in entries], tokens), 0
         return None, 0
 

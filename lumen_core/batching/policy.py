@@ -35,6 +35,7 @@ task wake-up, not N.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
@@ -68,6 +69,12 @@ STEER_LOW = 0.55
 STEER_DOWN = 0.95
 STEER_UP = 1.01
 STEER_MIN = 0.25
+#: ``QueuePolicy.room``: a request may be admitted now / the queue is full / its sequence
+#: waits for a slot (a stream stops reading on either of the last two: serve/streams.py)
+ROOM, QUEUE_FULL, AWAITING_SLOT = 0, 1, 2
+#: a probe (``scheduler.PROBE_IDLE_NS``) whose batch ran in under ``1 / PROBE_STALE`` of its
+#: predicted time shows a stale cost model: it starts over (``forget_cost``)
+PROBE_STALE = 2
 #: weight of the newest batch in the running mean of formed batch sizes (``batch_seen``)
 BATCH_SEEN_EMA = 0.05
 
@@ -209,6 +216,12 @@ class QueuePolicy(_sched.Admission):
         assert loop is not None, f"batcher {self.name!r} is not started"
         return loop
 
+    def room(self, sequence_id: Optional[str] = None) -> int:
+        """Loop thread, a hint without the lock (workers only make room): ``ROOM`` when one
+        more request would be admitted past the queue limit now, else ``QUEUE_FULL``.  A
+        stream asks before it reads on (``serve/streams.py``: paced, never refused)."""
+        return ROOM if self.pending < self.max_queue_size else QUEUE_FULL
+
     def counters(self) -> dict:
         """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
         return {}
@@ -226,11 +239,19 @@ class QueuePolicy(_sched.Admission):
         return BatchResult.of(entry)
 
     # -- the cost model (issue 30) -----------------------------------------------------------
-    def learn(self, n: int, tokens: int, compute_us: int) -> None:
+    def learn(self, n: int, tokens: int, compute_us: int, rows: float = 0.0) -> None:
         """Under the lock, once per finished batch (never per request): learn its compute
-        time, then hand admission the figures its latency check reads (C fields)."""
+        time, then hand admission the figures its latency check reads (C fields).  ``rows``
+        (> 0): what the batch counts as in typical rows for the cost model (a batch of items
+        larger than the typical one: ``DynamicBatcher.loop_fits``); else its ``n``."""
         m = self.cost
-        m.update(n, tokens, compute_us)
+        x = rows or n
+        if self.probing:  # the first batch after an idle batcher admitted a probe
+            self.probing = False
+            if m.ready and compute_us * PROBE_STALE < m.predict_us(x, tokens):
+                m = self.forget_cost()
+        m.update(x, tokens, compute_us)
+        self.learnt_ns = time.monotonic_ns()  # an idle batcher probes from here (check_latency)
         if m.ready:
             fixed_us, item_us = m.linear()
             self.cost_fixed_ns = fixed_us * 1000.0
@@ -242,6 +263,16 @@ class QueuePolicy(_sched.Admission):
             self.batch_seen + BATCH_SEEN_EMA * (n - self.batch_seen))
         if m.ready:
             self._size_batches()
+
+    def forget_cost(self) -> CostModel:
+        """Under the lock: a probe ran in under ``1 / PROBE_STALE`` of its predicted time, so
+        the learnt cost is stale (learnt while other processes held the cores): start over,
+        with the whole target as the budget; nothing is refused until the new model is ready
+        (``COST_MIN_SAMPLES`` batches), as at start-up."""
+        m = self.cost = CostModel(self.cost.forgetting)
+        self.cost_ready = False
+        self.budget_ns = 0
+        return m
 
     def _size_batches(self) -> None:
         """Formation's cap and the batch size predictions count (see ``batch_seen``)."""
@@ -269,6 +300,7 @@ class QueuePolicy(_sched.Admission):
             return
         if h != was:
             self.budget_ns = int(target * h)
+            self.budget_at_ns = time.monotonic_ns()  # it grows back from here while idle
             if self.cost_ready:
                 self._size_batches()
 
@@ -286,7 +318,7 @@ class QueuePolicy(_sched.Admission):
         out["batch_cap"] = self.batch_cap
         out["workers"] = self.cost_workers
         out["latency_target_ms"] = self.target_ns // 1_000_000
-        out["latency_budget_ms"] = (self.budget_ns or self.target_ns) / 1e6
+        out["latency_budget_ms"] = self.budget_now(time.monotonic_ns()) / 1e6
         return out
 
     # -- draining ---------------------------------------------------------------------------
@@ -301,5 +333,5 @@ class QueuePolicy(_sched.Admission):
             await self.idle_event.wait()
 
 
-__all__ = ["BatchResult", "Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
+__all__ = ["AWAITING_SLOT", "QUEUE_FULL", "ROOM", "BatchResult", "Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
            "Entry", "Group", "QueuePolicy", "answer"]

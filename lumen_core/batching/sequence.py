@@ -65,7 +65,17 @@ from ..config import BatchingConfig, SequenceConfig
 from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
 from ..engine.state import SequenceBatch, SlotStore, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
-from .policy import OVERLOAD_RETRY_AFTER_S, QUEUED, RUNNING, Entry, Group, QueuePolicy
+from .policy import (
+    AWAITING_SLOT,
+    OVERLOAD_RETRY_AFTER_S,
+    QUEUE_FULL,
+    QUEUED,
+    ROOM,
+    RUNNING,
+    Entry,
+    Group,
+    QueuePolicy,
+)
 from .runner import Batch, BatchRunner, Worker
 
 #: how many ended / idled-out ids are remembered for a precise error message
@@ -201,6 +211,16 @@ class SequenceBatcher(QueuePolicy):
     def counters(self) -> dict:
         """Sequences holding a slot and those waiting for one (``Batcher.counters``)."""
         return {"active_sequences": self.active_sequences, "backlog": self.backlog}
+
+    def room(self, sequence_id: Optional[str] = None) -> int:
+        """See ``QueuePolicy.room``, with ``_enqueue``'s rule (a sequence holding a slot may
+        always queue one request); ``AWAITING_SLOT`` while ``sequence_id`` waits in the
+        backlog for a slot: its stream reads nothing more until it has one (issue 38 row 4:
+        streams beyond the slots filled the queue with chunks that could not run)."""
+        seq = self._seqs.get(sequence_id) if sequence_id else None
+        if self.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+            return QUEUE_FULL  # what _enqueue would refuse now
+        return AWAITING_SLOT if seq is not None and seq.lane is None else ROOM
 
     def holds_sequence(self, sid: str) -> bool:
         """True while sequence ``sid`` is open here (a draining version keeps its sequences

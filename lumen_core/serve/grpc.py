@@ -31,13 +31,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 import grpc
 import numpy as np
 
-from ..contract import KEY_VAD_EVENTS
+from ..contract import KEY_SEQUENCE_ID, KEY_VAD_EVENTS
 from ..errors import InternalError, LumenError, Overloaded, PayloadTooLarge, Unavailable
 from ..request import InferRequest
 from . import audio, codec
 from .auth import ApiKeys, unscope_error
 from .metrics import PrometheusObserver
 from .oip_grpc import OipServicer
+from .options import check_options
 from .proto import lumen_pb2, lumen_pb2_grpc
 from .streams import StreamWindow, call_metadata, windowed_replies
 
@@ -99,6 +100,20 @@ def to_request(msg: Any, scope: Optional[str] = None) -> InferRequest:
     """Proto -> runtime request; ``payload`` stays the message's ``bytes`` object (no copy)."""
     meta = ApiKeys.scoped_meta(dict(msg.meta), scope)
     return InferRequest(msg.task, msg.payload, msg.payload_mime, meta, msg.correlation_id)
+
+
+def stream_target(msg: Any, scope: Optional[str]) -> tuple:
+    """``(task, sequence id as the batcher knows it)`` of a stream message, for the pacing;
+    ``("", None)`` for one that will be refused whatever the queue (oversized, a bad id)."""
+    if isinstance(msg, Oversized):
+        return "", None
+    sid = msg.meta.get(KEY_SEQUENCE_ID) or None
+    if sid is not None and scope is not None:
+        try:
+            sid = ApiKeys.scoped_meta({KEY_SEQUENCE_ID: sid}, scope)[KEY_SEQUENCE_ID]
+        except LumenError:
+            return "", None
+    return msg.task, sid
 
 
 def to_proto(resp: Any) -> Any:
@@ -169,6 +184,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         if isinstance(msg, Oversized):
             raise msg.error()
         try:
+            check_options(self.runtime, msg.task, msg.meta)  # the HTTP route's rule
             return await self.runtime.infer(to_request(msg, scope))
         except LumenError as exc:
             raise unscope_error(exc, scope) from None
@@ -243,14 +259,22 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         self.stream_in_flight_bytes -= nbytes
 
     async def stream(self, request_iterator: AsyncIterator, size_of: Callable[[Any], int],
-                     handle: Callable[[Any], Awaitable]) -> AsyncIterator:
+                     handle: Callable[[Any], Awaitable],
+                     target: Optional[Callable[[Any], tuple]] = None) -> AsyncIterator:
         """A bidirectional stream of either service (this one's ``InferStream``, OIP's
-        ``ModelStreamInfer``): one window rule and one in-flight count for both; when the caller
-        goes away (or the stream fails) what is still queued is cancelled and the stream's
-        remaining share leaves the counts."""
+        ``ModelStreamInfer``): one window rule, one pacing rule and one in-flight count for
+        both; ``target(msg)`` names a message's ``(task, scoped sequence id or None)`` for the
+        pacing (``streams.wait_for_room``).  When the caller goes away (or the stream fails)
+        what is still queued is cancelled and the stream's remaining share leaves the counts."""
         window = StreamWindow(self.stream_window, self.stream_window_bytes)
+        rt = self.runtime
+        room = None
+        if target is not None:
+            def room(msg: Any) -> int:
+                task, sid = target(msg)
+                return rt.room(task, sid) if task else 0
         replies = windowed_replies(request_iterator, window, size_of, handle,
-                                   self.stream_admitted, self.stream_answered)
+                                   self.stream_admitted, self.stream_answered, room=room)
         try:
             async for reply in replies:
                 yield reply
@@ -270,7 +294,8 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
         events = audio.SequenceEvents(self.runtime)
         carrier = call_metadata(context) if getattr(self.runtime, "tracing", None) else None
         async for reply in self.stream(request_iterator, lambda msg: len(msg.payload),
-                                       lambda msg: self._stream_one(msg, scope, events, carrier)):
+                                       lambda msg: self._stream_one(msg, scope, events, carrier),
+                                       lambda msg: stream_target(msg, scope)):
             yield reply
 
 

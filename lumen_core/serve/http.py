@@ -30,7 +30,6 @@ tasks it asks the runtime's query API (``task_names``, ``describe``, ``token_ids
 from __future__ import annotations
 
 import asyncio
-import difflib
 import logging
 import time
 from typing import Any, Awaitable, Callable, Mapping, Optional
@@ -42,7 +41,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from ..contract import RESERVED_PREFIX
 from ..errors import (
     InternalError,
     InvalidArgument,
@@ -62,6 +60,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
 from .oip import OipRoutes
 from .openai import OpenAiRoutes
+from .options import check_options
 from .rerank import RerankRoutes
 from .tei import TeiRoutes
 
@@ -85,8 +84,6 @@ ROUTES_HINT = ("the API is POST /v1/infer/{task}, POST /v1/embeddings, POST /v1/
                "(GET /v2, /v2/models/{task}, POST /v2/models/{task}/infer)")
 #: the error code of a 405 (a known path, another method); the Allow header names the methods
 METHOD_NOT_ALLOWED = "method_not_allowed"
-#: how alike an unknown query key and a task's option must be to be suggested (difflib ratio)
-OPTION_MATCH_CUTOFF = 0.75
 #: the one endpoint that never needs an API key (a liveness probe carries no secret)
 ALWAYS_OPEN = frozenset({"/healthz", "/v2/health/live"})
 
@@ -281,16 +278,9 @@ class HttpApp:
                              headers={"X-Correlation-Id": resp.correlation_id})
 
     def _check_options(self, task: str, params: Any, route_options: Optional[dict] = None) -> None:
-        """A plain (non-``lumen.*``) query key that ``task`` does not read is a 400 naming the
-        options it does read (a typo such as ``normalise`` would otherwise be ignored);
-        ``lumen.*`` keys are checked by the request contract."""
-        plain = [k for k in params if not k.startswith(RESERVED_PREFIX)]
-        if not plain or not self.runtime.has_task(task):  # an unknown task answers 404 later
-            return
-        known = {**self.runtime.request_options(task), **(route_options or {})}
-        for key in plain:
-            if key not in known:
-                raise unknown_option(task, key, known)
+        """A plain query key that ``task`` does not read is a 400 (``options.check_options``:
+        the same rule as gRPC's meta)."""
+        check_options(self.runtime, task, params, route_options)
 
     @staticmethod
     def _tensor_reply(resp: Any, wanted: Optional[str]) -> Response:
@@ -349,20 +339,6 @@ class HttpApp:
         if self.observer is None:
             raise TaskNotFound("metrics are not enabled on this server", None)
         return Response(self.observer.exposition(), media_type=METRICS_CONTENT_TYPE)
-
-
-def unknown_option(task: str, key: str, known: Any) -> InvalidArgument:
-    """The 400 for a query key ``task`` does not read: the closest option it does read (by
-    spelling, or by the last part of a ``lumen.*`` name: ``dimensions`` ->
-    ``lumen.embedding.dimensions``), then all of them."""
-    by_tail = {name.rsplit(".", 1)[-1]: name for name in sorted(known)}
-    close = difflib.get_close_matches(key, list(by_tail), n=1, cutoff=OPTION_MATCH_CUTOFF)
-    hint = f" (did you mean {by_tail[close[0]]!r}?)" if close else ""
-    options = ", ".join(sorted(known)) or "none"
-    return InvalidArgument(f"task {task!r} has no option {key[:MAX_PATH_ECHO]!r}{hint}; its "
-                           f"options are: {options}, and the lumen.* request keys of every "
-                           f"task (GET /v1/tasks lists each task's request_options)",
-                           key[:MAX_PATH_ECHO])
 
 
 def _merge_task_meta(resp: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 import numpy as np
 
-from ..contract import DTYPES, KEY_MODEL_VERSION
+from ..contract import DTYPES, KEY_MODEL_VERSION, KEY_SEQUENCE_ID
 from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge, Unavailable
 from . import codec, shm
 from . import oip_mapping as oip
@@ -379,5 +379,21 @@ class OipServicer:
         base = self.base  # one window rule and one in-flight count for both services
         carrier = call_metadata(context) if getattr(base.runtime, "tracing", None) else None
         async for reply in base.stream(request_iterator, _message_bytes,
-                                       lambda msg: self._stream_one(msg, caller, carrier)):
+                                       lambda msg: self._stream_one(msg, caller, carrier),
+                                       lambda msg: self._stream_target(msg, caller)):
             yield reply
+
+    def _stream_target(self, msg: Any, caller: shm.Caller) -> tuple:
+        """``(task, scoped sequence id or None)`` of a stream message, for the pacing
+        (``InferenceServicer.stream``); ``("", None)`` for one refused whatever the queue."""
+        if isinstance(msg, _TooLarge):
+            return "", None
+        p = msg.parameters.get(oip.P_SEQUENCE_ID)
+        sid = _param(p) if p is not None else None
+        if sid in (None, 0, ""):
+            return msg.model_name, None
+        try:
+            meta = self.base.keys.scoped_meta({KEY_SEQUENCE_ID: str(sid)}, caller.owner)
+        except LumenError:
+            return "", None
+        return msg.model_name, meta[KEY_SEQUENCE_ID]

@@ -124,8 +124,9 @@ class OpenAiRoutes:
                 raise InvalidArgument(f"'dimensions' must be in 1..{dim} (the embedding size of "
                                       f"{model!r}), got {asked}", "dimensions")
         cid = request.headers.get("x-correlation-id", "")
+        truncate = meta.get(OPT_TRUNCATE) != "false"
         reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "",
-                                        field if len(items) == 1 else f"{field}[{i}]")
+                                        field if len(items) == 1 else f"{field}[{i}]", truncate)
                 for i, item in enumerate(items)]
         if meta:
             for r in reqs:
@@ -164,8 +165,10 @@ class OpenAiRoutes:
         model = obj.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidArgument("'model' must name a task, e.g. \"text_embed\"", "model")
-        fmt = obj.get("encoding_format") or "float"
-        if fmt not in ENCODING_FORMATS:
+        fmt = obj.get("encoding_format")
+        if fmt is None:  # absent or null: float (OpenAI's default); "", 0, false are errors
+            fmt = "float"
+        if not isinstance(fmt, str) or fmt not in ENCODING_FORMATS:
             raise InvalidArgument(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, "
                                   f"got {fmt!r}", "encoding_format")
         meta: dict = {}
@@ -235,7 +238,8 @@ class OpenAiRoutes:
                                   f"are {', '.join(tokenizers) or 'none on this server'}", "model")
         return _reply(await rt.tokenize(model, texts, truncate))
 
-    def _embedding_request(self, model: str, item: Any, cid: str, field: str) -> InferRequest:
+    def _embedding_request(self, model: str, item: Any, cid: str, field: str,
+                           truncate: bool = True) -> InferRequest:
         """A text goes as the ``str`` itself (no encode here, no decode in the task); token ids
         go through the tensor route under the preprocess id the task declares for them (the
         tokenizer contract stays the task's: the runtime builds that request)."""
@@ -249,7 +253,7 @@ class OpenAiRoutes:
                 # no contract to ask: infer answers it like any request for an unknown task
                 # (404, or 503 while the runtime is not running)
                 return rt.text_request(model, "", cid)
-            return rt.token_ids_request(model, item, cid, "input")
+            return rt.token_ids_request(model, item, cid, field, truncate)
         raise InvalidArgument("each 'input' item must be a string or an array of token ids", "input")
 
     @staticmethod

@@ -6,12 +6,45 @@ its own :class:`StreamWindow` (requests admitted and not yet answered, their pay
 their replies' bytes): while it is full the stream is not read further, so a fast writer is
 slowed by HTTP/2 flow control instead of filling the server's memory, and a slow reader leaves
 at most the window's bytes of replies waiting for it.
+
+A stream is also paced by its task's queue, as the WebSocket route is (issue 38 row 4): a
+message is admitted only when its task has room for it (``Runtime.room``), and until then it
+is held and nothing more is read, so a fast stream is slowed, never refused mid-sequence (a
+lost chunk corrupts a stateful sequence's state for good).  A message whose sequence waits
+in the backlog for a slot is held too (up to ``STREAM_SLOT_WAIT_S``: a stream whose own other
+sequences hold every slot must not wait for itself), so streams beyond the slots do not fill
+the queue with chunks that cannot run.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
+
+#: ``room(msg)``'s answers (``batching.policy``'s ROOM, QUEUE_FULL, AWAITING_SLOT)
+ROOM, QUEUE_FULL, AWAITING_SLOT = 0, 1, 2
+#: a held message looks for room again after this long, doubling up to the max (the queue
+#: frees room as batches form, in worker threads: there is no event on the loop to wait for)
+STREAM_POLL_S = 0.001
+STREAM_POLL_MAX_S = 0.02
+#: the longest a message waits for its sequence's slot before it is admitted into the
+#: backlog anyway (while its queue has room)
+STREAM_SLOT_WAIT_S = 5.0
+
+
+async def wait_for_room(room: Callable[[Any], int], msg: Any) -> None:
+    """Return once ``room(msg)`` says ``msg`` may be admitted (see the module docstring); no
+    suspension after the last look, so the caller's admission follows it at once."""
+    r = room(msg)
+    if r == ROOM:
+        return
+    delay = STREAM_POLL_S
+    give_up = time.monotonic() + STREAM_SLOT_WAIT_S
+    while r == QUEUE_FULL or (r == AWAITING_SLOT and time.monotonic() < give_up):
+        await asyncio.sleep(delay)
+        delay = min(STREAM_POLL_MAX_S, 2 * delay)
+        r = room(msg)
 
 
 def call_metadata(context: Any) -> dict:
@@ -87,7 +120,8 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
                            size_of: Callable[[Any], int], handle: Callable[[Any], Awaitable],
                            admitted: Callable[[int], None],
                            answered: Callable[[int], None],
-                           reply_size: Callable[[Any], int] = message_bytes
+                           reply_size: Callable[[Any], int] = message_bytes,
+                           room: Optional[Callable[[Any], int]] = None
                            ) -> AsyncGenerator[Any, None]:
     """The engine of a bidirectional stream (both gRPC services): read a message only while
     ``window`` has room for it, run ``handle(msg)`` for each concurrently, yield the replies as
@@ -100,7 +134,9 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
 
     Tasks start in creation order and ``Runtime.infer`` admits a request before it first
     suspends, so a stream's requests reach their batcher in arrival order (sequences rely on
-    it)."""
+    it).  ``room(msg)`` (None: no pacing) holds each message until its task has room for it
+    (``wait_for_room``, in the message's own task, which the reader waits for before it reads
+    on: the last look and the admission happen in one step, so no other stream slips in)."""
     replies: asyncio.Queue = asyncio.Queue()  # (reply, payload bytes, reply bytes); None: no more
     running: set = set()
 
@@ -112,6 +148,14 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
             window.reply_ready(charged, held)
             replies.put_nowait((reply, nbytes, held))
 
+    async def paced(msg: Any, started: asyncio.Future) -> Any:
+        try:
+            await wait_for_room(room, msg)  # type: ignore[arg-type]
+        finally:
+            if not started.done():
+                started.set_result(None)
+        return await handle(msg)  # admitted in this same step
+
     async def read() -> None:
         try:
             async for msg in requests:
@@ -119,9 +163,16 @@ async def windowed_replies(requests: AsyncIterator, window: StreamWindow,
                 # backpressure: no read while the window is full
                 charged = await window.acquire(nbytes)
                 admitted(nbytes)
-                task = asyncio.ensure_future(handle(msg))
+                started = None
+                if room is None:
+                    task = asyncio.ensure_future(handle(msg))
+                else:
+                    started = asyncio.get_running_loop().create_future()
+                    task = asyncio.ensure_future(paced(msg, started))
                 running.add(task)
                 task.add_done_callback(functools.partial(finished, nbytes, charged))
+                if started is not None:
+                    await started  # no read while the message waits for room
             if running:
                 await asyncio.wait(set(running))
         finally:

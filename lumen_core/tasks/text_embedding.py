@@ -192,6 +192,7 @@ class TextEmbeddingBackend(TaskBackend):
         self._signature: tuple = ()
         self._n_prefix = 1  # special tokens the post-processor puts before / after the text
         self._n_suffix = 1
+        self._suffix_ids: tuple = ()  # the ids of those after the text ([SEP])
         self._reducer: Optional[Reducer] = None  # built at load (or the first long text)
         self.has_pooled = False  # the model outputs POOLED (normalize=false is served)
         self.model_card: Optional[dict] = None  # a prepared model's card (models.model_card)
@@ -248,6 +249,7 @@ class TextEmbeddingBackend(TaskBackend):
         mask = probe.special_tokens_mask
         self._n_prefix = next(i for i, m in enumerate(mask) if not m)
         self._n_suffix = len(mask) - 1 - max(i for i, m in enumerate(mask) if not m)
+        self._suffix_ids = tuple(probe.ids[len(mask) - self._n_suffix:])
         if self._n_prefix + self._n_suffix >= self.max_seq_length:
             raise ConfigError(self.config.source, f"{self.config.key}.options.max_seq_length",
                               f"must leave room for text after the tokenizer's "
@@ -454,6 +456,25 @@ class TextEmbeddingBackend(TaskBackend):
         flag_option(req.meta, OPT_TRUNCATE)  # checked; token ids are never cut (L is bounded above)
         self.prompts.check_tensor(req.meta, self.name)
         return EmbedRequest(self._signature, (tensor,), ids.shape[0], self._options(req, False))
+
+    def fit_token_ids(self, ids: list, truncate: bool = True, field: str = "input") -> list:
+        """Token ids sent in place of a text (``/v1/embeddings``), fitted to ``max_seq_length``
+        as a text is (TEI treats ids so): cut when ``truncate``, keeping the special tokens
+        after the text ([SEP]) when the ids end with them, as the text path keeps them; else
+        a 413 naming the count and the limit, the text path's answer."""
+        limit = self.max_seq_length
+        n = len(ids)
+        if n <= limit:
+            return ids
+        if not truncate:
+            raise PayloadTooLarge(
+                f"the input is {n} tokens (token ids); task {self.name!r} takes at most {limit} "
+                f"(max_seq_length) and truncate=false was sent: send fewer ids or allow "
+                f"truncation", field)
+        ns = len(self._suffix_ids)
+        if ns and tuple(ids[n - ns:]) == self._suffix_ids:
+            return list(ids[:limit - ns]) + list(ids[n - ns:])
+        return list(ids[:limit])
 
     def _token_ids(self, text: str, off_loop: bool) -> list:
         """WordPiece ids of ``text`` with [CLS]/[SEP], truncated (see :meth:`_count_ids`)."""

@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import native
 from ..batching.signature import signature
-from ..config import ConstantConfig, SequenceConfig, StateConfig
+from ..config import BACKEND_BATCHING_DEFAULTS, ConstantConfig, SequenceConfig, StateConfig
 from ..contract import (
     DTYPES,
     KEY_SEQUENCE_END,
@@ -84,8 +84,9 @@ OUTPUT_NAME = "speech_prob"
 #: PCM16 full scale (Silero and torchaudio normalise int16 samples by 1/32768)
 PCM16_SCALE = np.float32(1.0 / 32768.0)
 WARMUP_SEQUENCE_ID = "lumen-warmup"
-DEFAULT_MAX_BATCH_SIZE = 256
-DEFAULT_MAX_QUEUE_SIZE = 4096
+#: the batching defaults of every vad task, a config file's or the default one (config.py)
+DEFAULT_MAX_BATCH_SIZE = BACKEND_BATCHING_DEFAULTS["vad"]["max_batch_size"]
+DEFAULT_MAX_QUEUE_SIZE = BACKEND_BATCHING_DEFAULTS["vad"]["max_queue_size"]
 DEFAULT_IDLE_US = 10_000_000
 #: a free lane forms its next batch at once from whatever is ready: the lane's worker forms it
 #: itself the moment a run ends, so the streams answered from one batch send their next chunk

@@ -448,3 +448,134 @@ def test_a_request_that_would_be_late_is_refused_before_it_is_prepared(tmp_path)
 
     ok, again = asyncio.run(main())
     np.testing.assert_allclose(ok.outputs["y"], again.outputs["y"])
+
+
+# ----------------------------------------------------------------------------- issue 38 rows 2, 3
+def contended(target_ms=100, lone_ms=60.0):
+    """A batcher whose cost was learnt under contention (a lone request predicted at
+    ``lone_ms``) and whose budget late answers shrank (to STEER_MIN of the target)."""
+    from lumen_core.batching import policy as P
+
+    b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=target_ms), [FakeWorker()])
+    learnt(b, fixed_us=lone_ms * 1000 - 1000.0, item_us=1000.0, full=1)
+    with b.lock:
+        for _ in range(100):
+            b.steer(10 * target_ms * 1_000_000)
+    assert b.headroom == pytest.approx(P.STEER_MIN)
+    return b
+
+
+def test_an_idle_server_grows_its_budget_back_without_traffic():
+    """Issue 38 row 2: the budget moved only when a batch finished, so after contention an
+    idle server refused a lone request (predicted 90 ms, budget 25 ms of a 100 ms target)
+    forever: nothing finished because everything was refused.  While nothing runs the
+    budget now grows back (halving the gap every BUDGET_HALF_LIFE_NS), with no request."""
+    import time
+
+    from lumen_core import scheduler as SC
+
+    async def main():
+        b = contended(lone_ms=90.0)
+        with pytest.raises(Overloaded, match=r"admitting to \d+ ms"):
+            b.submit(Item(1))  # at once (the budget needs 3 half-lives to reach 90 ms): refused
+        now = time.monotonic_ns()
+        half = b.budget_now(now + SC.BUDGET_HALF_LIFE_NS) - b.budget_now(now)
+        assert half == pytest.approx((100e6 - b.budget_now(now)) / 2, rel=0.05)
+        await asyncio.sleep(1.0)  # idle: no batch, no request
+        assert b.cost_figures()["latency_budget_ms"] > 99
+        e = b.submit(Item(2))  # admitted on the budget, within the target
+        await e.waiter
+        await b.close()
+        return e.result()
+
+    assert asyncio.run(main()) == 4
+
+
+def test_an_idle_server_probes_a_cost_learnt_under_contention():
+    """Issue 38 row 2: a cost learnt while other processes took the cores (a lone request
+    predicted at 300 ms, past the whole 100 ms target) refused an idle server forever.  An
+    idle batcher whose last batch finished PROBE_IDLE_NS ago admits one request as a probe;
+    its batch teaches the model the idle cost, after which requests are admitted again."""
+    async def main():
+        b = contended(lone_ms=300.0)
+        with pytest.raises(Overloaded):
+            b.submit(Item(1))
+        await asyncio.sleep(1.0)  # idle
+        with pytest.raises(Overloaded):  # a group is never a probe
+            b.submit_many([(Item(i), None, 1, 0) for i in range(2)])
+        gate = b.workers[0].runner.gate = threading.Event()
+        probe = b.submit(Item(2))  # the probe
+        with pytest.raises(Overloaded):
+            b.submit(Item(3))  # one probe at a time: the first is queued or running
+        gate.set()
+        await probe.waiter
+        b.workers[0].runner.gate = None
+        for i in range(400):  # the fake model's real (tiny) cost is learnt
+            await b.infer(Item(i))
+        got = await b.infer(Item(21))
+        await b.close()
+        return probe.result(), got.value
+
+    assert asyncio.run(main()) == (4, 42)
+
+
+class Text(Item):
+    __slots__ = ("length",)
+
+    def __init__(self, value, length):
+        super().__init__(value)
+        self.length = length
+
+
+def text_cost(b):
+    """2 ms a batch, 100 us an item, 10 us a token slot, learnt on texts of 10 and 30
+    tokens (20 on average)."""
+    with b.lock:
+        for i in range(400):
+            n, length = 1 + i % 4, (10, 30)[i // 4 % 2]
+            b.learn(n, n * length, 2000 + 100 * n + 10 * n * length)
+    assert b.cost_token_ns == pytest.approx(10_000, rel=1e-3)
+    assert 15 < b.cost_tokens_per_item < 25
+
+
+def test_a_group_is_priced_at_its_items_own_lengths_and_queued_long_texts_count():
+    """Issue 38 row 3: ``submit_many`` priced every item of a group at the typical item, so
+    40 max-length texts (cost learnt on short ones) were admitted and pushed every request
+    behind them far past the target.  A group's items are priced at their own lengths, and
+    the queue's texts at theirs (``queued_tokens``), as a single request's own batch is."""
+    async def main():
+        gate = threading.Event()
+        w = FakeWorker(gate)
+        b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=200), [w])
+        text_cost(b)
+        running = asyncio.ensure_future(b.infer(Text(0, 20)))
+        await wait_started(w)
+        # 40 texts of 512 tokens: about 40 x 5 ms of token slots alone, past 200 ms
+        with pytest.raises(Overloaded):
+            b.submit_many([(Text(i, 512), None, 1, 0) for i in range(40)])
+        assert b.pending == 0 and b.queued_tokens == 0
+        # 40 typical texts fit (about 40 x 0.3 ms + 10 batches x 2 ms)
+        short, short_entries = b.submit_many([(Text(i, 20), None, 1, 0) for i in range(40)])
+        assert b.queued_tokens == 40 * 20
+        # 20 long ones fit (about 20 x 5 ms) behind them ...
+        long_, long_entries = b.submit_many([(Text(i, 512), None, 1, 0) for i in range(20)])
+        assert b.queued_tokens == 40 * 20 + 20 * 512
+        excess = b.excess_ns(b.queued_tokens, b.pending)
+        assert excess == pytest.approx(
+            (40 * 20 + 20 * 512 - 60 * b.cost_tokens_per_item) * 10_000, rel=1e-3)
+        # ... and a short request from another client is predicted behind their real cost
+        wait = b.predicted_ns(b.pending + 1, 20) + excess
+        with pytest.raises(Overloaded) as refused:
+            for i in range(1000):  # admitted while it fits, then refused
+                b.submit(Text(100 + i, 20))
+        admitted = b.pending - 60
+        assert wait <= 200e6 and admitted < 60  # the typical pricing admitted 1000 - 60 more
+        assert "would finish" in refused.value.message
+        gate.set()
+        await asyncio.gather(running, short.future, long_.future)
+        await b.drain()
+        assert b.queued_tokens == 0  # formation took every length back out
+        await b.close()
+        return [e.result() for e in long_entries]
+
+    assert asyncio.run(main()) == [2 * i for i in range(20)]

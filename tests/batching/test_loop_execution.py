@@ -13,8 +13,13 @@ import pytest
 from test_batching import Item
 
 from lumen_core.batching.cost import COST_MIN_SAMPLES
-from lumen_core.batching.dynamic import (LOOP_BACKOFF, LOOP_PROBE_FACTOR, LOOP_SAMPLES,
-                                         DynamicBatcher)
+from lumen_core.batching.dynamic import (
+    LOOP_BACKOFF,
+    LOOP_OVERRUN_FACTOR,
+    LOOP_PROBE_FACTOR,
+    LOOP_SAMPLES,
+    DynamicBatcher,
+)
 from lumen_core.config import BatchingConfig, parse_config
 from lumen_core.errors import ConfigError, DeadlineExceeded, InternalError, Unavailable
 
@@ -194,17 +199,17 @@ def test_a_fault_between_batches_sends_the_instance_back_once_not_back_and_forth
         b = DynamicBatcher("t", cfg(), [m])
         await rounds(b, 20)
         assert b.loop_runs
-        form = b._form
+        form = b.form
         calls = [0]
 
         def broken(now):
             calls[0] += threading.current_thread() is threading.main_thread()
             raise RuntimeError("formation bug")
 
-        b._form = broken  # the next formation on the loop fails
+        b.form = broken  # the next formation on the loop fails
         stuck = asyncio.ensure_future(b.infer(Item(5)))
         await asyncio.sleep(0.05)
-        b._form = form  # the worker forms it now
+        b.form = form  # the worker forms it now
         r = await asyncio.wait_for(stuck, 5)
         loop_runs, calls_seen = b.loop_runs, calls[0]
         await b.close()
@@ -256,20 +261,20 @@ def test_a_queue_delay_on_uvloop_waits_without_spinning():
         b = DynamicBatcher("t", cfg(max_queue_delay_us=delay_us), [m])
         await rounds(b, 20)  # full batches form at once: now on the loop
         assert b.loop_runs
-        form = b._form
+        form = b.form
         calls = [0]
 
         def counted(now):
             calls[0] += 1
             return form(now)
 
-        b._form = counted
+        b.form = counted
         waits = []
         for i in range(5):  # lone requests: each waits out the delay for company
             r = await b.infer(Item(i))
             assert r.batch_size == 1 and r.queue_us >= delay_us * 0.9
             waits.append(r.queue_us)
-        b._form = form
+        b.form = form
         await b.close()
         return calls[0], m, waits
 
@@ -409,3 +414,126 @@ def test_a_real_model_through_the_runtime_moves_to_the_loop_and_answers_right(tm
     for i in range(64):
         np.testing.assert_allclose(out[i].outputs["y"], ref[i], atol=1e-5)
         np.testing.assert_allclose(many[i].outputs["y"], ref[i], atol=1e-5)
+
+
+# -- issue 38 row 1: one client's huge batches never run on the loop --------------------------
+class Dense(Item):
+    """A dense request as the onnx task prepares it: its per-item shape (no batch axis) is
+    part of its signature, so rows of one length batch together."""
+
+    __slots__ = ("item_shape",)
+
+    def __init__(self, value, item_shape):
+        super().__init__(value, ("x", item_shape))
+        self.item_shape = item_shape
+
+
+class SizedModel(Model):
+    """``Model`` whose batches of large items (more than ``big`` elements each) sleep
+    ``big_s``; small ones cost what the fake costs."""
+
+    def __init__(self, big=100_000, big_s=0.2):
+        super().__init__()
+        self.big, self.big_s = big, big_s
+
+    def execute(self, items):
+        out = super().execute(items)
+        if items[0].item_shape[0] * items[0].item_shape[1] > self.big:
+            time.sleep(self.big_s)
+        return out
+
+
+def test_a_batch_of_huge_items_runs_on_the_worker_not_the_loop():
+    """Issue 38 row 1: x [N, L, 32], batches of L = 1 moved the task to the loop; then two
+    rows of L = 65536 ran there as one batch, stalling every connection for the whole run
+    (the trial judges a median of 8 batches; the prediction counted rows, not elements).  The
+    loop now prices each batch by its elements (learnt per element, and at least the typical
+    item's cost per element) and hands one predicted past the threshold to the worker."""
+    async def main():
+        m = SizedModel()
+        b = DynamicBatcher("t", cfg(), [m])
+        small = (1, 32)
+        for r in range(40):
+            await asyncio.gather(*[b.infer(Dense(8 * r + i, small)) for i in range(8)])
+        assert b.cost_figures()["loop_execution"] is True and m.on_loop()[-1]
+        before = len(m.runs)
+        big = await asyncio.gather(*[b.infer(Dense(1000 + i, (65536, 32))) for i in range(2)])
+        after = await asyncio.gather(*[b.infer(Dense(2000 + i, small)) for i in range(8)])
+        await b.close()
+        return m, before, [r.value for r in big + after]
+
+    m, before, values = asyncio.run(main())
+    assert values == [2000, 2002] + [4000 + 2 * i for i in range(8)]
+    assert m.runs[before] == (2, False)  # the huge batch ran on the worker thread
+    assert m.on_loop()[-1]  # and the loop has the instance back for the small ones
+
+
+def test_one_batch_that_overruns_the_loop_sends_the_task_back_at_once():
+    """Issue 38 row 1: a batch on the loop that took LOOP_OVERRUN_FACTOR times the threshold
+    (here 50 ms against 1 ms: a stall of every connection) sends the task to its worker at
+    once, not when the median of the last LOOP_SAMPLES batches crosses the threshold."""
+    m = Model(cost_s=lambda k: 0.05 if k == 30 else 0.0)
+    run(m, 80)
+    on = m.on_loop()
+    assert all(on[25:31])  # on the loop, the overrun included
+    assert not any(on[31:31 + LOOP_BACKOFF])  # then the worker, for a backoff
+    assert 50_000 > LOOP_OVERRUN_FACTOR * 1000  # the premise: an overrun
+
+
+def test_a_real_attention_model_keeps_its_long_rows_off_the_loop(tmp_path):
+    """The issue's reproduction at a test scale: an onnx task x [N, L, 32] (one attention
+    layer, cost ~ L^2), one instance, loop execution on: short rows move it to the loop (on a
+    box too loaded for its trial to hold, the test puts it there); a few long rows are then
+    run by the worker thread (the loop stays free for every other connection), and every
+    answer is right."""
+    import numpy as np
+    import onnx_models as M
+
+    import lumen_core as lc
+
+    path = M.attention(tmp_path / "att.onnx")
+    conf = {"tasks": [{"name": "att", "backend": "onnx", "model": str(path), "instances": 1,
+                       "intra_op_threads": 1, "options": {"layout": "NLC"},
+                       "batching": {"max_batch_size": 8, "max_queue_delay_us": 0,
+                                    "loop_execution_us": 1000}}]}
+    rng = np.random.default_rng(5)
+    short = rng.standard_normal((64, 1, 4, 32)).astype(np.float32)
+    long_ = rng.standard_normal((2, 1, 1024, 32)).astype(np.float32)
+
+    def req(x):
+        return lc.new_infer_request("att").for_tensor_array(x, layout="NLC",
+                                                            preprocess_id="none").build()
+
+    async def main():
+        async with lc.Runtime.from_dict(conf) as rt:
+            # where each batch ran: its postprocess runs in the thread that ran it
+            runner = rt.tasks["att"].batcher.workers[0].runner
+            ran = []
+            post = runner.postprocess
+
+            def recording(outputs, items):
+                ran.append((items[0].item_shape[0], threading.current_thread()
+                            is threading.main_thread()))
+                return post(outputs, items)
+
+            runner.postprocess = recording
+            for _ in range(40):
+                out = await asyncio.gather(*[rt.infer(req(x)) for x in short])
+            on_loop = rt.load()["att"]["cost"]["loop_execution"]
+            if not on_loop:  # a box too loaded for the trial to hold: the loop gets it anyway
+                b = rt.tasks["att"].batcher
+                with b.lock:
+                    b.loop_runs = True
+                    b.loop_batches = 0
+            big = await asyncio.gather(*[rt.infer(req(x)) for x in long_])
+            await asyncio.gather(*[rt.infer(req(x)) for x in short[:8]])
+            return out, big, ran
+
+    out, big, ran = asyncio.run(main())
+    assert any(loop for length, loop in ran if length == 4)  # short rows ran on the loop
+    long_runs = [loop for length, loop in ran if length == 1024]
+    assert long_runs and not any(long_runs)  # on the worker thread
+    for x, r in zip(short, out, strict=True):  # (the last warm-up round)
+        np.testing.assert_allclose(r.outputs["y"], M.attention_reference(x)[0], atol=1e-4)
+    for x, r in zip(long_, big, strict=True):
+        np.testing.assert_allclose(r.outputs["y"], M.attention_reference(x)[0], atol=1e-4)

@@ -172,6 +172,20 @@ def test_embedding_type_refuses_base64_and_unknown(http, oai):
     assert len(base64.b64decode(r.json()["data"][0]["embedding"])) == 384 * 4
 
 
+@pytest.mark.parametrize("fmt", ["", 0, False, [], "Float", {}])
+def test_a_falsy_or_unknown_encoding_format_is_a_400(http, fmt):
+    """Issue 38 row 9: only an absent or null encoding_format means float; "", 0, false, []
+    used to be read as float silently."""
+    r = embed(http, input="x", encoding_format=fmt)
+    assert r.status_code == 400 and err(r)["field"] == "encoding_format", r.text
+    assert "float, base64" in err(r)["message"]
+
+
+def test_a_null_encoding_format_is_float(http):
+    r = embed(http, input="x", encoding_format=None)
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+
+
 @pytest.mark.parametrize("etype,dtype,n", [("int8", "int8", 384), ("uint8", "uint8", 384),
                                            ("binary", "int8", 48), ("ubinary", "uint8", 48),
                                            ("float", "fp32", 384)])
@@ -352,6 +366,36 @@ def test_token_ids_route_takes_the_options(http, reference):
     r = embed(http, input=[101, 7592, 2088, 102], dimensions=16, encoding_format="float")
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json()["data"][0]["embedding"], cut(ref[2], 16), atol=TOL)
+
+
+def test_token_ids_longer_than_the_model_are_cut_or_413_as_text(http):
+    """Issue 38 row 8: token ids over max_seq_length answered 400 naming lumen.tensor.shape
+    (a field the request does not have), truncate or not.  Now they are treated as the text
+    is (TEI): cut keeping the final [SEP] when truncate is true (the default), else a 413
+    naming the count and the limit."""
+    ids = [101] + [7592] * 40 + [102]  # LONG_TEXT's 42 ids
+    as_text = embed(http, model=SHORT, input=LONG_TEXT, encoding_format="float")
+    cut_ids = embed(http, model=SHORT, input=ids, encoding_format="float")
+    assert cut_ids.status_code == 200, cut_ids.text
+    np.testing.assert_allclose(cut_ids.json()["data"][0]["embedding"],
+                               as_text.json()["data"][0]["embedding"], atol=1e-5)
+    assert cut_ids.json()["usage"]["prompt_tokens"] == SHORT_LEN
+    first = embed(http, model=SHORT, input=ids[:SHORT_LEN - 1] + [102], encoding_format="float")
+    np.testing.assert_allclose(cut_ids.json()["data"][0]["embedding"],
+                               first.json()["data"][0]["embedding"], atol=1e-5)
+    # ids without a final [SEP]: the first max_seq_length of them
+    plain = embed(http, model=SHORT, input=[7592] * 40, encoding_format="float")
+    head = embed(http, model=SHORT, input=[7592] * SHORT_LEN, encoding_format="float")
+    np.testing.assert_allclose(plain.json()["data"][0]["embedding"],
+                               head.json()["data"][0]["embedding"], atol=1e-5)
+    r = embed(http, model=SHORT, input=ids, truncate=False)
+    assert r.status_code == 413 and err(r)["field"] == "input", r.text
+    assert "42 tokens" in err(r)["message"] and str(SHORT_LEN) in err(r)["message"]
+    r = embed(http, model=SHORT, input=[[101, 102], ids], truncate=False)
+    assert r.status_code == 413 and err(r)["field"] == "input[1]", r.text
+    # the issue's figure: 300 ids to the default task
+    r = embed(http, input=[101] + [7592] * 298 + [102], encoding_format="float")
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384, r.text
 
 
 # -- issue 26 row 8: a native option the task does not read is a 400, not ignored ---------------

@@ -292,3 +292,47 @@ def test_many_bytes_elements_are_refused_without_building_them(server, how):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "one element" in e.value.details()
     assert peak < REFUSAL_PEAK_BYTES
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory):
+    """Silero VAD with a queue of 64 (issue 38 row 4's figure) whose batches wait up to 5 ms
+    for a second sequence (an idle one holds the lane's other slot), so a stream is faster
+    than the model on any box."""
+    home = S.prepared_home(tmp_path_factory)
+    q64 = {"name": "vad_q64", "backend": "vad", "instances": 1, "intra_op_threads": 1,
+           "batching": {"max_batch_size": 2, "max_queue_size": 64},
+           "sequence": {"strategy": "direct", "max_sequence_idle_us": 60_000_000,
+                        "max_queue_delay_us": 5000, "minimum_slot_utilization": 1.0}}
+    srv = S.default_server(home, [q64])
+    yield srv
+    srv.stop()
+
+
+def test_a_fast_model_stream_infer_sequence_past_the_queue_loses_no_chunk(paced, fixtures_dir):
+    """Issue 38 row 4: OIP ModelStreamInfer, max_queue_size = 64, 600 chunks of one sequence
+    sent at once had 475 refused mid-sequence; the stream is now paced by the queue (it stops
+    reading while the queue is full): every chunk answered, in order, none refused."""
+    audio = np.load(fixtures_dir / "silero_vad_reference.npz")["audio"][0]
+    n_ref = audio.size // VAD_CHUNK
+    n = 600
+    results: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(paced.grpc_target)
+    idle = grpcclient.InferInput("x", [1, VAD_CHUNK], "FP32")
+    idle.set_data_from_numpy(audio[None, :VAD_CHUNK].astype(np.float32))
+    c.infer("vad_q64", [idle], sequence_id=78, sequence_start=True)  # holds the other slot
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for k in range(n):
+            j = k % n_ref
+            inp = grpcclient.InferInput("x", [1, VAD_CHUNK], "FP32")
+            inp.set_data_from_numpy(audio[j * VAD_CHUNK:(j + 1) * VAD_CHUNK].astype(np.float32)[None])
+            c.async_stream_infer("vad_q64", [inp], request_id=str(k), sequence_id=77,
+                                 sequence_start=k == 0, sequence_end=k == n - 1)
+        got = [results.get(timeout=STREAM_TIMEOUT_S) for _ in range(n)]
+    finally:
+        c.stop_stream()
+        c.close()
+    errors = [str(e) for _, e in got if e is not None]
+    assert not errors, (len(errors), errors[:2])
+    assert [int(r.get_response().id) for r, _ in got] == list(range(n))

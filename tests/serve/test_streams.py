@@ -138,3 +138,64 @@ def test_replies_waiting_for_a_slow_reader_are_held_within_the_byte_budget():
         assert counts.requests == counts.nbytes == 0
 
     asyncio.run(main())
+
+
+def test_a_message_waits_for_room_in_its_queue_and_nothing_more_is_read():
+    """Issue 38 row 4: the stream window (256) was larger than a task's queue, so a fast
+    stream's chunks past the queue were refused mid-sequence.  ``room(msg)`` now holds a
+    message until its task has room (QUEUE_FULL), and while one is held nothing more is read;
+    a message whose sequence waits for a slot (AWAITING_SLOT) is held likewise.  Every
+    message is handled, in order, and only when it had room."""
+    from lumen_core.serve import streams as st
+
+    async def main():
+        counts, read = _Counts(), []
+        state = {"room": st.QUEUE_FULL}
+        handled = []
+
+        def room(msg):
+            return state["room"]
+
+        async def handle(msg):
+            assert state["room"] == st.ROOM  # admitted only with room
+            handled.append(msg)
+            return msg
+
+        window = StreamWindow(max_requests=256, max_bytes=1 << 30)
+        gen = windowed_replies(_source(list(range(50)), read), window, lambda m: 1, handle,
+                               counts.admitted, counts.answered, _no_bytes, room=room)
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        assert handled == [] and len(read) == 1  # held: the window's 256 do not matter
+        state["room"] = st.AWAITING_SLOT
+        await asyncio.sleep(0.05)
+        assert handled == [] and len(read) == 1
+        state["room"] = st.ROOM
+        got = [await pending] + [r async for r in gen]
+        return got, handled, counts
+
+    got, handled, counts = asyncio.run(main())
+    assert sorted(got) == handled == list(range(50))
+    assert counts.requests == counts.nbytes == 0
+
+
+def test_a_stream_stops_waiting_for_a_slot_after_a_bound(monkeypatch):
+    """A message whose sequence waits for a slot is admitted after STREAM_SLOT_WAIT_S (a
+    stream whose own sequences hold every slot must not wait for itself); a full queue
+    holds it for as long as it is full."""
+    from lumen_core.serve import streams as st
+
+    monkeypatch.setattr(st, "STREAM_SLOT_WAIT_S", 0.05)
+
+    async def main():
+        counts, read = _Counts(), []
+
+        async def handle(msg):
+            return msg
+
+        gen = windowed_replies(_source([1, 2], read), StreamWindow(8, 1 << 20), lambda m: 1,
+                               handle, counts.admitted, counts.answered, _no_bytes,
+                               room=lambda m: st.AWAITING_SLOT)
+        return [r async for r in gen]
+
+    assert sorted(asyncio.run(asyncio.wait_for(main(), 10))) == [1, 2]
