@@ -15,6 +15,7 @@ BACKENDS = {
     "image_embedding": "lumen_core.tasks.image_embedding:ImageEmbeddingBackend",
     "vad": "lumen_core.tasks.vad:VadBackend",
     "ocr": "lumen_core.tasks.ocr:OcrBackend",
+    "face_detection": "lumen_core.tasks.face_detection:FaceDetectionBackend",
 }
 
 #: the built-in default tasks: name -> "module:function" returning the task's ``[[tasks]]``
@@ -26,6 +27,7 @@ DEFAULT_TASK_PROVIDERS: dict = {
     "text_embed_int8": "lumen_core.tasks.text_embedding:default_int8_task_table",
     "vad": "lumen_core.tasks.vad:default_task_table",
     "ocr": "lumen_core.tasks.ocr:default_task_table",
+    "face_detection": "lumen_core.tasks.face_detection:default_task_table",
 }
 
 
