@@ -470,10 +470,11 @@ def test_serve_says_why_each_default_task_is_left_out(tmp_path):
     assert r.returncode == cli.EXIT_USAGE and "no tasks to serve" in r.stderr
     left = [ln for ln in r.stderr.splitlines() if "left out" in ln]
     assert [ln.split("default task ")[1].split(" ")[0] for ln in left] == [
-        "'text_embed'", "'text_embed_int8'", "'vad'", "'ocr'"], r.stderr
+        "'text_embed'", "'text_embed_int8'", "'vad'", "'ocr'", "'face_detection'"], r.stderr
     for line in left[:3]:
         assert "is not prepared" in line and "run `lumen models prepare`" in line, line
     assert "[ocr] extra" in left[3] and 'pip install "lumen-core[ocr]"' in left[3], left[3]
+    assert 'pip install "lumen-core[faces]"' in left[4], left[4]
 
 
 def test_infer_and_bench_send_an_api_key(keyed_server, tmp_path):
