@@ -15,7 +15,11 @@ Also printed: CPU seconds of the process per image on each side (less sensitive 
 neighbours' load than wall time on a shared box) and per-step batches, mean batch size and
 compute time.
 
-    python bench/bench_faces.py [--runs 3] [--callers 8] [--rounds 3]
+``--setups`` compares engine layouts in the same run, interleaved with the package's loop:
+``default`` (the served default task: ``face_detection.default_task_table``) or ``P:R:O``
+(P-Net, R-Net, O-Net instances, ``--threads`` intra-op threads each).
+
+    python bench/bench_faces.py [--runs 3] [--callers 8] [--rounds 3] [--setups default,1:1:1]
 """
 from __future__ import annotations
 
@@ -61,7 +65,9 @@ def package_loop(det, images: list, rounds: int) -> tuple:
     return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
 
 
-async def lumen_run(rt, images: list, rounds: int, callers: int) -> tuple:
+async def lumen_run(rt, images: list, rounds: int, callers: int,
+                    task: str = "face_detection") -> tuple:
+    """(images/s, CPU seconds of this process per image) of ``callers`` concurrent callers."""
     import lumen_core as lc
 
     work = [(name, data) for _ in range(rounds) for name, data in images]
@@ -69,7 +75,7 @@ async def lumen_run(rt, images: list, rounds: int, callers: int) -> tuple:
 
     async def caller() -> None:
         for name, data in it:
-            req = lc.new_infer_request("face_detection").for_raw_input(
+            req = lc.new_infer_request(task).for_raw_input(
                 data, MIME[name.rsplit(".", 1)[1]])
             await rt.infer(req.build())
 
@@ -84,9 +90,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="passes over the images per run")
     ap.add_argument("--callers", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per instance")
-    ap.add_argument("--pnet-instances", type=int, default=0, help="0: the task's default")
-    ap.add_argument("--rnet-instances", type=int, default=0)
-    ap.add_argument("--onet-instances", type=int, default=0)
+    ap.add_argument("--setups", default="default",
+                    help="comma-separated 'default' or P:R:O instance counts")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -98,38 +103,46 @@ def main() -> None:
     models.prepare([models.FACES])
     det = package_detector()
     package_loop(det, images[:1], 1)  # load + warm its sessions
-    table = default_task_table()
-    table["intra_op_threads"] = args.threads
-    table["batching"] = {"max_queue_delay_us": 2000}
-    opts = table.setdefault("options", {})
-    for step in ("pnet", "rnet", "onet"):
-        n = getattr(args, f"{step}_instances")
-        if n:
-            opts[f"{step}_instances"] = n
-    print(f"{len(images)} images x {args.rounds} rounds, {args.callers} callers; lumen: "
-          f"{json.dumps(opts)}, {args.threads} intra-op thread(s) each; package: ORT "
-          f"defaults on {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}")
+    setups = {}
+    for name in args.setups.split(","):
+        table = default_task_table()
+        if name != "default":
+            p, r, o = (int(x) for x in name.split(":"))
+            table = {**table, "intra_op_threads": args.threads,
+                     "options": {"pnet_instances": p, "rnet_instances": r, "onet_instances": o}}
+        setups[name] = {**table, "name": f"faces_{len(setups)}",
+                        "batching": {"max_queue_delay_us": 2000}}
+    print(f"{len(images)} images x {args.rounds} rounds, {args.callers} callers; lumen setups: "
+          + "; ".join(f"{n}: {json.dumps(t.get('options', {}))}, intra_op_threads "
+                      f"{t['intra_op_threads']}" for n, t in setups.items())
+          + f"; package: ORT defaults on {os.cpu_count()} cores; load "
+          f"{os.getloadavg()[0]:.2f}")
 
     async def go() -> None:
-        rt = lc.Runtime.from_dict({"tasks": [table]})
+        rt = lc.Runtime.from_dict({"tasks": list(setups.values())})
         async with rt:
-            ratios, cpu_ratios = [], []
+            ratios: dict = {n: [] for n in setups}
+            cpu_ratios: dict = {n: [] for n in setups}
             for run in range(args.runs):
                 ref, ref_cpu = package_loop(det, images, args.rounds)
-                ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers)
-                ratios.append(ours / ref)
-                cpu_ratios.append(ref_cpu / our_cpu)
-                print(f"run {run + 1}: package {ref:.2f} img/s ({ref_cpu:.3f} CPU-s/img), "
-                      f"lumen {ours:.2f} img/s ({our_cpu:.3f} CPU-s/img), ratio "
-                      f"{ours / ref:.2f}x wall, {ref_cpu / our_cpu:.2f}x per CPU-second "
-                      f"(load {os.getloadavg()[0]:.2f})")
-            for what, rs in (("wall", ratios), ("per CPU-second", cpu_ratios)):
-                print(f"ratio ({what}) median {statistics.median(rs):.2f}x, min {min(rs):.2f}x, "
-                      f"max {max(rs):.2f}x over {args.runs} runs")
-            for step, s in rt.load()["face_detection"]["steps"].items():
-                print(f"  step {step}: {s['items']} items in {s['batches']} batches "
-                      f"(mean {s['mean_batch_size']:.1f}, max {s['max_batch_size']}), "
-                      f"compute {s['compute_us'] / 1e6:.1f} s, queue {s['queue_us'] / 1e6:.1f} s")
+                line = [f"run {run + 1}: package {ref:.2f} img/s ({ref_cpu:.3f} CPU-s/img)"]
+                for n, t in setups.items():
+                    ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers,
+                                                    t["name"])
+                    ratios[n].append(ours / ref)
+                    cpu_ratios[n].append(ref_cpu / our_cpu)
+                    line.append(f"{n}: {ours:.2f} img/s ({our_cpu:.3f} CPU-s/img) "
+                                f"{ours / ref:.2f}x wall, {ref_cpu / our_cpu:.2f}x per CPU-s")
+                print("; ".join(line) + f" (load {os.getloadavg()[0]:.2f})", flush=True)
+            for n, t in setups.items():
+                for what, rs in (("wall", ratios[n]), ("per CPU-second", cpu_ratios[n])):
+                    print(f"{n}: ratio ({what}) median {statistics.median(rs):.2f}x, "
+                          f"min {min(rs):.2f}x, max {max(rs):.2f}x over {args.runs} runs")
+                for step, st in rt.load()[t["name"]]["steps"].items():
+                    print(f"  step {step}: {st['items']} items in {st['batches']} batches "
+                          f"(mean {st['mean_batch_size']:.1f}, max {st['max_batch_size']}), "
+                          f"compute {st['compute_us'] / 1e6:.1f} s, "
+                          f"queue {st['queue_us'] / 1e6:.1f} s")
 
     asyncio.run(go())
 

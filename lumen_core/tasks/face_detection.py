@@ -77,6 +77,8 @@ PNET_MAX_BATCH, RNET_MAX_BATCH, ONET_MAX_BATCH = 8, 256, 64
 STEP_QUEUE_FANOUT = 64
 PNET_ID, RNET_ID, ONET_ID = "mtcnn_pnet_v1", "mtcnn_rnet_v1", "mtcnn_onet_v1"
 STEPS = ("pnet", "rnet", "onet")
+#: the default task's largest P-Net instance count
+MAX_DEFAULT_INSTANCES = 4
 CHANNELS = 3
 WARMUP_SIDE = 64
 
@@ -391,7 +393,11 @@ def _faces(boxes: np.ndarray, landmarks: np.ndarray) -> dict:
 
 def default_task_table() -> dict:
     """The built-in ``face_detection`` task; ModuleNotFoundError without OpenCV,
-    ModelMissingError when its models are not prepared."""
+    ModelMissingError when its models are not prepared.  P-Net, half the model time, gets
+    one instance per core (at most ``MAX_DEFAULT_INSTANCES``, cores // instances threads
+    each); R-Net and O-Net one 1-thread instance each (their batches are milliseconds)."""
     P.require_libs()
     require_model(FACES)
-    return {"name": "face_detection", "backend": "face_detection", "intra_op_threads": 1}
+    n = max(1, min(os.cpu_count() or 1, MAX_DEFAULT_INSTANCES))
+    return {"name": "face_detection", "backend": "face_detection", "intra_op_threads": 0,
+            "options": {"pnet_instances": n, "rnet_threads": 1, "onet_threads": 1}}

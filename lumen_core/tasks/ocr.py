@@ -89,6 +89,8 @@ DET_ID, CLS_ID, REC_ID = "rapidocr_det_v1", "rapidocr_cls_v1", "rapidocr_rec_v1"
 #: a square warm-up image: the detector raises the shorter side to 736, so square is cheapest
 WARMUP_SIDE = 64
 STEPS = ("det", "cls", "rec")
+#: the default task's largest det / rec instance count (``default_instances``)
+MAX_DEFAULT_INSTANCES = 4
 CHANNELS = 3
 
 
@@ -358,10 +360,21 @@ def _metadata(path: str) -> dict:
     return {p.key: p.value for p in model.metadata_props}
 
 
+def default_instances(cores: Optional[int] = None) -> int:
+    """Detector and recogniser instances of the default task: one per core, at most
+    ``MAX_DEFAULT_INSTANCES``.  One 1-thread instance per core, not one session with a thread
+    per core: on the 2-core AVX-512 box a 2-thread detector session spends 25% more CPU per
+    image than a 1-thread one (bench/README.md, issue 39), and a single detector instance,
+    70% of the model time, caps the whole task at one core."""
+    return max(1, min(cores or os.cpu_count() or 1, MAX_DEFAULT_INSTANCES))
+
+
 def default_task_table() -> dict:
     """The built-in ``ocr`` task; ModuleNotFoundError when the [ocr] extra is missing,
-    ModelMissingError when its models are not prepared."""
+    ModelMissingError when its models are not prepared.  Threads: 0 (cores // instances)
+    per det / rec instance, one for the classifier (a few milliseconds per batch)."""
     P.require_libs()
     require_model(OCR)
-    return {"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
-            "options": {"det_instances": 1, "rec_instances": 1}}
+    n = default_instances()
+    return {"name": "ocr", "backend": "ocr", "intra_op_threads": 0,
+            "options": {"det_instances": n, "rec_instances": n, "cls_threads": 1}}
