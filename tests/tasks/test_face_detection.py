@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import zlib
 
@@ -277,7 +278,11 @@ def test_default_tables_and_config_errors(prepared_home, tmp_path):
     from lumen_core.tasks import default_task_tables
 
     with lumen_home_env(prepared_home):
-        assert TASK in [t["name"] for t in default_task_tables()]
+        (table,) = [t for t in default_task_tables() if t["name"] == TASK]
+    # P-Net, half the model time, on every core (one 1-thread instance each on 2 cores)
+    cores = os.cpu_count() or 1
+    assert table["options"]["pnet_instances"] == max(1, min(cores, 4))
+    assert table["intra_op_threads"] == 0
     with lumen_home_env(tmp_path):  # nothing prepared: no face_detection default, a clear error
         assert TASK not in [t["name"] for t in default_task_tables()]
         with pytest.raises(lc.ModelMissingError, match="lumen models prepare"):
