@@ -37,23 +37,20 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from ..batching.pipeline import StepSpec
 from ..batching.signature import signature
-from ..config import BatchingConfig, Option, TaskConfig
-from ..contract import TensorContract, TensorSpec
+from ..config import Option, TaskConfig
 from ..descriptor import Descriptor
 from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
-from ..errors import ConfigError, InternalError, InvalidArgument, ModelMissingError, PayloadTooLarge
+from ..errors import ConfigError, InternalError, InvalidArgument, PayloadTooLarge
 from ..models import FACES, require_model
 from ..models import mtcnn as M
 from ..request import InferRequest, new_infer_request
+from . import ensemble as E
 from . import mtcnn_post as P
 from .base import TaskBackend
 from .imaging import MIME_FORMATS, decode_image
 
-#: the tensor route's preprocess id: a decoded RGB image, uint8 ``[1, H, W, 3]`` (as ocr's)
-RGB_UINT8_ID = "rgb_uint8_v1"
 OUTPUTS = ("boxes", "scores", "landmarks")
 #: request options (plain meta keys, HTTP query parameters)
 OPT_MIN_FACE, OPT_SCORE, OPT_MAX_FACES = "min_face_px", "score_threshold", "max_faces"
@@ -68,8 +65,6 @@ DEFAULT_MAX_FACES = 100
 MAX_FACES_LIMIT = 10_000
 #: the smallest face a request may ask for (a 4-pixel face makes the pyramid 25x the image)
 MIN_FACE_LO, MIN_FACE_HI = 4, 1 << 16
-#: largest side of a tensor-route image
-MAX_TENSOR_SIDE = 16384
 #: per-step batch caps: levels are big and few, crops small and many
 PNET_MAX_BATCH, RNET_MAX_BATCH, ONET_MAX_BATCH = 8, 256, 64
 #: items a step may hold queued, per request the task admits (a pyramid has ~10 levels; a
@@ -77,9 +72,9 @@ PNET_MAX_BATCH, RNET_MAX_BATCH, ONET_MAX_BATCH = 8, 256, 64
 STEP_QUEUE_FANOUT = 64
 PNET_ID, RNET_ID, ONET_ID = "mtcnn_pnet_v1", "mtcnn_rnet_v1", "mtcnn_onet_v1"
 STEPS = ("pnet", "rnet", "onet")
+CHANNELS = E.CHANNELS
 #: the default task's largest P-Net instance count
 MAX_DEFAULT_INSTANCES = 4
-CHANNELS = 3
 WARMUP_SIDE = 64
 
 
@@ -166,15 +161,7 @@ class FaceDetectionBackend(TaskBackend):
                "P-Net's work bound: the pixels of every pyramid level of one image", lo=1),
         Option("max_candidates", int, DEFAULT_MAX_CANDIDATES,
                "R-Net's work bound: the candidates P-Net leaves for one image", lo=1),
-        Option("pnet_instances", int, 1, "P-Net engine instances", lo=1, hi=64),
-        Option("rnet_instances", int, 1, "R-Net engine instances", lo=1, hi=64),
-        Option("onet_instances", int, 1, "O-Net engine instances", lo=1, hi=64),
-        Option("pnet_threads", int, 0, "intra-op threads per P-Net instance (0: the task's)",
-               lo=0, hi=1024),
-        Option("rnet_threads", int, 0, "intra-op threads per R-Net instance (0: the task's)",
-               lo=0, hi=1024),
-        Option("onet_threads", int, 0, "intra-op threads per O-Net instance (0: the task's)",
-               lo=0, hi=1024),
+        *E.step_options({"pnet": "P-Net", "rnet": "R-Net", "onet": "O-Net"}),
     )
 
     def __init__(self, config: TaskConfig):
@@ -190,27 +177,13 @@ class FaceDetectionBackend(TaskBackend):
         self.model_id = config.model_id or M.MODEL_ID
 
     # -- load ---------------------------------------------------------------------------------
-    def _model_dir(self) -> str:
-        cfg = self.config
-        if cfg.model:
-            if not os.path.isdir(cfg.model):
-                raise ConfigError(cfg.source, f"{cfg.key}.model", f"must be a directory holding "
-                                  f"{', '.join(M.SOURCES)} (a prepared {FACES}); no such "
-                                  f"directory: {cfg.model}")
-            return cfg.model
-        return str(require_model(FACES))
-
     def load(self) -> ModelSpec:
         """Check the three networks' I/O, build the contract and the steps' model specs."""
         cfg = self.config
-        d = self._model_dir()
+        shapes = {"conv2d_4": None, "softmax": None, "dense_2": (4,), "softmax_1": (2,),
+                  "dense_5": (4,), "dense_6": (2 * P.LANDMARKS,), "softmax_2": (2,)}
         specs = {}
-        for f in M.SOURCES:
-            p = os.path.join(d, f)
-            if not os.path.isfile(p):
-                raise ModelMissingError(f"the face_detection model directory {d} lacks {f}; "
-                                        f"run `lumen models prepare`",
-                                        command="lumen models prepare")
+        for f, p in E.model_paths(cfg, tuple(M.SOURCES), FACES, self.name).items():
             inputs, outputs = read_io(p)
             names = {o[0] for o in outputs}
             if len(inputs) != 1 or inputs[0][1] != "fp32" or len(inputs[0][2]) != 4 \
@@ -219,8 +192,6 @@ class FaceDetectionBackend(TaskBackend):
                                   f"[N,W,H,3] input and outputs {M.OUTPUTS[f]}, got {inputs} "
                                   f"-> {sorted(names)}")
             plan = LevelInput(inputs[0][0]) if f == M.PNET_FILE else CropInput(inputs[0][0])
-            shapes = {"conv2d_4": None, "softmax": None, "dense_2": (4,), "softmax_1": (2,),
-                      "dense_5": (4,), "dense_6": (2 * P.LANDMARKS,), "softmax_2": (2,)}
             specs[f] = ModelSpec(p, [plan], [OutputSpec(n, np.float32, shapes[n])
                                              for n in M.OUTPUTS[f]])
         base = (self.model_id, cfg.model_version, "fp32")
@@ -232,27 +203,16 @@ class FaceDetectionBackend(TaskBackend):
                           "onet": self._sig("onet", self._crop_shape["onet"], ONET_ID)}
         self._models = {"pnet": specs[M.PNET_FILE], "rnet": specs[M.RNET_FILE],
                         "onet": specs[M.ONET_FILE]}
-        any_side = (1, MAX_TENSOR_SIDE)
-        self.contract = TensorContract(
-            specs=(TensorSpec("uint8", "NHWC", frozenset({RGB_UINT8_ID}),
-                              ((1, 1), any_side, any_side, (CHANNELS, CHANNELS))),),
-            model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids=frozenset({RGB_UINT8_ID}))
+        self.contract = E.rgb_tensor_contract(self.model_id, cfg.model_version)
         self.model = self._models["pnet"]
         return self.model
 
     def steps(self) -> list:
         """The ensemble: pnet -> rnet -> onet, each with its own batching and engine pool."""
-        b = self.config.batching
-        q = b.max_queue_size * STEP_QUEUE_FANOUT
         sizes = {"pnet": PNET_MAX_BATCH, "rnet": RNET_MAX_BATCH, "onet": ONET_MAX_BATCH}
         post = {"pnet": self._pnet_post, "rnet": self._rnet_post, "onet": self._onet_post}
-        return [StepSpec(s, self._models[s], post[s],
-                         BatchingConfig(max_batch_size=sizes[s],
-                                        max_queue_delay_us=b.max_queue_delay_us,
-                                        max_queue_size=q, priority_levels=b.priority_levels),
-                         self.options[f"{s}_instances"], self.options[f"{s}_threads"])
-                for s in STEPS]
+        return E.step_specs(self.config, self.options, self._models, post, sizes,
+                            STEP_QUEUE_FANOUT)
 
     # -- prepare (the preprocessing pool) -------------------------------------------------------
     def _request_options(self, meta: Optional[Mapping]) -> tuple:
@@ -270,13 +230,8 @@ class FaceDetectionBackend(TaskBackend):
     def prepare_tensor(self, req: InferRequest, desc: Descriptor,
                        payload: memoryview) -> PreparedModelRequest:
         opts = self._request_options(req.meta)
-        _n, h, w, _c = desc.shape
-        if h * w > self.max_pixels:
-            raise InvalidArgument(f"image is {w}x{h} = {w * h} pixels; the limit is "
-                                  f"{self.max_pixels} (options.max_image_pixels)",
-                                  "lumen.tensor.shape")
-        rgb = np.frombuffer(payload, dtype=np.uint8).reshape(h, w, CHANNELS)
-        return self._prepare_rgb(rgb, "lumen.tensor.shape", *opts)
+        rgb = E.rgb_from_tensor(desc.shape, payload, self.max_pixels)
+        return self._prepare_rgb(rgb, E.TENSOR_FIELD, *opts)
 
     def _prepare_rgb(self, rgb: np.ndarray, field: str, min_face: int, threshold: float,
                      max_faces: int) -> FaceItem:
