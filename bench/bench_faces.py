@@ -29,7 +29,6 @@ import io
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -95,6 +94,8 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
+    from ensemble_compare import compare
+
     import lumen_core as lc
     from lumen_core import models
     from lumen_core.tasks.face_detection import default_task_table
@@ -121,28 +122,9 @@ def main() -> None:
     async def go() -> None:
         rt = lc.Runtime.from_dict({"tasks": list(setups.values())})
         async with rt:
-            ratios: dict = {n: [] for n in setups}
-            cpu_ratios: dict = {n: [] for n in setups}
-            for run in range(args.runs):
-                ref, ref_cpu = package_loop(det, images, args.rounds)
-                line = [f"run {run + 1}: package {ref:.2f} img/s ({ref_cpu:.3f} CPU-s/img)"]
-                for n, t in setups.items():
-                    ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers,
-                                                    t["name"])
-                    ratios[n].append(ours / ref)
-                    cpu_ratios[n].append(ref_cpu / our_cpu)
-                    line.append(f"{n}: {ours:.2f} img/s ({our_cpu:.3f} CPU-s/img) "
-                                f"{ours / ref:.2f}x wall, {ref_cpu / our_cpu:.2f}x per CPU-s")
-                print("; ".join(line) + f" (load {os.getloadavg()[0]:.2f})", flush=True)
-            for n, t in setups.items():
-                for what, rs in (("wall", ratios[n]), ("per CPU-second", cpu_ratios[n])):
-                    print(f"{n}: ratio ({what}) median {statistics.median(rs):.2f}x, "
-                          f"min {min(rs):.2f}x, max {max(rs):.2f}x over {args.runs} runs")
-                for step, st in rt.load()[t["name"]]["steps"].items():
-                    print(f"  step {step}: {st['items']} items in {st['batches']} batches "
-                          f"(mean {st['mean_batch_size']:.1f}, max {st['max_batch_size']}), "
-                          f"compute {st['compute_us'] / 1e6:.1f} s, "
-                          f"queue {st['queue_us'] / 1e6:.1f} s")
+            await compare(rt, setups, lambda: package_loop(det, images, args.rounds),
+                          lambda task: lumen_run(rt, images, args.rounds, args.callers, task),
+                          args.runs, "package")
 
     asyncio.run(go())
 

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -80,6 +79,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
+    from ensemble_compare import compare
     from rapidocr import RapidOCR
 
     import lumen_core as lc
@@ -116,28 +116,9 @@ def main() -> None:
     async def go() -> None:
         rt = lc.Runtime.from_dict({"tasks": list(setups.values())})
         async with rt:
-            ratios: dict = {n: [] for n in setups}
-            cpu_ratios: dict = {n: [] for n in setups}
-            for run in range(args.runs):
-                ref, ref_cpu = rapidocr_loop(engine, images, args.rounds)
-                line = [f"run {run + 1}: rapidocr {ref:.2f} img/s ({ref_cpu:.2f} CPU-s/img)"]
-                for n, t in setups.items():
-                    ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers,
-                                                    t["name"])
-                    ratios[n].append(ours / ref)
-                    cpu_ratios[n].append(ref_cpu / our_cpu)
-                    line.append(f"{n}: {ours:.2f} img/s ({our_cpu:.2f} CPU-s/img) "
-                                f"{ours / ref:.2f}x wall, {ref_cpu / our_cpu:.2f}x per CPU-s")
-                print("; ".join(line) + f" (load {os.getloadavg()[0]:.2f})", flush=True)
-            for n, t in setups.items():
-                for what, rs in (("wall", ratios[n]), ("per CPU-second", cpu_ratios[n])):
-                    print(f"{n}: ratio ({what}) median {statistics.median(rs):.2f}x, "
-                          f"min {min(rs):.2f}x, max {max(rs):.2f}x over {args.runs} runs")
-                for step, s in rt.load()[t["name"]]["steps"].items():
-                    print(f"  step {step}: {s['items']} items in {s['batches']} batches "
-                          f"(mean {s['mean_batch_size']:.1f}, max {s['max_batch_size']}), "
-                          f"compute {s['compute_us'] / 1e6:.1f} s, "
-                          f"queue {s['queue_us'] / 1e6:.1f} s")
+            await compare(rt, setups, lambda: rapidocr_loop(engine, images, args.rounds),
+                          lambda task: lumen_run(rt, images, args.rounds, args.callers, task),
+                          args.runs, "rapidocr")
 
     asyncio.run(go())
 

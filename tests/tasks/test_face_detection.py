@@ -7,15 +7,13 @@ steps' batches span images), and the other tests reuse those answers.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
-import struct
-import zlib
 
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from image_support import png_bomb, png_bytes
 from PIL import Image
 
 import lumen_core as lc
@@ -36,12 +34,6 @@ def raw(data: bytes, mime: str = "image/png", **options) -> lc.InferRequest:
 
 def fixture_request(name: str, **options) -> lc.InferRequest:
     return raw((FACES_DIR / name).read_bytes(), MIME[name.rsplit(".", 1)[1]], **options)
-
-
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +153,8 @@ def test_bad_options_are_refused(rt, key, value):
 
 
 def test_bad_input_fails_alone(rt, together):
-    tiny = _png(Image.new("RGB", (1, 1), (0, 0, 0)))
-    ihdr = struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\x00" * 64)
-    bomb = (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr
-            + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr)) + struct.pack(">I", len(idat))
-            + b"IDAT" + idat + struct.pack(">I", zlib.crc32(b"IDAT" + idat))
-            + struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND")))
+    tiny = png_bytes(Image.new("RGB", (1, 1), (0, 0, 0)))
+    bomb = png_bomb()  # a header declaring 60000 x 60000 pixels: refused before any decode
     reqs = [raw(tiny), raw(b"not an image at all"), raw(b"%PDF-1.4", "application/pdf"),
             raw(bomb), fixture_request("astronaut_q20.jpg"), raw(b"x" * 4_000_001)]
     out = rt.infer_many_sync(reqs)
@@ -189,7 +176,7 @@ def test_work_bounds(rt):
     """The pyramid is refused from the size alone (a 1000x1000 image searched for 4-pixel
     faces is a 9 M pixel first level); a face-dense image past ``max_candidates`` is a 413
     before any crop is made."""
-    big = _png(Image.new("RGB", (1000, 1000), (90, 90, 90)))
+    big = png_bytes(Image.new("RGB", (1000, 1000), (90, 90, 90)))
     with pytest.raises(lc.InvalidArgument, match="max_pyramid_pixels") as ei:
         rt.infer_sync(raw(big, min_face_px=4))
     assert ei.value.field == "payload"
@@ -248,10 +235,10 @@ def test_http_and_grpc(prepared_home, together):
                        content=(FACES_DIR / "group.jpg").read_bytes(),
                        headers={"content-type": "image/jpeg"})
             assert r.status_code == 200 and r.json()["outputs"]["boxes"]["shape"] == [1, 4]
-            r = c.post(f"/v1/infer/{TASK}?min_face_px=x", content=_png(Image.new("RGB", (9, 9))),
+            r = c.post(f"/v1/infer/{TASK}?min_face_px=x", content=png_bytes(Image.new("RGB", (9, 9))),
                        headers={"content-type": "image/png"})
             assert r.status_code == 400 and r.json()["error"]["field"] == "min_face_px"
-            r = c.post(f"/v1/infer/{TASK}?min_face=30", content=_png(Image.new("RGB", (9, 9))),
+            r = c.post(f"/v1/infer/{TASK}?min_face=30", content=png_bytes(Image.new("RGB", (9, 9))),
                        headers={"content-type": "image/png"})
             assert r.status_code == 400  # a typo'd option is named, not ignored
             r = c.post(f"/v1/infer/{TASK}", content=b"garbage",
