@@ -23,7 +23,6 @@ compute time.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -32,9 +31,10 @@ import pathlib
 import sys
 import time
 
+from ensemble_compare import common_args, compare, lumen_run  # noqa: E402  (bench/)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FACES_DIR = ROOT / "tests" / "fixtures" / "faces"
-MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
 
 
 def load_images() -> list:
@@ -64,37 +64,13 @@ def package_loop(det, images: list, rounds: int) -> tuple:
     return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
 
 
-async def lumen_run(rt, images: list, rounds: int, callers: int,
-                    task: str = "face_detection") -> tuple:
-    """(images/s, CPU seconds of this process per image) of ``callers`` concurrent callers."""
-    import lumen_core as lc
-
-    work = [(name, data) for _ in range(rounds) for name, data in images]
-    it = iter(work)
-
-    async def caller() -> None:
-        for name, data in it:
-            req = lc.new_infer_request(task).for_raw_input(
-                data, MIME[name.rsplit(".", 1)[1]])
-            await rt.infer(req.build())
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    await asyncio.gather(*[caller() for _ in range(callers)])
-    return len(work) / (time.perf_counter() - t0), (time.process_time() - c0) / len(work)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3, help="passes over the images per run")
-    ap.add_argument("--callers", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per instance")
+    ap = common_args(__doc__, 3)
     ap.add_argument("--setups", default="default",
                     help="comma-separated 'default' or P:R:O instance counts")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from ensemble_compare import compare
 
     import lumen_core as lc
     from lumen_core import models

@@ -4,9 +4,43 @@ process, each run's ratios printed, then per setup the median and spread (wall a
 CPU-second) and where its steps spent their time."""
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
 import statistics
+import time
 from typing import Awaitable, Callable
+
+MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
+
+
+def common_args(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The options both benches take (``--setups`` is each one's own)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds, help="passes over the images per run")
+    ap.add_argument("--callers", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per instance")
+    return ap
+
+
+async def lumen_run(rt, images: list, rounds: int, callers: int, task: str) -> tuple:
+    """(images/s, CPU seconds of this process per image) of ``callers`` concurrent asyncio
+    callers of ``rt.infer``, each taking the next of ``rounds`` passes over ``images``
+    (``(file name, encoded bytes)``)."""
+    import lumen_core as lc
+
+    work = [(name, data) for _ in range(rounds) for name, data in images]
+    it = iter(work)
+
+    async def caller() -> None:
+        for name, data in it:
+            req = lc.new_infer_request(task).for_raw_input(data, MIME[name.rsplit(".", 1)[1]])
+            await rt.infer(req.build())
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*[caller() for _ in range(callers)])
+    return len(work) / (time.perf_counter() - t0), (time.process_time() - c0) / len(work)
 
 
 async def compare(rt, setups: dict, reference: Callable[[], tuple],
