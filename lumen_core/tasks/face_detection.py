@@ -63,12 +63,12 @@ DEFAULT_MAX_PYRAMID_PIXELS = 10_000_000
 DEFAULT_MAX_CANDIDATES = 4000
 DEFAULT_MAX_FACES = 100
 MAX_FACES_LIMIT = 10_000
-#: the smallest face a request may ask for (a 4-pixel face makes the pyramid 25x the image)
+#: the smallest face a request may ask for (4 pixels: the first pyramid level is 9x the image)
 MIN_FACE_LO, MIN_FACE_HI = 4, 1 << 16
 #: per-step batch caps: levels are big and few, crops small and many
 PNET_MAX_BATCH, RNET_MAX_BATCH, ONET_MAX_BATCH = 8, 256, 64
-#: items a step may hold queued, per request the task admits (a pyramid has ~10 levels; a
-#: request fans out to at most ``max_candidates`` crops)
+#: items a step may hold queued, per request the task admits (a pyramid has ~10 levels; the
+#: crop steps take ``max_candidates`` when larger: one request fans out to that many crops)
 STEP_QUEUE_FANOUT = 64
 PNET_ID, RNET_ID, ONET_ID = "mtcnn_pnet_v1", "mtcnn_rnet_v1", "mtcnn_onet_v1"
 STEPS = ("pnet", "rnet", "onet")
@@ -211,8 +211,9 @@ class FaceDetectionBackend(TaskBackend):
         """The ensemble: pnet -> rnet -> onet, each with its own batching and engine pool."""
         sizes = {"pnet": PNET_MAX_BATCH, "rnet": RNET_MAX_BATCH, "onet": ONET_MAX_BATCH}
         post = {"pnet": self._pnet_post, "rnet": self._rnet_post, "onet": self._onet_post}
+        # a step holds at least one request's every crop per request the task admits
         return E.step_specs(self.config, self.options, self._models, post, sizes,
-                            STEP_QUEUE_FANOUT)
+                            max(STEP_QUEUE_FANOUT, self.max_candidates))
 
     # -- prepare (the preprocessing pool) -------------------------------------------------------
     def _request_options(self, meta: Optional[Mapping]) -> tuple:

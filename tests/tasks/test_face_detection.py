@@ -42,7 +42,9 @@ def rt(prepared_home):
     cfg = {"tasks": [{"name": TASK, "backend": TASK, "intra_op_threads": 1, "model": directory,
                       "batching": {"max_queue_delay_us": 5000}},
                      {"name": "faces_tight", "backend": TASK, "intra_op_threads": 1,
-                      "model": directory, "options": {"max_candidates": 5}}],
+                      "model": directory, "options": {"max_candidates": 5}},
+                     {"name": "faces_one_queued", "backend": TASK, "intra_op_threads": 1,
+                      "model": directory, "batching": {"max_queue_size": 1}}],
            "server": {"max_payload_bytes": 4_000_000}}
     runtime = lc.Runtime.from_dict(cfg)
     with runtime:
@@ -193,6 +195,15 @@ def test_work_bounds(rt):
         rt.infer_sync(req)
     assert ei.value.field == "payload"
     assert rt.load()["faces_tight"]["steps"]["rnet"]["items"] == rnet_items
+
+
+def test_a_request_fans_out_to_all_its_crops_whatever_the_queue_size(rt, together):
+    """With one request admitted at a time, the crop steps still hold all of its candidates
+    (group.jpg leaves 202 for R-Net): the steps' queues are sized by ``max_candidates``."""
+    req = (lc.new_infer_request("faces_one_queued")
+           .for_raw_input((FACES_DIR / "group.jpg").read_bytes(), "image/jpeg").build())
+    _same(rt.infer_sync(req).outputs, together["group.jpg"])
+    assert rt.load()["faces_one_queued"]["steps"]["rnet"]["items"] > 64
 
 
 def test_deadline(rt):
