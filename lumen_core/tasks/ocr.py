@@ -195,8 +195,11 @@ class OcrBackend(TaskBackend):
         sizes = {"det": min(cap, DET_MAX_BATCH), "cls": min(cap, CLS_MAX_BATCH),
                  "rec": min(cap, REC_MAX_BATCH)}
         post = {"det": self._det_post, "cls": self._cls_post, "rec": self._rec_post}
+        # a step holds every line of one request per request the task admits: at most the
+        # detector's candidates, and no more than the recognition budget reads at 48 x 320
+        lines = min(P.DET_MAX_CANDIDATES, self.max_rec_pixels // (P.REC_SHAPE[1] * P.REC_SHAPE[2]))
         return E.step_specs(self.config, self.options, self._models, post, sizes,
-                            STEP_QUEUE_FANOUT)
+                            max(STEP_QUEUE_FANOUT, lines))
 
     # -- prepare (the preprocessing pool) -------------------------------------------------------
     def prepare_raw(self, req: InferRequest, desc: Descriptor, payload: memoryview, mime: str,

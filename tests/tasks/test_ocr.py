@@ -34,9 +34,11 @@ def fixture_request(name: str) -> lc.InferRequest:
 
 @pytest.fixture(scope="module")
 def rt(prepared_home):
+    directory = str(models.model_dir(models.OCR, prepared_home))
     cfg = {"tasks": [{"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
-                      "model": str(models.model_dir(models.OCR, prepared_home)),
-                      "batching": {"max_queue_delay_us": 5000}}],
+                      "model": directory, "batching": {"max_queue_delay_us": 5000}},
+                     {"name": "ocr_one_queued", "backend": "ocr", "intra_op_threads": 1,
+                      "model": directory, "batching": {"max_queue_size": 1}}],
            "server": {"max_payload_bytes": 4_000_000}}
     runtime = lc.Runtime.from_dict(cfg)
     with runtime:
@@ -176,6 +178,23 @@ def _dense_page(side: int) -> bytes:
             draw.text((x, y), word, fill=(0, 0, 0))
             x += 6 * len(word) + 6
     return png_bytes(img)
+
+
+def test_a_request_fans_out_to_all_its_lines_whatever_the_queue_size(rt):
+    """With one request admitted at a time, cls and rec still hold every line of it (80
+    words here, over the 64 items per admitted request the steps held before)."""
+    from PIL import ImageDraw
+
+    img = Image.new("RGB", (800, 1000), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    for row in range(10):
+        for col in range(8):
+            draw.text((10 + col * 100, 20 + row * 95), "word", fill=(0, 0, 0))
+    req = (lc.new_infer_request("ocr_one_queued").for_raw_input(png_bytes(img), "image/png")
+           .build())
+    lines = rt.infer_sync(req).outputs["lines"]
+    assert rt.load()["ocr_one_queued"]["steps"]["cls"]["items"] > 64
+    assert len(lines) > 64
 
 
 def test_a_dense_page_is_refused_by_the_recognition_budget(rt):
