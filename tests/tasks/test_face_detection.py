@@ -206,6 +206,35 @@ def test_a_request_fans_out_to_all_its_crops_whatever_the_queue_size(rt, togethe
     assert rt.load()["faces_one_queued"]["steps"]["rnet"]["items"] > 64
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_arbitrary_images_answer_well_formed(rt, seed):
+    """Noise, flat and striped images of odd, tiny and extreme shapes (1 px strips, sides
+    around P-Net's 12-pixel window, a thin 2000x13 strip): every one answers with
+    well-formed, finite outputs, at most ``max_faces`` faces, best first, and none fails
+    another."""
+    rng = np.random.default_rng(seed)
+    shapes = [(1, 1), (12, 12), (13, 11), (1, 900), (13, 2000), (37, 53), (97, 211)]
+    reqs = []
+    for h, w in shapes:
+        kind = rng.integers(3)
+        if kind == 0:
+            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        elif kind == 1:
+            arr = np.full((h, w, 3), rng.integers(0, 256), np.uint8)
+        else:
+            arr = np.zeros((h, w, 3), np.uint8)
+            arr[:, ::2] = 255
+        reqs.append(raw(png_bytes(Image.fromarray(arr)), max_faces=3,
+                        score_threshold=float(rng.uniform(0.0, 0.8))))
+    for (h, w), out in zip(shapes, rt.infer_many_sync(reqs), strict=True):
+        assert isinstance(out, lc.InferResponse), ((h, w), out)
+        o = out.outputs
+        n = o["boxes"].shape[0]
+        assert n <= 3 and o["boxes"].shape == (n, 4) and o["landmarks"].shape == (n, 5, 2)
+        assert all(np.isfinite(a).all() for a in o.values())
+        assert list(o["scores"]) == sorted(o["scores"], reverse=True)
+
+
 def test_deadline(rt):
     req = (lc.new_infer_request(TASK)
            .for_raw_input((FACES_DIR / "group.jpg").read_bytes(), "image/jpeg")
