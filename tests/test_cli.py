@@ -448,7 +448,7 @@ def test_prepare_skips_a_model_whose_package_is_missing(tmp_path, tmp_path_facto
     r = lumen("models", "prepare", "--home", str(home), PYTHONPATH=path)
     assert r.returncode == 0, r.stderr
     prepared = dict(line.split("\t") for line in r.stdout.splitlines())
-    assert set(prepared) == {models.MINILM, models.SILERO_VAD, models.MINILM_INT8}
+    assert set(prepared) == {models.MINILM, models.SILERO_VAD, models.MINILM_INT8, models.FACES}
     assert f"{models.OCR}: skipped, its source package 'rapidocr' is not installed" in r.stderr
     assert f"  {models.OCR}: `pip install --no-deps rapidocr==3.10.0`" in r.stderr
     assert f"then run `lumen models prepare --home {home}` again" in r.stderr

@@ -18,6 +18,7 @@ import numpy as np
 from ..batching.pipeline import StepSpec
 from ..config import BatchingConfig, Option, TaskConfig
 from ..contract import TensorContract, TensorSpec
+from ..engine.plan import InputPlan
 from ..errors import ConfigError, InvalidArgument, ModelMissingError
 from ..models import PREPARE_COMMAND, require_model
 
@@ -27,6 +28,22 @@ CHANNELS = 3
 #: largest side of a tensor-route image
 MAX_TENSOR_SIDE = 16384
 TENSOR_FIELD = "lumen.tensor.shape"
+
+
+class ItemInput(InputPlan):
+    """A step input built item by item: ``fill(item, dest_row)`` writes one item (a crop, a
+    pyramid level, a detector image) into its row of the fp32 batch ``[N, *item_shape]``, so
+    resizing and normalising happen in the step's worker thread, straight into the batch."""
+
+    def __init__(self, name: str, fill: Callable[[Any, np.ndarray], None]):
+        self.name, self.fill = name, fill
+
+    def assemble(self, items, arena, stats) -> dict:
+        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
+        fill = self.fill
+        for i, it in enumerate(items):
+            fill(it, dest[i])
+        return {self.name: dest}
 
 
 def step_options(labels: Mapping[str, str]) -> tuple:

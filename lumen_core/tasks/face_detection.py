@@ -40,7 +40,7 @@ from PIL import Image
 from ..batching.signature import signature
 from ..config import Option, TaskConfig
 from ..descriptor import Descriptor
-from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import ConfigError, InternalError, InvalidArgument, PayloadTooLarge
 from ..models import FACES, require_model
@@ -90,31 +90,15 @@ class FaceItem(PreparedModelRequest):
         self.threshold, self.max_faces = threshold, max_faces
 
 
-class LevelInput(InputPlan):
-    """Pyramid levels uint8 ``[h, w, 3]`` -> fp32 ``[N, w, h, 3]``, normalised, transposed."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def assemble(self, items, arena, stats) -> dict:
-        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
-        for i, it in enumerate(items):
-            P.normalise_transposed(it.tensors[0], dest[i])
-        return {self.name: dest}
+def _fill_level(item: Any, dest: np.ndarray) -> None:
+    """A pyramid level uint8 ``[h, w, 3]`` -> its P-Net row ``[w, h, 3]`` (normalised)."""
+    P.normalise_transposed(item.tensors[0], dest)
 
 
-class CropInput(InputPlan):
-    """Candidate windows of their images -> fp32 ``[N, S, S, 3]`` (cut, resized, normalised,
-    transposed in one pass per crop, in the step's worker thread)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def assemble(self, items, arena, stats) -> dict:
-        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
-        for i, it in enumerate(items):
-            P.crop_into(it.tensors[0], it.tensors[1], dest[i])
-        return {self.name: dest}
+def _fill_crop(item: Any, dest: np.ndarray) -> None:
+    """A candidate window of its image -> its R-Net / O-Net row ``[S, S, 3]`` (cut, resized,
+    normalised, transposed in one pass)."""
+    P.crop_into(item.tensors[0], item.tensors[1], dest)
 
 
 def _option(meta: Optional[Mapping], key: str, kind: type, default: Any, lo: Any,
@@ -191,7 +175,7 @@ class FaceDetectionBackend(TaskBackend):
                 raise ConfigError(cfg.source, f"{cfg.key}.model", f"{p}: expected one fp32 "
                                   f"[N,W,H,3] input and outputs {M.OUTPUTS[f]}, got {inputs} "
                                   f"-> {sorted(names)}")
-            plan = LevelInput(inputs[0][0]) if f == M.PNET_FILE else CropInput(inputs[0][0])
+            plan = E.ItemInput(inputs[0][0], _fill_level if f == M.PNET_FILE else _fill_crop)
             specs[f] = ModelSpec(p, [plan], [OutputSpec(n, np.float32, shapes[n])
                                              for n in M.OUTPUTS[f]])
         base = (self.model_id, cfg.model_version, "fp32")

@@ -47,7 +47,7 @@ from .. import native
 from ..batching.signature import signature
 from ..config import Option, TaskConfig
 from ..descriptor import Descriptor
-from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import (
     ConfigError,
@@ -103,32 +103,16 @@ class DetItem(PreparedModelRequest):
         self.ori_h, self.ori_w = ori_h, ori_w
 
 
-class HwcInput(InputPlan):
-    """uint8 BGR ``[H, W, 3]`` items -> fp32 ``[N, 3, H, W]`` normalised by the fused pass."""
-
-    def __init__(self, name: str, mean: tuple, std: tuple):
-        self.name, self.mean, self.std = name, mean, std
-
-    def assemble(self, items, arena, stats) -> dict:
-        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
-        normalize = native.image.normalize_hwc_to_chw
-        for i, it in enumerate(items):
-            normalize(it.tensors[0], dest[i], self.mean, self.std)
-        return {self.name: dest}
+def _fill_det(item: Any, dest: np.ndarray) -> None:
+    """uint8 BGR ``[H, W, 3]`` -> its detector row fp32 ``[3, H, W]``, ``(x/255-0.5)/0.5`` by
+    the fused compiled pass."""
+    native.image.normalize_hwc_to_chw(item.tensors[0], dest, P.DET_MEAN, P.DET_STD)
 
 
-class CropInput(InputPlan):
-    """Crops resized to the batch's height (aspect kept) and padded to its width with zeros;
+def _fill_crop(item: Any, dest: np.ndarray) -> None:
+    """A crop resized to the batch's height (aspect kept) and padded to its width with zeros;
     the width is the signature's (every item of a batch has the same ``item_shape``)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def assemble(self, items, arena, stats) -> dict:
-        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
-        for i, it in enumerate(items):
-            P.normalise_crop(it.tensors[0], dest[i])
-        return {self.name: dest}
+    P.normalise_crop(item.tensors[0], dest)
 
 
 class OcrBackend(TaskBackend):
@@ -175,13 +159,12 @@ class OcrBackend(TaskBackend):
                                                        "NCHW", pid)
         self._cls_sig = self._sig("cls", P.CLS_SHAPE, CLS_ID)
         self._models = {
-            "det": ModelSpec(paths[R.DET_FILE], [HwcInput(names[R.DET_FILE][0], P.DET_MEAN,
-                                                          P.DET_STD)],
+            "det": ModelSpec(paths[R.DET_FILE], [E.ItemInput(names[R.DET_FILE][0], _fill_det)],
                              [OutputSpec(names[R.DET_FILE][1], np.float32)]),
-            "cls": ModelSpec(paths[R.CLS_FILE], [CropInput(names[R.CLS_FILE][0])],
+            "cls": ModelSpec(paths[R.CLS_FILE], [E.ItemInput(names[R.CLS_FILE][0], _fill_crop)],
                              [OutputSpec(names[R.CLS_FILE][1], np.float32,
                                          (len(P.CLS_LABELS),))]),
-            "rec": ModelSpec(paths[R.REC_FILE], [CropInput(names[R.REC_FILE][0])],
+            "rec": ModelSpec(paths[R.REC_FILE], [E.ItemInput(names[R.REC_FILE][0], _fill_crop)],
                              [OutputSpec(names[R.REC_FILE][1], np.float32)]),
         }
         self._outs = {s: m.outputs[0].name for s, m in self._models.items()}
@@ -197,7 +180,8 @@ class OcrBackend(TaskBackend):
         post = {"det": self._det_post, "cls": self._cls_post, "rec": self._rec_post}
         # a step holds every line of one request per request the task admits: at most the
         # detector's candidates, and no more than the recognition budget reads at 48 x 320
-        lines = min(P.DET_MAX_CANDIDATES, self.max_rec_pixels // (P.REC_SHAPE[1] * P.REC_SHAPE[2]))
+        read_at = P.REC_SHAPE[1] * P.REC_SHAPE[2]
+        lines = min(P.DET_MAX_CANDIDATES, self.max_rec_pixels // read_at)
         return E.step_specs(self.config, self.options, self._models, post, sizes,
                             max(STEP_QUEUE_FANOUT, lines))
 
