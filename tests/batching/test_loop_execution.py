@@ -13,12 +13,8 @@ import pytest
 from test_batching import Item
 
 from lumen_core.batching.cost import COST_MIN_SAMPLES
-from lumen_core.batching.dynamic import (
-    LOOP_BACKOFF,
-    LOOP_PROBE_FACTOR,
-    LOOP_SAMPLES,
-    DynamicBatcher,
-)
+from lumen_core.batching.dynamic import (LOOP_BACKOFF, LOOP_PROBE_FACTOR, LOOP_SAMPLES,
+                                         DynamicBatcher)
 from lumen_core.config import BatchingConfig, parse_config
 from lumen_core.errors import ConfigError, DeadlineExceeded, InternalError, Unavailable
 
