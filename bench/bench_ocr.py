@@ -13,22 +13,25 @@ Both sides read the same fixture images (``tests/fixtures/ocr``), on the same mo
 Also printed: CPU seconds of the process per image on each side (less sensitive to the
 neighbours' load than wall time on a shared box), per-step batches, mean batch size and compute time (where the time goes).
 
-    python bench/bench_ocr.py [--runs 3] [--callers 8] [--rounds 2]
+``--setups`` compares several engine layouts in the same run, interleaved with rapidocr's
+loop: ``DET:REC`` (detector and recogniser instances, one classifier) or ``default`` (the
+served default task, ``tasks.ocr.default_task_table``: what ``lumen serve`` runs).
+
+    python bench/bench_ocr.py [--runs 3] [--callers 8] [--rounds 2] [--setups default,1:1]
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
+from ensemble_compare import common_args, compare, lumen_run  # noqa: E402  (bench/)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OCR_DIR = ROOT / "tests" / "fixtures" / "ocr"
-MIME = {"png": "image/png", "jpg": "image/jpeg"}
 
 
 def load_images() -> list:
@@ -46,30 +49,12 @@ def rapidocr_loop(engine, images: list, rounds: int) -> tuple:
     return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
 
 
-async def lumen_run(rt, images: list, rounds: int, callers: int) -> tuple:
-    import lumen_core as lc
-
-    work = [(name, data) for _ in range(rounds) for name, data in images]
-    it = iter(work)
-
-    async def caller() -> None:
-        for name, data in it:
-            req = lc.new_infer_request("ocr").for_raw_input(data, MIME[name.rsplit(".", 1)[1]])
-            await rt.infer(req.build())
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    await asyncio.gather(*[caller() for _ in range(callers)])
-    return len(work) / (time.perf_counter() - t0), (time.process_time() - c0) / len(work)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2, help="passes over the images per run")
-    ap.add_argument("--callers", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per instance")
+    ap = common_args(__doc__, 2)
     ap.add_argument("--det-instances", type=int, default=2)
     ap.add_argument("--rec-instances", type=int, default=2)
+    ap.add_argument("--setups", default="",
+                    help="comma-separated DET:REC or 'default' (replaces --det/--rec-instances)")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -86,36 +71,32 @@ def main() -> None:
                               "EngineConfig.onnxruntime.inter_op_num_threads": 1,
                               "Global.log_level": "error"})
     engine(images[0][1])  # load + warm its models
-    cfg = {"tasks": [{"name": "ocr", "backend": "ocr", "model": str(model_dir),
-                      "intra_op_threads": args.threads,
-                      "batching": {"max_queue_delay_us": 2000},
-                      "options": {"det_instances": args.det_instances, "cls_instances": 1,
-                                  "rec_instances": args.rec_instances}}]}
-    print(f"{len(images)} images x {args.rounds} rounds, {args.callers} callers; lumen: "
-          f"det x{args.det_instances}, cls x1, rec x{args.rec_instances}, {args.threads} "
-          f"intra-op thread(s) each; rapidocr: {cores} intra-op threads; load "
-          f"{os.getloadavg()[0]:.2f}")
+    from lumen_core.tasks.ocr import default_task_table
+
+    setups = {}
+    for name in (args.setups.split(",") if args.setups
+                 else [f"{args.det_instances}:{args.rec_instances}"]):
+        if name == "default":
+            table = default_task_table()
+        else:
+            det, rec = (int(x) for x in name.split(":"))
+            table = {"name": "ocr", "backend": "ocr", "intra_op_threads": args.threads,
+                     "options": {"det_instances": det, "cls_instances": 1,
+                                 "rec_instances": rec}}
+        table = {**table, "name": f"ocr_{len(setups)}", "model": str(model_dir),
+                 "batching": {"max_queue_delay_us": 2000}}
+        setups[name] = table
+    print(f"{len(images)} images x {args.rounds} rounds, {args.callers} callers; lumen setups: "
+          + "; ".join(f"{n}: {json.dumps(t.get('options', {}))}, intra_op_threads "
+                      f"{t.get('intra_op_threads')}" for n, t in setups.items())
+          + f"; rapidocr: {cores} intra-op threads; load {os.getloadavg()[0]:.2f}")
 
     async def go() -> None:
-        rt = lc.Runtime.from_dict(cfg)
+        rt = lc.Runtime.from_dict({"tasks": list(setups.values())})
         async with rt:
-            ratios, cpu_ratios = [], []
-            for run in range(args.runs):
-                ref, ref_cpu = rapidocr_loop(engine, images, args.rounds)
-                ours, our_cpu = await lumen_run(rt, images, args.rounds, args.callers)
-                ratios.append(ours / ref)
-                cpu_ratios.append(ref_cpu / our_cpu)
-                print(f"run {run + 1}: rapidocr {ref:.2f} img/s ({ref_cpu:.2f} CPU-s/img), "
-                      f"lumen {ours:.2f} img/s ({our_cpu:.2f} CPU-s/img), ratio {ours / ref:.2f}x "
-                      f"wall, {ref_cpu / our_cpu:.2f}x per CPU-second "
-                      f"(load {os.getloadavg()[0]:.2f})")
-            for what, rs in (("wall", ratios), ("per CPU-second", cpu_ratios)):
-                print(f"ratio ({what}) median {statistics.median(rs):.2f}x, min {min(rs):.2f}x, "
-                      f"max {max(rs):.2f}x over {args.runs} runs")
-            for step, s in rt.load()["ocr"]["steps"].items():
-                print(f"  step {step}: {s['items']} items in {s['batches']} batches "
-                      f"(mean {s['mean_batch_size']:.1f}, max {s['max_batch_size']}), "
-                      f"compute {s['compute_us'] / 1e6:.1f} s, queue {s['queue_us'] / 1e6:.1f} s")
+            await compare(rt, setups, lambda: rapidocr_loop(engine, images, args.rounds),
+                          lambda task: lumen_run(rt, images, args.rounds, args.callers, task),
+                          args.runs, "rapidocr")
 
     asyncio.run(go())
 

@@ -448,7 +448,7 @@ def test_prepare_skips_a_model_whose_package_is_missing(tmp_path, tmp_path_facto
     r = lumen("models", "prepare", "--home", str(home), PYTHONPATH=path)
     assert r.returncode == 0, r.stderr
     prepared = dict(line.split("\t") for line in r.stdout.splitlines())
-    assert set(prepared) == {models.MINILM, models.SILERO_VAD, models.MINILM_INT8}
+    assert set(prepared) == {models.MINILM, models.SILERO_VAD, models.MINILM_INT8, models.FACES}
     assert f"{models.OCR}: skipped, its source package 'rapidocr' is not installed" in r.stderr
     assert f"  {models.OCR}: `pip install --no-deps rapidocr==3.10.0`" in r.stderr
     assert f"then run `lumen models prepare --home {home}` again" in r.stderr
@@ -470,10 +470,11 @@ def test_serve_says_why_each_default_task_is_left_out(tmp_path):
     assert r.returncode == cli.EXIT_USAGE and "no tasks to serve" in r.stderr
     left = [ln for ln in r.stderr.splitlines() if "left out" in ln]
     assert [ln.split("default task ")[1].split(" ")[0] for ln in left] == [
-        "'text_embed'", "'text_embed_int8'", "'vad'", "'ocr'"], r.stderr
+        "'text_embed'", "'text_embed_int8'", "'vad'", "'ocr'", "'face_detection'"], r.stderr
     for line in left[:3]:
         assert "is not prepared" in line and "run `lumen models prepare`" in line, line
     assert "[ocr] extra" in left[3] and 'pip install "lumen-core[ocr]"' in left[3], left[3]
+    assert 'pip install "lumen-core[faces]"' in left[4], left[4]
 
 
 def test_infer_and_bench_send_an_api_key(keyed_server, tmp_path):

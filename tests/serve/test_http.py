@@ -460,8 +460,8 @@ def test_openai_client(embed_server, reference):
     np.testing.assert_allclose(got, ref[:5], atol=EMBED_TOLERANCE)
     single = client.embeddings.create(model="text_embed", input=texts[0], encoding_format="float")
     np.testing.assert_allclose(single.data[0].embedding, ref[0], atol=EMBED_TOLERANCE)
-    assert [m.id for m in client.models.list().data] == ["ocr", "text_embed", "text_embed_int8",
-                                                         "vad"]
+    assert [m.id for m in client.models.list().data] == ["face_detection", "ocr", "text_embed",
+                                                         "text_embed_int8", "vad"]
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no_such_task", input="x")
 

@@ -6,14 +6,13 @@ images go through once, concurrently, and the other tests reuse those answers.
 """
 from __future__ import annotations
 
-import io
 import json
-import struct
-import zlib
+import os
 
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from image_support import png_bomb, png_bytes
 from PIL import Image
 
 import lumen_core as lc
@@ -35,9 +34,11 @@ def fixture_request(name: str) -> lc.InferRequest:
 
 @pytest.fixture(scope="module")
 def rt(prepared_home):
+    directory = str(models.model_dir(models.OCR, prepared_home))
     cfg = {"tasks": [{"name": "ocr", "backend": "ocr", "intra_op_threads": 1,
-                      "model": str(models.model_dir(models.OCR, prepared_home)),
-                      "batching": {"max_queue_delay_us": 5000}}],
+                      "model": directory, "batching": {"max_queue_delay_us": 5000}},
+                     {"name": "ocr_one_queued", "backend": "ocr", "intra_op_threads": 1,
+                      "model": directory, "batching": {"max_queue_size": 1}}],
            "server": {"max_payload_bytes": 4_000_000}}
     runtime = lc.Runtime.from_dict(cfg)
     with runtime:
@@ -109,21 +110,9 @@ def _same_lines(a: list, b: list) -> None:
         assert abs(x["score"] - y["score"]) <= 1e-3
 
 
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return buf.getvalue()
-
-
 def test_bad_input_fails_alone(rt, together):
-    black = _png(Image.new("RGB", (1, 1), (0, 0, 0)))
-    # a PNG header declaring 60000 x 60000 pixels: refused before any decode
-    ihdr = struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\x00" * 64)
-    bomb = (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr
-            + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr)) + struct.pack(">I", len(idat))
-            + b"IDAT" + idat + struct.pack(">I", zlib.crc32(b"IDAT" + idat))
-            + struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND")))
+    black = png_bytes(Image.new("RGB", (1, 1), (0, 0, 0)))
+    bomb = png_bomb()  # a header declaring 60000 x 60000 pixels: refused before any decode
     reqs = [raw(black), raw(b"not an image at all"), raw(b"%PDF-1.4", "application/pdf"),
             raw(bomb), fixture_request("ocr_11_04.jpg"), raw(b"x" * 4_000_001)]
     out = rt.infer_many_sync(reqs)
@@ -160,7 +149,7 @@ def test_an_extreme_aspect_is_refused_before_any_work(rt):
     refused from its size, by the raw and the tensor route."""
     import time
 
-    strip = _png(Image.new("RGB", (400, 2), (255, 255, 255)))
+    strip = png_bytes(Image.new("RGB", (400, 2), (255, 255, 255)))
     assert len(strip) < 100
     t0 = time.monotonic()
     with pytest.raises(lc.InvalidArgument, match="max_det_pixels") as ei:
@@ -188,7 +177,24 @@ def _dense_page(side: int) -> bytes:
             word = words[(row * 7 + x) % len(words)]
             draw.text((x, y), word, fill=(0, 0, 0))
             x += 6 * len(word) + 6
-    return _png(img)
+    return png_bytes(img)
+
+
+def test_a_request_fans_out_to_all_its_lines_whatever_the_queue_size(rt):
+    """With one request admitted at a time, cls and rec still hold every line of it (80
+    words here, over the 64 items per admitted request the steps held before)."""
+    from PIL import ImageDraw
+
+    img = Image.new("RGB", (800, 1000), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    for row in range(10):
+        for col in range(8):
+            draw.text((10 + col * 100, 20 + row * 95), "word", fill=(0, 0, 0))
+    req = (lc.new_infer_request("ocr_one_queued").for_raw_input(png_bytes(img), "image/png")
+           .build())
+    lines = rt.infer_sync(req).outputs["lines"]
+    assert rt.load()["ocr_one_queued"]["steps"]["cls"]["items"] > 64
+    assert len(lines) > 64
 
 
 def test_a_dense_page_is_refused_by_the_recognition_budget(rt):
@@ -244,7 +250,7 @@ def test_http_and_grpc(prepared_home, together):
             r = c.post("/v1/infer/ocr", content=b"garbage", headers={"content-type": "text/plain"})
             assert r.status_code == 415
             # (a body over max_payload_bytes is a 413 before it is read: tests/serve/test_http)
-            r = c.post("/v1/infer/ocr", content=_png(Image.new("RGB", (1, 1))),
+            r = c.post("/v1/infer/ocr", content=png_bytes(Image.new("RGB", (1, 1))),
                        headers={"content-type": "image/png"})
             assert r.status_code == 200 and r.json()["lines"] == []
         with grpc.insecure_channel(srv.grpc_target) as ch:
@@ -264,7 +270,10 @@ def test_default_tables_and_config_errors(prepared_home, tmp_path):
     from lumen_core.tasks import default_task_tables
 
     with lumen_home_env(prepared_home):
-        assert "ocr" in [t["name"] for t in default_task_tables()]
+        (table,) = [t for t in default_task_tables() if t["name"] == "ocr"]
+    # the detector (70% of the model time) and the recogniser on every core, not one
+    n = max(1, min(os.cpu_count() or 1, 4))
+    assert table["options"]["det_instances"] == table["options"]["rec_instances"] == n
     with lumen_home_env(tmp_path):  # nothing prepared: no ocr default task, a clear error
         assert "ocr" not in [t["name"] for t in default_task_tables()]
         with pytest.raises(lc.ModelMissingError, match="lumen models prepare"):
