@@ -322,7 +322,9 @@ class Runtime:
 
     async def load_version(self, task: str, version: str, model: Optional[str] = None) -> dict:
         """(Re)load one version of ``task`` beside what serves: from its config, or from the
-        file ``model`` (a new version).  Returns the task's :meth:`lifecycle`."""
+        file ``model`` (a new version).  Returns the task's :meth:`lifecycle`; a load that
+        fails raises :class:`~lumen_core.errors.LoadFailed` naming the cause (the failed
+        instance stays in :meth:`lifecycle`, what was serving keeps serving)."""
         return await self._lifecycle.load_version(task, version, model)
 
     async def unload_version(self, task: str, version: str) -> dict:
