@@ -65,14 +65,14 @@ def contract_choice(desc: Optional[dict], dtype: str, ndim: int,
                     layout: Optional[str] = None) -> tuple:
     """``(layout, preprocess id)`` a task's description (``/v1/tasks``) leaves one choice of
     for a tensor of ``dtype`` and rank ``ndim`` (``layout`` given: among its signatures of that
-    layout); None for either where there are several choices or none."""
-    sigs = [s for s in (desc or {}).get("tensor_signatures") or ()
-            if s.get("dtype") == dtype and len(s.get("shape") or ()) == ndim
-            and (layout is None or s.get("layout") == layout)]
-    layouts = {s.get("layout") for s in sigs}
-    chosen = layout or (layouts.pop() if len(layouts) == 1 else None)
-    ids = {p for s in sigs if s.get("layout") == chosen for p in s.get("preprocess_ids") or ()}
-    return chosen, (ids.pop() if len(ids) == 1 else None)
+    layout); None for either where there are several choices or none.  The rule is the
+    server's own (``contract.implied_signature``); the CLI applies it too, so a server that
+    predates the rule still gets both keys."""
+    from ..contract import implied_signature
+
+    sigs = [(s.get("dtype"), s.get("layout"), len(s.get("shape") or ()),
+             s.get("preprocess_ids") or ()) for s in (desc or {}).get("tensor_signatures") or ()]
+    return implied_signature(sigs, dtype, ndim, layout)
 
 
 def _tensor_request(args: argparse.Namespace, arr, meta: dict,
