@@ -401,6 +401,12 @@ class Runtime:
         loop = self._sync_loop()
         return asyncio.run_coroutine_threadsafe(self.infer_many(requests), loop).result(SYNC_WAIT_S)
 
+    def run_sync(self, coro: Any) -> Any:
+        """Blocking: run ``coro`` (one that calls this runtime, e.g. a whole audio file as
+        one sequence, ``serve.audio.run_file``) on the runtime's loop and return its result."""
+        loop = self._sync_loop()
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(SYNC_WAIT_S)
+
     def _sync_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
         if loop is None or not self.ready:

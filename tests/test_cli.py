@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import wave
 
 import numpy as np
 import onnx_models as M
@@ -370,30 +371,41 @@ def _wav(path, samples: np.ndarray, rate: int = 16000, channels: int = 1) -> Non
         w.writeframes(samples.astype("<i2").tobytes())
 
 
-def test_infer_vad_streams_a_wav_as_one_sequence(tmp_path, capsys, embed_server, tmp_path_factory,
-                                                 monkeypatch, fixtures_dir):
-    audio = np.load(fixtures_dir / "silero_vad_reference.npz")["audio"][0]
-    n = 3 * cli_infer.WAV_CHUNK_SAMPLES
-    pcm = np.round(np.clip(audio[:n - 100], -1, 1) * 32767).astype(np.int16)
-    f = tmp_path / "speech.wav"
-    _wav(f, pcm)
+def test_infer_vad_prints_the_segments_of_any_wav(tmp_path, capsys, embed_server,
+                                                 tmp_path_factory, monkeypatch, fixtures_dir):
+    """Issue 38 row 12: ``lumen infer vad file.wav`` prints the file's speech segments (one
+    JSON reply, in process and with --url alike), not a line per 32 ms chunk; a 44.1 kHz
+    stereo file gives the 16 kHz mono file's segments (resampled whole)."""
+    import soxr
+
+    name = "vad_speech_2.wav"
+    ref = json.loads((fixtures_dir / "vad_speech_reference.json").read_text())[name]
+    with wave.open(str(fixtures_dir / name)) as w:
+        x = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
+    y = soxr.resample(x, 16000, 44100, quality="VHQ")
+    stereo = np.stack([y * 1.05, y * 0.95], axis=1)
+    f = tmp_path / "speech44k.wav"
+    _wav(f, np.clip(np.round(stereo * 32768), -32768, 32767), rate=44100, channels=2)
     monkeypatch.setenv("LUMEN_HOME", str(S.prepared_home(tmp_path_factory)))
-    rc, out_local, _ = run_cli(capsys, "infer", "vad", str(f))
-    assert rc == 0
-    rc, out_url, _ = run_cli(capsys, "infer", "vad", str(f), "--url", embed_server.url)
-    assert rc == 0
-    for out in (out_local, out_url):
-        lines = [json.loads(ln) for ln in out.splitlines()]
-        assert len(lines) == 3 and all(ln["task"] == "vad" for ln in lines)
-    local = [json.loads(ln)["outputs"] for ln in out_local.splitlines()]
-    remote = [json.loads(ln)["outputs"] for ln in out_url.splitlines()]
-    for a, b in zip(local, remote, strict=True):  # the same stateful sequence either way
-        for name in a:
-            np.testing.assert_allclose(a[name]["data"], b[name]["data"], atol=1e-5)
+    outs = []
+    for extra in ((), ("--url", embed_server.url)):
+        rc, out, _ = run_cli(capsys, "infer", "vad", str(f), *extra)
+        assert rc == 0
+        (line,) = out.splitlines()  # one reply, not one per chunk
+        outs.append(json.loads(line))
+    for got in outs:
+        assert abs(got["duration_ms"] - ref["samples"] / 16) <= 32
+        assert len(got["segments"]) == len(ref["segments"]), got
+        for g, (s0, e0) in zip(got["segments"], ref["segments"], strict=True):
+            assert abs(g["start_ms"] - s0 / 16) <= 32 and abs(g["end_ms"] - e0 / 16) <= 32
+    rc, out, _ = run_cli(capsys, "infer", "vad", str(fixtures_dir / name), "--meta",
+                         "probabilities=true")
+    assert rc == 0 and len(json.loads(out)["probabilities"]) == -(-ref["samples"] // 512)
+    # a stateful task without segments still streams chunks: 16 kHz mono PCM16 only
     bad = tmp_path / "stereo48k.wav"
     _wav(bad, np.zeros(2000, np.int16), rate=48000, channels=2)
-    rc, _, err = run_cli(capsys, "infer", "vad", str(bad))
-    assert rc == cli.EXIT_USAGE and "16000 Hz mono" in err and "ffmpeg" in err
+    with pytest.raises(ValueError, match="16000 Hz mono 16-bit PCM.*ffmpeg"):
+        cli_infer.read_wav_chunks(str(bad))
 
 
 # -- issue 26: a newcomer's second day, through the real `lumen` executable ----------------------
