@@ -242,7 +242,7 @@ def decode_file(body: bytes, mime: str) -> tuple:
         n = resample.out_samples(len(data) // (ch * width), rate)
         if n > MAX_FILE_SAMPLES:
             raise too_long(n)
-        return memoryview(resample.to_mono_16k(data, ch, width, rate)).cast("B"), 4
+        return resample.to_mono_16k(data, ch, width, rate).data.cast("B"), 4
     width = stream_format(mime)
     if len(body) % width:
         raise InvalidArgument(f"{len(body)} bytes is not a whole number of {width}-byte samples",
