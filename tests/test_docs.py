@@ -65,3 +65,18 @@ def test_docs_holds_only_the_manuals_pages():
     others = [p.relative_to(ROOT) for p in (ROOT / "docs").rglob("*")
               if p.is_file() and p.suffix != ".md"]
     assert not others, others
+
+
+def test_readme_and_install_say_where_the_model_store_is():
+    """Issue 38 row 13: the model store (``LUMEN_HOME``, ``--home``) was only in ``--help`` and
+    ray.md; the README and install.md say what it is, its default (the code's), that every
+    checkout shares it, and how to move it."""
+    from lumen_core import models
+
+    default = str(models.DEFAULT_HOME)
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    assert "## The model store" in install
+    for text in (README.read_text(encoding="utf-8"), install):
+        assert models.HOME_ENV in text and default in text and "--home" in text
+        assert "every checkout" in text
+        assert f"{models.HOME_ENV}=/" in text  # how to move it
