@@ -408,6 +408,33 @@ def test_infer_vad_prints_the_segments_of_any_wav(tmp_path, capsys, embed_server
         cli_infer.read_wav_chunks(str(bad))
 
 
+def test_a_busy_grpc_port_is_one_line_before_any_model_loads(tmp_path):
+    """Issue 38 row 14: a second server moved only with --http-port found gRPC's port taken
+    after loading its models, and gRPC's C-core printed its own line first.  Now the ports
+    are claimed first: one line, naming the port and the ways to move it (or turn gRPC off),
+    exit 2, and nothing loaded."""
+    import socket
+
+    cfg = S.onnx_config(tmp_path, slow=False)
+    (tmp_path / "lumen.toml").write_text(S.to_toml(cfg))
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        r = lumen("serve", "--config", str(tmp_path / "lumen.toml"), "--http-port", "0",
+                  "--grpc-port", str(port), "--log-level", "info")
+    finally:
+        holder.close()
+    assert r.returncode == cli.EXIT_USAGE, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr  # no add_port.cc line, no model loading logged
+    (line,) = lines
+    assert line.startswith("lumen: error: gRPC port ") and f"127.0.0.1:{port}" in line, line
+    assert "already in use" in line and "--grpc-port 0" in line and "--grpc-port P" in line
+    assert "Errno" not in line
+
+
 # -- issue 26: a newcomer's second day, through the real `lumen` executable ----------------------
 #: the installed console script beside this interpreter (what a user's shell runs)
 LUMEN = str(pathlib.Path(sys.executable).with_name("lumen"))
