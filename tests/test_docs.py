@@ -80,3 +80,23 @@ def test_readme_and_install_say_where_the_model_store_is():
         assert models.HOME_ENV in text and default in text and "--home" in text
         assert "every checkout" in text
         assert f"{models.HOME_ENV}=/" in text  # how to move it
+
+
+def test_every_extra_is_in_the_install_pages_table_and_the_clients_are_one():
+    """Issue 38 row 16: a pip user's `[cpu,serve]` has neither OCR nor the README's clients;
+    install.md's table names every extra of pyproject.toml, and `[clients]` holds what the
+    README's examples import."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    table = install.split("## Which extras", 1)[1].split("\n## ", 1)[0]
+    for name in extras:
+        assert f"`{name}`" in table, name
+    readme = README.read_text(encoding="utf-8")
+    clients = " ".join(extras["clients"])
+    for module, dist in (("openai", "openai"), ("tritonclient", "tritonclient")):
+        assert re.search(rf"\b(import|from) ([\w, ]+ )?{module}\b", readme), module
+        assert dist in clients, dist
+    assert "`[clients]`" in readme and "pip install \"lumen-core[cpu,serve,ocr,clients]\"" in table
