@@ -248,8 +248,10 @@ def test_bench_connection_is_not_reused_after_a_timed_out_request():
 
     async def run() -> list:
         served = {"n": 0}
+        writers: list = []
 
         async def handle(reader, writer):
+            writers.append(writer)
             try:
                 while True:
                     head = await reader.readuntil(b"\r\n\r\n")
@@ -273,6 +275,9 @@ def test_bench_connection_is_not_reused_after_a_timed_out_request():
         finally:
             conn.close()
             server.close()
+            for w in writers:  # server.close() leaves accepted connections open
+                w.close()
+            await server.wait_closed()
         return replies
 
     assert asyncio.run(run()) == [(200, b"second"), (200, b"third")]
