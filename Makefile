@@ -74,11 +74,13 @@ test: install
 
 # mypy over lumen_core/ ([tool.mypy] in pyproject.toml; mypy comes with the [test] extra)
 test-types:
+	$(STEP) "mypy: type-check lumen_core/ ([tool.mypy] in pyproject.toml)"
 	$(VENV)/bin/mypy
 
 # the manual: `mkdocs build --strict` fails on a broken link, anchor or a page left out of nav
 # (never -q: mkdocs' quiet mode drops the warnings that --strict counts, and passes anyway)
 docs-check:
+	$(STEP) "mkdocs build --strict: the manual (a broken link or a page left out of nav fails)"
 	$(VENV)/bin/mkdocs build --strict --site-dir build/docs-site
 
 # the manual as a site in site/ (open site/index.html)
@@ -88,13 +90,16 @@ docs: install
 # pytest (not python -m pytest) keeps the source tree off sys.path: the installed, compiled
 # package is what gets tested
 test-compiled:
+	$(STEP) "pytest tests: the whole suite on the compiled extensions"
 	$(VENV)/bin/pytest -q tests
 
 test-pure:
+	$(STEP) "pytest tests with LUMEN_NO_EXTENSIONS=1: the whole suite on the pure-Python twins"
 	LUMEN_NO_EXTENSIONS=1 $(VENV)/bin/pytest -q tests
 
 # the built manylinux wheel, installed into a fresh virtualenv outside the tree, serving a request
 test-wheel: wheel
+	$(STEP) "pytest -m wheel: the built wheel in a fresh virtualenv, serving a request"
 	LUMEN_WHEEL="$$(ls -t $(DIST_ABS)/*manylinux*.whl | head -1)" $(VENV)/bin/pytest -q -m wheel tests/test_wheel.py
 
 # sdist + manylinux wheel in $(DIST): python -m build (sdist, then the wheel built from it), then

@@ -93,24 +93,26 @@ cdef inline int _find(const name_table_t* t, const char* p, Py_ssize_t n) noexce
 
 cdef inline int _parse_shape(const shape_rules_t* r, const char* s, Py_ssize_t n,
                              int64_t* out) noexcept nogil:
-    """Parse ``[d0, d1, ...]`` (ASCII) into ``out``; return the rank, or -1 on any error.
+    """Parse ``[d0, d1, ...]`` or ``d0,d1,...`` (ASCII) into ``out``; return the rank, or -1
+    on any error.
 
     Mirrors descriptor.parse_shape step for step; the bounded length was checked by the
     caller, digit runs are bounded by ``r.max_digits`` so the accumulator never overflows.
     """
     cdef Py_ssize_t i = 0, start
     cdef int rank = 0
+    cdef bint bracket
     cdef uint64_t v
     cdef unsigned char ch
     while i < n and r.ws[<unsigned char>s[i]]:
         i += 1
-    if i >= n or s[i] != b'[':
-        return -1
-    i += 1
+    bracket = i < n and s[i] == b'['
+    if bracket:
+        i += 1
     while True:
         while i < n and r.ws[<unsigned char>s[i]]:
             i += 1
-        if i < n and s[i] == b']' and rank == 0:
+        if bracket and i < n and s[i] == b']' and rank == 0:
             i += 1
             break
         if i < n and s[i] == b'-':
@@ -135,8 +137,10 @@ cdef inline int _parse_shape(const shape_rules_t* r, const char* s, Py_ssize_t n
         if i < n and s[i] == b',':
             i += 1
             continue
-        if i < n and s[i] == b']':
+        if bracket and i < n and s[i] == b']':
             i += 1
+            break
+        if not bracket and i == n:
             break
         return -1
     while i < n and r.ws[<unsigned char>s[i]]:

@@ -665,7 +665,19 @@ cdef Descriptor _check_tensor(desc_t* d, object payload_nbytes, _ContractView c)
     cdef PyObject* v
     cdef int64_t batch_axis
     cdef int idx
+    cdef object implied
     _tensor_shape(d, c)                         # 1. dtype, 2. shape
+    if d.vals[S_LAYOUT] == NULL or d.vals[S_PP_ID] == NULL:
+        # left out: the task's only choice, if it has one (cold: a hand-written request).
+        # ``implied`` holds the strings while d.vals borrows them
+        implied = c.contract.implied(
+            _DTYPE_OBJS[d.dtype], d.rank,
+            <object>d.vals[S_LAYOUT] if d.vals[S_LAYOUT] != NULL else None,
+            <object>d.vals[S_PP_ID] if d.vals[S_PP_ID] != NULL else None)
+        if d.vals[S_LAYOUT] == NULL and implied[0] is not None:
+            d.vals[S_LAYOUT] = <PyObject*>implied[0]
+        if d.vals[S_PP_ID] == NULL and implied[1] is not None:
+            d.vals[S_PP_ID] = <PyObject*>implied[1]
     _check_layout(d, c)                         # 3. layout
     if not _payload_matches(d, payload_nbytes):  # 4. payload length
         raise err_payload(payload_nbytes, _DTYPE_OBJS[d.dtype], _shape_list(d), d.nbytes)

@@ -9,7 +9,7 @@ keys, dtypes or layouts exists anywhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -215,10 +215,43 @@ class TensorContract:
                 index.setdefault((s.dtype, s.layout, p), i)
         object.__setattr__(self, "index", index)
 
+    def implied(self, dtype: str, rank: int, layout: Optional[str] = None,
+                preprocess_id: Optional[str] = None) -> tuple:
+        """``(layout, preprocess id)`` for a tensor of ``dtype`` and ``rank`` that leaves them
+        out: see :func:`implied_signature`."""
+        return implied_signature(((s.dtype, s.layout, len(s.dims), s.preprocess_ids)
+                                  for s in self.specs), dtype, rank, layout, preprocess_id)
+
     def describe(self) -> dict:
         return {"model_id": self.model_id, "model_version": self.model_version,
                 "tensor_signatures": [s.describe() for s in self.specs],
                 "raw_preprocess_ids": sorted(self.raw_preprocess_ids)}
+
+
+def implied_signature(signatures: Iterable, dtype: str, rank: int,
+                      layout: Optional[str] = None,
+                      preprocess_id: Optional[str] = None) -> tuple:
+    """``(layout, preprocess id)`` a task's tensor signatures leave one choice of, for a tensor
+    of ``dtype`` and ``rank``: each the given one, else the only one the signatures of that
+    dtype and rank (and of the other, when given) have, else None (several choices, or none;
+    a layout left open counts every layout's ids).
+
+    The one home of this rule: the tensor route's parser (``descriptor.parse_meta`` and its
+    compiled twin) applies it to a request that leaves a key out, OIP to an input without
+    ``lumen.*`` parameters, ``lumen infer`` to a ``.npy`` file (over ``/v1/tasks``, as
+    ``(dtype, layout, rank, preprocess ids)`` tuples), so ``curl`` needs neither key when the
+    task accepts one of each.
+    """
+    sigs = [(lay, ids) for dt, lay, rk, ids in signatures
+            if dt == dtype and rk == rank and (layout is None or lay == layout)
+            and (preprocess_id is None or preprocess_id in ids)]
+    if layout is None:
+        layouts = {lay for lay, _ in sigs}
+        layout = layouts.pop() if len(layouts) == 1 else None
+    if preprocess_id is None:
+        found = {p for lay, ids in sigs if layout is None or lay == layout for p in ids}
+        preprocess_id = found.pop() if len(found) == 1 else None
+    return layout, preprocess_id
 
 
 #: the contract of a task that accepts no tensor input (``parse_meta``'s default)

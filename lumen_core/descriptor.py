@@ -309,7 +309,9 @@ def parse_timeout_ms(value: str) -> int:
 
 
 def parse_shape(text: str) -> tuple:
-    """Parse ``[d0, d1, ...]`` into a tuple of non-negative ints; raise on anything else.
+    """Parse ``[d0, d1, ...]`` (or the same without the brackets, ``d0,d1,...``: a query
+    string needs no ``curl -g`` then) into a tuple of non-negative ints; raise on anything
+    else.
 
     Hand-written (not ``json.loads``) so the work is bounded and identical to the C parser.
     """
@@ -321,15 +323,14 @@ def parse_shape(text: str) -> tuple:
     i = 0
     while i < n and text[i] in ws:
         i += 1
-    if i >= n or text[i] != "[":
-        raise _bad(KEY_SHAPE, f"{KEY_SHAPE} must be a JSON array of ints like [1,3,224,224], "
-                              f"got {_short(text)}")
-    i += 1
+    bracket = i < n and text[i] == "["
+    if bracket:
+        i += 1
     dims: list[int] = []
     while True:
         while i < n and text[i] in ws:
             i += 1
-        if i < n and text[i] == "]" and not dims:
+        if bracket and i < n and text[i] == "]" and not dims:
             i += 1
             break
         if i < n and text[i] == "-":
@@ -338,8 +339,8 @@ def parse_shape(text: str) -> tuple:
         while i < n and "0" <= text[i] <= "9":
             i += 1
         if i == start:
-            raise _bad(KEY_SHAPE, f"{KEY_SHAPE} must contain only non-negative integers, "
-                                  f"got {_short(text)}")
+            raise _bad(KEY_SHAPE, f"{KEY_SHAPE} must be non-negative integers like [1,3,224,224] "
+                                  f"or 1,3,224,224, got {_short(text)}")
         if i - start > MAX_DIM_DIGITS or int(text[start:i]) > INT64_MAX:
             raise _bad(KEY_SHAPE, f"{KEY_SHAPE} has a dimension that overflows int64: "
                                   f"{_short(text)}")
@@ -351,11 +352,13 @@ def parse_shape(text: str) -> tuple:
         if i < n and text[i] == ",":
             i += 1
             continue
-        if i < n and text[i] == "]":
+        if bracket and i < n and text[i] == "]":
             i += 1
             break
-        raise _bad(KEY_SHAPE, f"{KEY_SHAPE} must be a JSON array of ints like [1,3,224,224], "
-                              f"got {_short(text)}")
+        if not bracket and i == n:
+            break
+        raise _bad(KEY_SHAPE, f"{KEY_SHAPE} must be a list of ints like [1,3,224,224] (or "
+                              f"1,3,224,224), got {_short(text)}")
     while i < n and text[i] in ws:
         i += 1
     if i != n:
@@ -510,8 +513,11 @@ def _check_tensor(d: Descriptor, get, payload_nbytes: int, contract: TensorContr
         raise err_required(KEY_SHAPE)
     shape = parse_shape(text)
     nbytes = shape_nbytes(shape, DTYPE_SIZES[dtype])
-    # 3. layout
+    # 3. layout (left out, with the preprocess id: the task's only choice, if it has one)
     layout = get(KEY_LAYOUT)
+    pp = get(KEY_PREPROCESS_ID)
+    if layout is None or pp is None:
+        layout, pp = contract.implied(dtype, len(shape), layout, pp)
     if layout is None:
         raise err_required(KEY_LAYOUT, contract.layouts)
     lay = LAYOUTS.get(layout)
@@ -525,7 +531,6 @@ def _check_tensor(d: Descriptor, get, payload_nbytes: int, contract: TensorContr
     if payload_nbytes != nbytes:
         raise err_payload(payload_nbytes, dtype, shape, nbytes)
     # 5. preprocess id
-    pp = get(KEY_PREPROCESS_ID)
     if pp is None:
         raise err_required(KEY_PREPROCESS_ID, contract.preprocess_ids)
     if pp not in contract.preprocess_ids:

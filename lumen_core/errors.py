@@ -122,6 +122,18 @@ class PermissionDenied(LumenError):
     grpc_status = "PERMISSION_DENIED"
 
 
+class LoadFailed(LumenError):
+    """A model version that could not be loaded (``422`` / ``FAILED_PRECONDITION``): the
+    request was well formed, but the model it names (a corrupt or missing file, an ONNX graph
+    the task cannot use) is not servable.  An error status, not a ``200`` with ``"state":
+    "failed"`` in the body, so a script and ``curl -f`` see the failure; what was serving
+    keeps serving."""
+
+    code = "load_failed"
+    http_status = 422
+    grpc_status = "FAILED_PRECONDITION"
+
+
 ERROR_CLASSES = (
     InvalidArgument,
     TaskNotFound,
@@ -134,6 +146,7 @@ ERROR_CLASSES = (
     InternalError,
     Unauthenticated,
     PermissionDenied,
+    LoadFailed,
 )
 
 #: code -> class, HTTP status, gRPC status name (``grpc.StatusCode[name]``)

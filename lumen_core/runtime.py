@@ -33,7 +33,7 @@ from .errors import (
 from .loading import Observer, Task, TaskLoader
 from .prepare_pool import PreparePool
 from .request import InferRequest, InferResponse, new_infer_request
-from .tasks import default_task_table, default_task_tables
+from .tasks import default_task_table, default_task_tables, nothing_to_serve
 from .versions import Lifecycle
 
 log = logging.getLogger("lumen")
@@ -126,9 +126,15 @@ class Runtime:
     def default(cls, server: Optional[Mapping] = None, only: Optional[str] = None) -> "Runtime":
         """The built-in default tasks on the prepared models (``lumen models prepare``); each
         one that cannot be served here is left out with a warning line saying why.  ``only``:
-        that default task alone (why it cannot be served is then raised)."""
-        cfg: dict = {"tasks": default_task_tables() if only is None
+        that default task alone (why it cannot be served is then raised).  When none at all
+        can be served, a ModelMissingError names each task's reason and the command to run
+        (the pip line of the model packages, or ``lumen models prepare``), not an empty
+        runtime."""
+        left_out: dict = {}
+        cfg: dict = {"tasks": default_task_tables(left_out) if only is None
                      else [default_task_table(only)]}
+        if not cfg["tasks"]:
+            raise nothing_to_serve(left_out)
         if server:
             cfg["server"] = dict(server)
         return cls.from_dict(cfg, source="<default tasks>")
@@ -322,7 +328,9 @@ class Runtime:
 
     async def load_version(self, task: str, version: str, model: Optional[str] = None) -> dict:
         """(Re)load one version of ``task`` beside what serves: from its config, or from the
-        file ``model`` (a new version).  Returns the task's :meth:`lifecycle`."""
+        file ``model`` (a new version).  Returns the task's :meth:`lifecycle`; a load that
+        fails raises :class:`~lumen_core.errors.LoadFailed` naming the cause (the failed
+        instance stays in :meth:`lifecycle`, what was serving keeps serving)."""
         return await self._lifecycle.load_version(task, version, model)
 
     async def unload_version(self, task: str, version: str) -> dict:
@@ -398,6 +406,12 @@ class Runtime:
         """Blocking ``infer_many`` for threads other than the runtime's loop."""
         loop = self._sync_loop()
         return asyncio.run_coroutine_threadsafe(self.infer_many(requests), loop).result(SYNC_WAIT_S)
+
+    def run_sync(self, coro: Any) -> Any:
+        """Blocking: run ``coro`` (one that calls this runtime, e.g. a whole audio file as
+        one sequence, ``serve.audio.run_file``) on the runtime's loop and return its result."""
+        loop = self._sync_loop()
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(SYNC_WAIT_S)
 
     def _sync_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop

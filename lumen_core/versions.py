@@ -41,6 +41,7 @@ from .config import (
 from .errors import (
     ConfigError,
     InvalidArgument,
+    LoadFailed,
     TaskNotFound,
     Unavailable,
 )
@@ -429,6 +430,13 @@ class Lifecycle:
                                       f"model", "version")
             old = await self._update(tv, vtc, force=True)
             await self._swap(tv, [old] if old is not None else [])
+            failed = tv.failed.get(version)  # forced, so set now exactly when this load failed
+            if failed is not None:
+                raise LoadFailed(f"task {name!r} version {version!r} failed to load: "
+                                 f"{failed.error}; what was serving keeps serving. Fix the "
+                                 f"model file (or give another) and load again; GET "
+                                 f"/v1/admin/tasks/{name} shows the versions' states",
+                                 "model" if model is not None else "version")
             return tv.describe()
 
     async def unload_version(self, name: str, version: str) -> dict:

@@ -86,11 +86,15 @@ class ServerThread:
         async def _stop() -> None:
             await self.server.shutdown()
 
+        if self.loop.is_closed():  # stopped already
+            return
         try:
             self.call(_stop())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            if not self._thread.is_alive():  # an unclosed loop is a ResourceWarning
+                self.loop.close()
 
 
 def scrape(url: str) -> dict:

@@ -296,9 +296,12 @@ def test_shape_missing(descriptor):
     expect_error(descriptor, without(clip_meta(), C.KEY_SHAPE), CLIP_NBYTES, IMAGE, C.KEY_SHAPE)
 
 
-@pytest.mark.parametrize("text", ["", " ", "1,3,224,224", "[1,3,224,224", "[1,,3]", "[1 3]",
+@pytest.mark.parametrize("text", ["", " ", "[1,3,224,224", "[1,,3]", "[1 3]",
                                   "[1.5]", "[a]", "[1]x", "[1,]", "[,1]", "[[1]]", "{1}",
-                                  "[\uff11]", "[1e3]", "[0x10]", "[1]]", "null"])
+                                  "[\uff11]", "[1e3]", "[0x10]", "[1]]", "null",
+                                  # the bracket-free form: the same rules, no bracket at all
+                                  "1,3,224,224]", "]1,3,224,224", "1,3,224,", ",1,3,224,224",
+                                  "1 3 224 224", "1,,3,224,224", "1;3;224;224", "1,3,224,224x"])
 def test_shape_garbage(descriptor, text):
     expect_error(descriptor, clip_meta(**{C.KEY_SHAPE: text}), CLIP_NBYTES, IMAGE, C.KEY_SHAPE)
 
@@ -357,13 +360,68 @@ def test_shape_100kb_string(descriptor):
     assert len(err.message) < 200
 
 
+@pytest.mark.parametrize("text", ["1,3,224,224", " 1, 3 ,224,224 ", "\t1,3,224,224\n"])
+def test_shape_without_brackets(descriptor, text):
+    """Issue 38 row 11: ``shape=1,3,224,224`` in a query string needs no ``curl -g``."""
+    meta = clip_meta(**{C.KEY_SHAPE: text})
+    assert descriptor.parse_meta(meta, CLIP_NBYTES, IMAGE).shape == (1, 3, 224, 224)
+    assert D.parse_shape(text) == native.descriptor.parse_shape(text) == (1, 3, 224, 224)
+
+
 def test_shape_whitespace_is_allowed(descriptor):
     meta = clip_meta(**{C.KEY_SHAPE: " \t[ 1 ,3,\n224 , 224 ]\r\n"})
     assert descriptor.parse_meta(meta, CLIP_NBYTES, IMAGE).shape == (1, 3, 224, 224)
 
 
+#: fp32 rank 4 under two layouts (and two preprocess ids): nothing to imply
+TWO_LAYOUTS = C.TensorContract(specs=(CLIP_SPEC, C.TensorSpec("fp32", "NHWC", {"hwc_v1"}, (
+    (1, 1), (224, 224), (224, 224), (3, 3)))), model_id="clip_vision_encoder", model_version="v1")
+
+
 def test_layout_missing(descriptor):
-    expect_error(descriptor, without(clip_meta(), C.KEY_LAYOUT), CLIP_NBYTES, IMAGE, C.KEY_LAYOUT)
+    bare = without(without(clip_meta(), C.KEY_LAYOUT), C.KEY_PREPROCESS_ID)
+    expect_error(descriptor, bare, CLIP_NBYTES, TWO_LAYOUTS, C.KEY_LAYOUT)
+    # one layout for the dtype and rank: nothing else to name, so none needs naming
+    got = descriptor.parse_meta(without(clip_meta(), C.KEY_LAYOUT), CLIP_NBYTES, IMAGE)
+    assert (got.layout, got.preprocess_id, got.spec_index) == ("NCHW", CLIP_PP, 0)
+
+
+def test_layout_and_preprocess_id_implied(descriptor):
+    """Issue 38 row 11: a task with one choice of each needs neither key (as ``lumen infer``
+    and OIP imply them); the given one narrows the other; a wrong one is still refused."""
+    bare = without(without(clip_meta(), C.KEY_LAYOUT), C.KEY_PREPROCESS_ID)
+    got = descriptor.parse_meta(bare, CLIP_NBYTES, IMAGE)
+    assert (got.layout, got.preprocess_id, got.spec_index) == ("NCHW", CLIP_PP, 0)
+    hwc = dict(bare, **{C.KEY_SHAPE: "1,224,224,3"})
+    got = descriptor.parse_meta(dict(hwc, **{C.KEY_PREPROCESS_ID: "hwc_v1"}), CLIP_NBYTES,
+                                TWO_LAYOUTS)
+    assert (got.layout, got.preprocess_id) == ("NHWC", "hwc_v1")
+    got = descriptor.parse_meta(dict(hwc, **{C.KEY_LAYOUT: "NHWC"}), CLIP_NBYTES, TWO_LAYOUTS)
+    assert (got.layout, got.preprocess_id) == ("NHWC", "hwc_v1")
+    got = descriptor.parse_meta(dict(bare, **{C.KEY_PREPROCESS_ID: CLIP_PP}), CLIP_NBYTES,
+                                TWO_LAYOUTS)
+    assert (got.layout, got.preprocess_id) == ("NCHW", CLIP_PP)
+    tokens = {C.KEY_INPUT_KIND: "tensor", C.KEY_DTYPE: "int64", C.KEY_SHAPE: "1,16"}
+    got = descriptor.parse_meta(tokens, 8 * 16, TOKENS)
+    assert (got.shape, got.layout, got.preprocess_id) == ((1, 16), "NL", TOKENS_PP)
+    expect_error(descriptor, bare, CLIP_NBYTES, TWO_LAYOUTS, C.KEY_LAYOUT)
+    expect_error(descriptor, dict(bare, **{C.KEY_LAYOUT: "NHWC", C.KEY_PREPROCESS_ID: CLIP_PP}),
+                 CLIP_NBYTES, TWO_LAYOUTS, C.KEY_PREPROCESS_ID)
+    expect_error(descriptor, dict(bare, **{C.KEY_SHAPE: "1,3,50176"}), CLIP_NBYTES, IMAGE,
+                 C.KEY_LAYOUT)  # no rank-3 signature: the layout is still required
+
+
+def test_implied_signature_needs_one_choice():
+    sigs = [("int64", "NL", 2, {"a"}), ("int64", "NL", 2, {"a", "b"}), ("fp32", "NC", 2, {"f"})]
+    assert C.implied_signature(sigs[:1], "int64", 2) == ("NL", "a")
+    assert C.implied_signature(sigs, "int64", 2) == ("NL", None)
+    assert C.implied_signature(sigs, "int64", 2, preprocess_id="b") == ("NL", "b")
+    assert C.implied_signature(sigs, "int64", 3) == (None, None)
+    assert C.implied_signature(sigs, "fp32", 2, "NC") == ("NC", "f")
+    assert C.implied_signature(sigs, "fp32", 2, "NL") == ("NL", None)
+    # two layouts of one id: the id is still implied, the layout not
+    assert C.implied_signature([("fp32", "NCHW", 4, {"x"}), ("fp32", "NHWC", 4, {"x"})],
+                               "fp32", 4) == (None, "x")
 
 
 @pytest.mark.parametrize("value", ["nchw", "NCWH", "", "NCHW "])
@@ -390,7 +448,11 @@ def test_payload_length(descriptor, nbytes):
 
 def test_preprocess_missing(descriptor):
     meta = without(clip_meta(), C.KEY_PREPROCESS_ID)
-    expect_error(descriptor, meta, CLIP_NBYTES, IMAGE, C.KEY_PREPROCESS_ID)
+    two_ids = C.TensorContract(specs=(CLIP_SPEC, C.TensorSpec(
+        "fp32", "NCHW", {"other_v1"}, CLIP_SPEC.dims)), model_id="clip_vision_encoder",
+        model_version="v1")
+    expect_error(descriptor, meta, CLIP_NBYTES, two_ids, C.KEY_PREPROCESS_ID)
+    assert descriptor.parse_meta(meta, CLIP_NBYTES, IMAGE).preprocess_id == CLIP_PP
 
 
 def test_preprocess_not_accepted(descriptor):

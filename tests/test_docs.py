@@ -5,6 +5,7 @@ the links inside docs/.)
 """
 from __future__ import annotations
 
+import pathlib
 import re
 
 from test_makefile import ROOT, make_dry_run
@@ -65,3 +66,53 @@ def test_docs_holds_only_the_manuals_pages():
     others = [p.relative_to(ROOT) for p in (ROOT / "docs").rglob("*")
               if p.is_file() and p.suffix != ".md"]
     assert not others, others
+
+
+def test_readme_and_install_say_where_the_model_store_is():
+    """Issue 38 row 13: the model store (``LUMEN_HOME``, ``--home``) was only in ``--help`` and
+    ray.md; the README and install.md say what it is, its default (the code's), that every
+    checkout shares it, and how to move it."""
+    from lumen_core import models
+
+    default = str(models.DEFAULT_HOME)
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    assert "## The model store" in install
+    for text in (README.read_text(encoding="utf-8"), install):
+        assert models.HOME_ENV in text and default in text and "--home" in text
+        assert "every checkout" in text
+        assert f"{models.HOME_ENV}=/" in text  # how to move it
+
+
+def test_every_extra_is_in_the_install_pages_table_and_the_clients_are_one():
+    """Issue 38 row 16: a pip user's `[cpu,serve]` has neither OCR nor the README's clients;
+    install.md's table names every extra of pyproject.toml, and `[clients]` holds what the
+    README's examples import."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    table = install.split("## Which extras", 1)[1].split("\n## ", 1)[0]
+    for name in extras:
+        assert f"`{name}`" in table, name
+    readme = README.read_text(encoding="utf-8")
+    clients = " ".join(extras["clients"])
+    for module, dist in (("openai", "openai"), ("tritonclient", "tritonclient")):
+        assert re.search(rf"\b(import|from) ([\w, ]+ )?{module}\b", readme), module
+        assert dist in clients, dist
+    assert "`[clients]`" in readme and "pip install \"lumen-core[cpu,serve,ocr,clients]\"" in table
+
+
+def test_the_extension_sizes_install_md_quotes_are_the_built_ones():
+    """Issue 38 row 16: install.md said 45-230 KB per extension when the largest was 407 KB.
+    The quoted range must hold the smallest and the largest built extension (within 15%: a
+    compiler or Cython version moves them a little)."""
+    import lumen_core
+
+    sizes = sorted(p.stat().st_size for p in
+                   pathlib.Path(lumen_core.__file__).parent.glob("_*.so"))
+    assert len(sizes) == 8, "the compiled extensions are not built here"
+    text = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    lo, hi = (int(v) * 1000 for v in re.search(r"(\d+)-(\d+) KB each", text).groups())
+    assert abs(lo - sizes[0]) <= 0.15 * sizes[0], (lo, sizes)
+    assert abs(hi - sizes[-1]) <= 0.15 * sizes[-1], (hi, sizes)

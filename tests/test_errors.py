@@ -26,6 +26,8 @@ SPEC_TABLE = [
     # a caller who may not (issue 25: a non-admin key on the admin API, a remote peer on
     # shared memory)
     ("permission_denied", lc.PermissionDenied, 403, "PERMISSION_DENIED"),
+    # a model version that could not be loaded (issue 38 row 10: the admin API's error status)
+    ("load_failed", lc.LoadFailed, 422, "FAILED_PRECONDITION"),
 ]
 
 

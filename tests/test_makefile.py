@@ -42,3 +42,19 @@ def test_install_says_the_extension_build_is_silent_and_verbose_shows_it():
     assert re.search(r"/pip install +\"\.\[", quiet), quiet
     loud = make_dry_run("install", "VENV=/nonexistent/venv", "VERBOSE=1")
     assert re.search(r"/pip install -v \"\.\[", loud), loud
+
+
+def test_every_step_of_make_test_prints_its_line():
+    """Issue 38 row 16: `make install` printed one ``==>`` line per step, `make test`'s own
+    steps none (a newcomer watched pytest dots without knowing which of the five runs it was).
+    Each step target now prints one, before its command."""
+    step = "printf '==> %s\\n'"
+    for target in ("test-types", "docs-check", "test-compiled", "test-pure"):
+        out = make_dry_run(target, "VENV=/nonexistent/venv").splitlines()
+        lines = [ln for ln in out if ln.startswith(step)]
+        assert len(lines) == 1, (target, out)
+        after = out[out.index(lines[0]) + 1]  # right before its command
+        assert "/nonexistent/venv/bin/" in after, (target, out)
+    out = make_dry_run("test-wheel", "VENV=/nonexistent/venv").splitlines()
+    (line,) = [ln for ln in out if "pytest -m wheel" in ln and ln.startswith(step)]
+    assert "LUMEN_WHEEL=" in out[out.index(line) + 1], out

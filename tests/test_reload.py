@@ -204,7 +204,12 @@ def test_admin_operations_in_process(tmp_path):
             with pytest.raises(lc.TaskNotFound):
                 await rt.reload("nope")
             # a missing file fails the load and keeps version 1 serving
-            view = await rt.load_version("emb", "3", str(tmp_path / "missing.onnx"))
+            # (issue 38 row 10: an error naming the cause, not a view that says "failed")
+            with pytest.raises(lc.LoadFailed) as ei:
+                await rt.load_version("emb", "3", str(tmp_path / "missing.onnx"))
+            assert ei.value.http_status == 422 and ei.value.field == "model"
+            assert "no such file" in ei.value.message
+            view = rt.lifecycle("emb")
             assert {(v["version"], v["state"]) for v in view["versions"]} == \
                 {("1", READY), ("3", FAILED)}
             assert "no such file" in view["last_error"]

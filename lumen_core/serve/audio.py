@@ -9,9 +9,11 @@ the per-chunk probabilities into speech segments with silero-vad's semantics
 A task qualifies when its description carries ``"segments"`` (the task's segment defaults,
 which ``lumen.vad.*`` keys override per request).  Input formats:
 
-- ``audio/wav`` (``audio/x-wav``, ``audio/wave``): PCM16 mono 16 kHz (``WAVE_FORMAT_PCM`` or
+- ``audio/wav`` (``audio/x-wav``, ``audio/wave``): integer PCM (``WAVE_FORMAT_PCM`` or
   ``WAVE_FORMAT_EXTENSIBLE`` with the PCM sub-format), its RIFF chunks walked by
   :func:`read_wav`: the header's sizes are checked against the body, never trusted over it;
+  PCM16 mono 16 kHz is run as it is, any other rate, channel count or width is made 16 kHz
+  mono float32 whole first (:mod:`.resample`: soxr, channels averaged);
 - ``audio/L16;rate=16000`` (mono): raw PCM16 little-endian, any length;
 - ``audio/pcm;format=f32le;rate=16000``: raw float32 little-endian (streams).
 
@@ -45,6 +47,7 @@ from ..tasks.vad_segments import (
     segment_options,
     segments_json,
 )
+from . import resample
 from .body import read_body
 
 SAMPLE_RATE = 16000
@@ -54,6 +57,9 @@ MAX_FILE_SECONDS = 600
 MAX_FILE_SAMPLES = MAX_FILE_SECONDS * SAMPLE_RATE
 #: header room allowed above the samples of a WAV file of the longest length
 WAV_HEADER_SLACK = 64 * 1024
+#: bytes a second of the largest common WAV format the body limit allows for (48 kHz stereo
+#: PCM16); ``[server] max_payload_bytes`` (16 MiB by default) is usually the tighter bound
+WAV_MAX_BYTES_PER_S = 48000 * 2 * 2
 #: chunk requests of one stream queued at once (bounds its share of the task's queue)
 WINDOW_CHUNKS = 64
 #: WAVE format tags: PCM, and WAVE_FORMAT_EXTENSIBLE (its sub-format GUID starts with the tag)
@@ -69,8 +75,13 @@ MIME_L16 = "audio/l16"
 MIME_PCM = "audio/pcm"
 L16_MIME = f"audio/L16;rate={SAMPLE_RATE}"
 F32_MIME = f"audio/pcm;format=f32le;rate={SAMPLE_RATE}"
-ACCEPTED = ("audio/wav (PCM16, mono, 16 kHz), audio/L16;rate=16000 (mono PCM16 little-endian) "
-            "or audio/pcm;format=f32le;rate=16000")
+ACCEPTED = ("audio/wav (integer PCM, any rate from 8 to 384 kHz and channel count: whole files "
+            "are resampled to 16 kHz mono), audio/L16;rate=16000 (mono PCM16 little-endian) or "
+            "audio/pcm;format=f32le;rate=16000")
+#: what a live stream (or a raw PCM body) takes: it is never resampled
+STREAM_ACCEPTED = ("audio/L16;rate=16000 (mono PCM16 little-endian) or "
+                   "audio/pcm;format=f32le;rate=16000; a live stream is not resampled: convert "
+                   "it to 16 kHz mono first (or send a whole WAV file to POST /v1/infer/{task})")
 OUTPUT = "speech_prob"
 #: query / first-message flag asking for per-chunk probabilities
 PROBS_PARAM = "probabilities"
@@ -111,19 +122,24 @@ def stream_format(mime: str, field: str = "Content-Type") -> int:
     """Sample width in bytes (2: PCM16, 4: float32) of a raw stream mime; 415 otherwise."""
     base, params = mime_type(mime)
     if params.get("rate") != str(SAMPLE_RATE) or params.get("channels", "1") != "1":
-        raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: {ACCEPTED}", field)
+        raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: "
+                                   f"{STREAM_ACCEPTED}", field)
     if base == MIME_L16:
         return 2
     if base == MIME_PCM and params.get("format") == "f32le":
         return 4
-    raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: {ACCEPTED}", field)
+    raise UnsupportedMediaType(f"unsupported audio {mime[:80]!r}; accepted: {STREAM_ACCEPTED}",
+                               field)
 
 
 def max_file_bytes(mime: str) -> int:
-    """The largest body of a file of the longest length (``MAX_FILE_SECONDS``)."""
+    """The largest body of a file of the longest length (``MAX_FILE_SECONDS``; a WAV file at
+    up to 48 kHz stereo PCM16, which is resampled; its true length is checked once decoded)."""
     base = mime_type(mime)[0]
+    if base in WAV_MIMES:
+        return MAX_FILE_SECONDS * WAV_MAX_BYTES_PER_S + WAV_HEADER_SLACK
     width = 4 if base == MIME_PCM else 2
-    return MAX_FILE_SAMPLES * width + (WAV_HEADER_SLACK if base in WAV_MIMES else 0)
+    return MAX_FILE_SAMPLES * width
 
 
 def file_limit(mime: str, max_payload: int) -> tuple:
@@ -217,13 +233,16 @@ def decode_file(body: bytes, mime: str) -> tuple:
     base = mime_type(mime)[0]
     if base in WAV_MIMES:
         ch, width, rate, data = read_wav(body)
-        if (ch, width, rate) != (1, 2, SAMPLE_RATE):
-            raise UnsupportedMediaType(
-                f"the WAV file is {ch} channel(s), {8 * width}-bit, {rate} Hz; accepted: "
-                f"{ACCEPTED}", "Content-Type")
-        if len(data) // 2 > MAX_FILE_SAMPLES:
-            raise too_long(len(data) // 2)
-        return data, 2
+        if (ch, width, rate) == (1, 2, SAMPLE_RATE):
+            if len(data) // 2 > MAX_FILE_SAMPLES:
+                raise too_long(len(data) // 2)
+            return data, 2
+        # another rate, channel count or width: made 16 kHz mono float32 whole (resample.py)
+        resample.check_format(ch, width, rate, ACCEPTED)
+        n = resample.out_samples(len(data) // (ch * width), rate)
+        if n > MAX_FILE_SAMPLES:
+            raise too_long(n)
+        return resample.to_mono_16k(data, ch, width, rate).data.cast("B"), 4
     width = stream_format(mime)
     if len(body) % width:
         raise InvalidArgument(f"{len(body)} bytes is not a whole number of {width}-byte samples",

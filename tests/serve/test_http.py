@@ -498,8 +498,20 @@ def test_a_busy_http_port_stops_the_runtime_it_started(tmp_path):
         srv = LumenServer(rt, host="127.0.0.1", http_port=port, grpc_port=0)
         with pytest.raises(OSError):
             await srv.start()
+        assert not rt.ready and rt.tasks == {}  # never loaded (issue 38 row 14: ports first)
+        assert srv.grpc is None
+        # gRPC losing its port after the check (another process took it): the runtime it
+        # started stops, and the HTTP socket it held is closed
+        srv = LumenServer(rt, host="127.0.0.1", http_port=0, grpc_port=0)
+
+        async def taken(self):
+            raise OSError("gRPC cannot listen")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("lumen_core.serve.server.GrpcServer.start", taken)
+            with pytest.raises(OSError, match="gRPC cannot listen"):
+                await srv.start()
         assert not rt.ready and rt.tasks == {}  # sessions and worker threads released
-        assert srv.grpc is not None and srv.grpc._server is None  # gRPC stopped too
 
     try:
         asyncio.run(main())
