@@ -60,6 +60,9 @@ class PrometheusObserver(Observer):
             "code or gRPC status name).", ["transport", "endpoint", "status"],
             namespace=NAMESPACE, registry=r)
         r.register(RuntimeCollector(runtime))
+        # HTTP requests counted as plain ints per (route template, status) and added to
+        # ``transport`` when scraped: a dict increment per request, not a labelled child's lock
+        self._http: dict = {}
         # label children cached per task: .labels() takes a lock and hashes the label tuple
         self._per_task: dict = {}
 
@@ -90,10 +93,26 @@ class PrometheusObserver(Observer):
         so a scan of random URLs cannot blow up the series count)."""
         self.transport.labels(transport, endpoint, status).inc()
 
+    def http_request(self, endpoint: str, status: int) -> None:
+        """One finished HTTP request (``endpoint``: the route template), counted cheaply; it
+        reaches ``lumen_transport_requests_total`` at the next :meth:`exposition`."""
+        key = (endpoint, status)
+        counts = self._http
+        counts[key] = counts.get(key, 0) + 1
+
+    def flush(self) -> None:
+        """Add the HTTP requests counted since the last flush to the transport counter."""
+        counts = self._http
+        if counts:
+            self._http = {}
+            for (endpoint, status), n in counts.items():
+                self.transport.labels("http", endpoint, str(status)).inc(n)
+
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format, without prometheus_client's
         ``*_created`` series (a creation timestamp per label set that doubles the series count
         and that no Lumen dashboard reads)."""
+        self.flush()
         return generate_latest(_NoCreated(self.registry))
 
 
