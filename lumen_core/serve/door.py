@@ -20,17 +20,21 @@ the span are made where they always were), or when a proxy root path is set.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import parse_qsl
 
 from starlette.requests import Request
+
+import numpy as np
 
 from ..errors import InternalError, LumenError
 from ..request import InferRequest
 from . import audio, codec
 from .auth import unscope_error
-from .body import ClientGone, read_body
+from .body import ClientGone, receive_body
+from .limits import connection_of
 from .logs import CORRELATION_HEADER, CORRELATION_ID, client_correlation_id, scope_correlation_id
 
 log = logging.getLogger("lumen.http")
@@ -59,6 +63,23 @@ def _json_head(n: int, cid: str) -> list:
     if cid:
         headers.append((CORRELATION_HEADER, cid.encode("latin-1")))
     return headers
+
+
+async def respond(scope: dict, send: Callable, status: int, headers: Any, body: Any,
+                  fixed: Any = ((), b"")) -> None:
+    """Send a whole response: in one write on Lumen's own connections (``reply`` of
+    :mod:`.limits`), else as the two ASGI messages.  ``fixed``: header pairs and the same
+    headers formatted as lines, made once by the caller."""
+    conn = connection_of(scope)
+    if conn is not None and conn.reply(scope, status, headers, body, fixed[1]):
+        return
+    await send({"type": _START, "status": status, "headers": [*fixed[0], *headers]})
+    await send({"type": _BODY, "body": body})
+
+
+def header_lines(headers: Any) -> bytes:
+    """Header pairs as the lines of a response head."""
+    return b"".join(b"%s: %s\r\n" % (k, v) for k, v in headers)
 
 
 class HotDoor:
@@ -98,11 +119,13 @@ class HotDoor:
 
     # -- the native route ---------------------------------------------------------------------
     async def infer(self, scope: dict, receive: Callable, send: Callable) -> None:
-        ctype = accept = auth = output = None
+        ctype = accept = auth = output = length = None
         cid = ""
         for name, value in scope["headers"]:
             if name == b"content-type":
                 ctype = value
+            elif name == b"content-length":
+                length = value
             elif name == b"accept":
                 accept = value
             elif name == b"authorization":
@@ -124,22 +147,20 @@ class HotDoor:
             if meta is None:  # a whole audio file: its own route (audio.py)
                 await self.cold(scope, receive, send)
                 return
-            request = Request(scope, receive)
-            body = await read_body(request, app.max_body, "payload")
+            body = await receive_body(receive, length.decode("latin-1") if length is not None
+                                      else None, app.max_body, "payload")
             if key_scope is not None:
                 meta = self.keys.scoped_meta(meta, key_scope)
-            resp = await app.until_done_or_gone(
-                request, self.runtime.infer(InferRequest(task, body, mime, meta, cid)))
+            resp = await until_done_or_gone(
+                scope, receive, self.runtime.infer(InferRequest(task, body, mime, meta, cid)))
             extra = getattr(resp.outputs, "meta", None)
             if extra:
                 resp.meta.update(extra)
             if accept is not None and _OCTET in accept and _JSON not in accept:
-                status = await self.tensor_reply(send, resp, task, output, cid)
+                status = await self.tensor_reply(scope, send, resp, task, output, cid)
             else:
                 out = codec.dumps(codec.response_json(resp))
-                await send({"type": _START, "status": 200,
-                            "headers": _json_head(len(out), resp.correlation_id)})
-                await send({"type": _BODY, "body": out})
+                await respond(scope, send, 200, _json_head(len(out), resp.correlation_id), out)
                 status = 200
         except LumenError as exc:
             status = await self.error(scope, receive, send, exc, key_scope, cid,
@@ -175,26 +196,28 @@ class HotDoor:
             return None
         return dict(meta)
 
-    async def tensor_reply(self, send: Callable, resp: Any, task: str, output: Optional[bytes],
-                           cid: str) -> int:
-        """The raw tensor reply: headers made once per (task, output, dtype, shape)."""
+    async def tensor_reply(self, scope: dict, send: Callable, resp: Any, task: str,
+                           output: Optional[bytes], cid: str) -> int:
+        """The raw tensor reply: its fixed headers made once per (task, output, dtype, shape),
+        the response meta (batch figures) added as ``lumen-meta-*`` headers."""
         wanted = output.decode("latin-1") if output is not None else None
         outs = resp.outputs
-        if wanted is None and len(outs) == 1 and not resp.meta:
+        head = None
+        if wanted is None and len(outs) == 1:
             name, arr = next(iter(outs.items()))
-            key = (task, name, arr.dtype, arr.shape) if hasattr(arr, "dtype") else None
-            head = self.tensor_heads.get(key) if key is not None else None
-            if head is None:
-                name, arr, head = self.app.tensor_head(resp, None)
+            key = (task, name, arr.dtype, arr.shape) if type(arr) is np.ndarray else None
+            head = self.tensor_heads.get(key)
+        if head is None:
+            name, arr, pairs = self.app.tensor_head(resp, wanted)
+            head = (pairs, header_lines(pairs))
+            if wanted is None:
                 if len(self.tensor_heads) >= MAX_MEMO:
                     self.tensor_heads.clear()
                 self.tensor_heads[(task, name, arr.dtype, arr.shape)] = head
-        else:
-            name, arr, head = self.app.tensor_head(resp, wanted)
+        extra = meta_headers(resp.meta) if resp.meta else []
         if cid:
-            head = [*head, (CORRELATION_HEADER, cid.encode("latin-1"))]
-        await send({"type": _START, "status": 200, "headers": head})
-        await send({"type": _BODY, "body": codec.tensor_view(arr)})
+            extra.append((CORRELATION_HEADER, cid.encode("latin-1")))
+        await respond(scope, send, 200, extra, codec.tensor_view(arr), head)
         return 200
 
     # -- the routes whose handlers are the app's -----------------------------------------
@@ -214,7 +237,7 @@ class HotDoor:
         resp = await self.app.guarded(route)(Request(scope, receive))
         if cid:
             resp.headers[CORRELATION_HEADER.decode()] = cid
-        await resp(scope, receive, send)
+        await respond(scope, send, resp.status_code, resp.raw_headers, resp.body)
 
     async def cold(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.app.cold(scope, receive, send)
@@ -225,6 +248,80 @@ class HotDoor:
         resp = errors(unscope_error(exc, key_scope))
         if cid:
             resp.headers[CORRELATION_HEADER.decode()] = cid
-        await resp(scope, receive, send)
+        await respond(scope, send, resp.status_code, resp.raw_headers, resp.body)
         return resp.status_code
 
+
+
+#: meta key -> its reply header name (``lumen-meta-<key>``), as bytes
+_META_NAMES: dict = {}
+
+
+def meta_headers(meta: dict) -> list:
+    """The response meta of a raw tensor reply as ``lumen-meta-<key>`` headers."""
+    out = []
+    names = _META_NAMES
+    for k, v in meta.items():
+        name = names.get(k)
+        if name is None:
+            name = ("lumen-meta-" + k).lower().encode("latin-1")
+            if len(names) < MAX_MEMO:
+                names[k] = name
+        out.append((name, str(v).encode("latin-1")))
+    return out
+
+
+def until_done_or_gone(scope: dict, receive: Callable, work: Awaitable) -> Awaitable:
+    """Await ``work`` (the runtime call) while watching for the client leaving: a client that
+    hangs up cancels it (and with it the queued runtime request(s)), raising ClientGone.  On
+    Lumen's own connections the connection watches (:func:`.limits.connection_of`: no task);
+    elsewhere a watcher task reads ``http.disconnect`` from ``receive``.  Either cancels only
+    while the request is suspended in ``work``, so a disconnect that races with completion can
+    never cancel the reply path."""
+    task = asyncio.current_task()
+    assert task is not None  # a route runs in its request's task
+    conn = connection_of(scope)
+    if conn is not None:
+        return _watched_by(conn, task, work)
+    return _watched_by_task(receive, task, work)
+
+
+async def _watched_by(conn: Any, task: "asyncio.Task", work: Awaitable) -> Any:
+    if not conn.watch(task):  # already lost
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise ClientGone()
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if conn.watch_fired:
+            task.uncancel()
+            raise ClientGone() from None
+        raise
+    finally:
+        conn.unwatch()
+
+
+async def _watched_by_task(receive: Callable, task: "asyncio.Task", work: Awaitable) -> Any:
+    state = {"waiting": True, "gone": False}
+
+    async def watch() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if state["waiting"]:
+                    state["gone"] = True
+                    task.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if state["gone"]:
+            task.uncancel()
+            raise ClientGone() from None
+        raise
+    finally:
+        state["waiting"] = False
+        watcher.cancel()

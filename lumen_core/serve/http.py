@@ -58,8 +58,7 @@ from . import audio, codec, ws
 from .admin import AdminRoutes
 from .auth import ApiKeys, Unauthenticated, unscope_error
 from .body import ClientGone, read_body
-from .door import HotDoor
-from .limits import connection_of
+from .door import HotDoor, meta_headers, until_done_or_gone
 from .logs import RequestContext
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
@@ -264,41 +263,14 @@ class HttpApp:
         """The whole body under ``[server] max_payload_bytes`` (:func:`.body.read_body`)."""
         return await read_body(request, self.max_body, field)
 
-    async def until_done_or_gone(self, request: Request, work: Awaitable) -> Any:
+    def until_done_or_gone(self, request: Request, work: Awaitable) -> Awaitable:
         """Await ``work`` while watching for ``http.disconnect``; a client that hangs up
         cancels it (and with it the queued runtime request(s)), raising ClientGone.
 
         The watcher cancels this task only while it is suspended in ``work`` (``waiting``),
         so a disconnect that races with completion can never cancel the reply path.  On
         Lumen's own connections (limits.py) the connection does the watching: no task."""
-        task = asyncio.current_task()
-        assert task is not None  # a route runs in its request's task
-        conn = connection_of(request.scope)
-        if conn is not None:
-            return await _watched(conn, task, work)
-        state = {"waiting": True, "gone": False}
-        receive = request.receive
-
-        async def watch() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    if state["waiting"]:
-                        state["gone"] = True
-                        task.cancel()
-                    return
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if state["gone"]:
-                task.uncancel()
-                raise ClientGone() from None
-            raise
-        finally:
-            state["waiting"] = False
-            watcher.cancel()
+        return until_done_or_gone(request.scope, request.receive, work)
 
     def check_open(self) -> None:
         """503 once the server is draining (SIGTERM): no new inference request."""
@@ -344,14 +316,15 @@ class HttpApp:
     @staticmethod
     def _tensor_reply(resp: Any, wanted: Optional[str]) -> Response:
         _name, arr, head = HttpApp.tensor_head(resp, wanted)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head[1:]}
+        headers = {k.decode("latin-1"): v.decode("latin-1")
+                   for k, v in [*head[1:], *meta_headers(resp.meta)]}
         headers["x-correlation-id"] = resp.correlation_id
         return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
 
     @staticmethod
     def tensor_head(resp: Any, wanted: Optional[str]) -> tuple:
-        """(output name, array, raw header list) of a raw tensor reply (its correlation id
-        aside): the output ``wanted`` (the Lumen-Output header), else the only one."""
+        """(output name, array, raw header list) of a raw tensor reply (its response meta and
+        correlation id aside): the output ``wanted`` (the Lumen-Output header), else the only one."""
         outs = resp.outputs
         if wanted is not None:
             if wanted not in outs:
@@ -373,9 +346,6 @@ class HttpApp:
                 (b"lumen-tensor-shape", codec.shape_text(arr.shape).encode()),
                 (b"lumen-output", name.encode("latin-1")),
                 (b"content-length", b"%d" % arr.nbytes)]
-        for k, v in resp.meta.items():
-            head.append((("lumen-meta-" + k).lower().encode("latin-1"),
-                         str(v).encode("latin-1")))
         return name, arr, head
 
     async def json_body(self, request: Request, route: str) -> Any:
@@ -424,23 +394,6 @@ def unknown_option(task: str, key: str, known: Any) -> InvalidArgument:
                            f"options are: {options}, and the lumen.* request keys of every "
                            f"task (GET /v1/tasks lists each task's request_options)",
                            key[:MAX_PATH_ECHO])
-
-
-async def _watched(conn: Any, task: "asyncio.Task", work: Awaitable) -> Any:
-    """Await ``work`` while the connection ``conn`` watches for its client leaving."""
-    if not conn.watch(task):
-        if asyncio.iscoroutine(work):
-            work.close()
-        raise ClientGone()
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if conn.watch_fired:
-            task.uncancel()
-            raise ClientGone() from None
-        raise
-    finally:
-        conn.unwatch()
 
 
 def _merge_task_meta(resp: Any) -> None:

@@ -67,8 +67,12 @@ RESERVED_FDS = 64
 #: seconds a 503 for the connection cap tells the client to wait
 CONNECTION_RETRY_AFTER_S = 1
 _END_OF_HEADERS = b"\r\n\r\n"
-#: the ASGI scope key under which a request's connection is found (:func:`connection_of`)
+#: the ASGI scope keys under which a request's connection and its request/response cycle are
+#: found (:func:`connection_of`)
 CONNECTION_KEY = "lumen.connection"
+CYCLE_KEY = "lumen.cycle"
+#: replies up to this size are written head and body in one write (one syscall)
+ONE_WRITE_MAX = 64 * 1024
 #: the one transfer coding the parser decodes
 _CHUNKED = b"chunked"
 _TRANSFER_ENCODING = b"transfer-encoding"
@@ -76,8 +80,9 @@ _TRANSFER_ENCODING = b"transfer-encoding"
 
 def connection_of(scope: dict) -> Any:
     """The connection serving ``scope`` when it is Lumen's protocol (None otherwise: another
-    server, or an in-process test transport), with ``watch(task)`` / ``unwatch()`` and
-    ``watch_fired`` (True when a lost connection cancelled the watched task)."""
+    server, or an in-process test transport), with ``watch(task)`` / ``unwatch()``,
+    ``watch_fired`` (True when a lost connection cancelled the watched task) and ``reply``
+    (a whole response in one write)."""
     return scope.get(CONNECTION_KEY)
 
 
@@ -127,7 +132,7 @@ def protocol_class(limits: HttpLimits) -> type:
     """An httptools-based uvicorn protocol class enforcing ``limits`` (uvicorn instantiates
     the class per connection); h11's own protocol when httptools is not installed."""
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:  # pragma: no cover - httptools is part of the [serve] extra
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -195,6 +200,44 @@ def protocol_class(limits: HttpLimits) -> type:
 
         def unwatch(self) -> None:
             self._watched = None
+
+        def reply(self, scope: dict, status: int, headers: Any, body: Any,
+                  fixed: bytes = b"") -> bool:
+            """Send a whole response for the request of ``scope`` -- the status line, the
+            header lines ``fixed`` (already formatted), ``headers`` (pairs of bytes, which
+            must include content-length), then ``body`` -- in one write, and complete its
+            cycle as uvicorn's own ``send`` does (keep-alive, pipelining, ``Connection:
+            close``).  False, having sent nothing, when the reply must take the ASGI ``send``
+            instead (a HEAD request, a paused writer, a started or disconnected cycle, a header
+            value with a line break)."""
+            cycle = scope.get(CYCLE_KEY)
+            if (cycle is None or cycle.response_started or cycle.disconnected
+                    or self.flow.write_paused or scope["method"] == "HEAD"):
+                return False
+            parts = [STATUS_LINE[status], fixed]
+            for name, value in (*cycle.default_headers, *headers):
+                if b"\n" in value or b"\r" in value:
+                    return False
+                if name == b"connection" and b"close" in value.lower():
+                    cycle.keep_alive = False
+                parts += (name, b": ", value, b"\r\n")
+            if not cycle.keep_alive:
+                parts.append(b"connection: close\r\n")
+            parts.append(b"\r\n")
+            cycle.response_started = True
+            cycle.waiting_for_100_continue = False
+            if len(body) <= ONE_WRITE_MAX:
+                parts.append(body)
+                self.transport.write(b"".join(parts))
+            else:
+                self.transport.write(b"".join(parts))
+                self.transport.write(body)
+            cycle.response_complete = True
+            cycle.message_event.set()
+            if not cycle.keep_alive:
+                self.transport.close()
+            cycle.on_response()
+            return True
 
         # -- timers -------------------------------------------------------------------
         def _arm(self, handler: Any) -> None:
@@ -309,8 +352,12 @@ def protocol_class(limits: HttpLimits) -> type:
             self._phase = "body"
             self._body_start = self._last_data = self.loop.time()
             self._body_bytes = 0
-            self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
+            scope = self.scope
+            scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is scope:  # (not a WebSocket upgrade)
+                scope[CYCLE_KEY] = cycle  # type: ignore[literal-required]
 
         def _not_decoded(self, value: bytes) -> None:
             self._disarm()
