@@ -58,6 +58,10 @@ OIP_VERSION_ROUTE = "/v2/models/{task}/versions/{version}/infer"
 EMBEDDINGS_ROUTE = "/v1/embeddings"
 
 
+#: what the query memo holds for a whole audio file (its own route)
+_AUDIO_FILE: dict = {}
+
+
 def _json_head(n: int, cid: str) -> list:
     headers = [(b"content-type", _JSON), (b"content-length", b"%d" % n)]
     if cid:
@@ -177,24 +181,38 @@ class HotDoor:
 
     def meta(self, task: str, query: bytes, mime: str) -> Optional[dict]:
         """The request meta of ``query`` (a fresh dict: the runtime may add to it), its plain
-        keys checked against ``task``'s options; None for a whole audio file."""
-        if not query:
-            if audio.wants_file(self.runtime, task, mime, ()):
-                return None
-            return {}
-        key = (task, query)
-        meta = self.queries.get(key)
-        if meta is None:
-            meta = dict(parse_qsl(query.decode("latin-1"), keep_blank_values=True))
-            if audio.wants_file(self.runtime, task, mime, meta):
-                return None
-            self.app.check_options(task, meta)
-            if len(self.queries) >= MAX_MEMO:
-                self.queries.clear()
-            self.queries[key] = meta
-        elif audio.wants_file(self.runtime, task, mime, meta):
+        keys checked against ``task``'s options; None for a whole audio file.  Remembered per
+        (task, query string, content type) while the task's head version stays the one it
+        was checked against (a reload or a load clears the memo at the next request)."""
+        try:
+            head = self.runtime.tasks.get(task)
+        except AttributeError:  # a runtime stand-in without a task table: nothing remembered
+            head = None
+        key = (task, query, mime)
+        memo = self.queries.get(key)
+        if memo is not None:
+            if memo[0] is head:
+                meta = memo[1]
+                if meta is _AUDIO_FILE:
+                    return None
+                return dict(meta) if meta else {}
+            self.queries.clear()  # the task changed: nothing remembered holds it alive
+        meta = dict(parse_qsl(query.decode("latin-1"), keep_blank_values=True)) \
+            if query else {}
+        if audio.wants_file(self.runtime, task, mime, meta):
+            if head is not None:
+                self.remember(key, head, _AUDIO_FILE)
             return None
-        return dict(meta)
+        if meta:
+            self.app.check_options(task, meta)
+        if head is not None:  # an unknown task is refused later, and never remembered
+            self.remember(key, head, dict(meta))
+        return meta
+
+    def remember(self, key: tuple, head: Any, meta: dict) -> None:
+        if len(self.queries) >= MAX_MEMO:
+            self.queries.clear()
+        self.queries[key] = (head, meta)
 
     async def tensor_reply(self, scope: dict, send: Callable, resp: Any, task: str,
                            output: Optional[bytes], cid: str) -> int:
