@@ -25,9 +25,8 @@ import logging
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import parse_qsl
 
-from starlette.requests import Request
-
 import numpy as np
+from starlette.requests import Request
 
 from ..errors import InternalError, LumenError
 from ..request import InferRequest
@@ -289,7 +288,7 @@ def meta_headers(meta: dict) -> list:
     return out
 
 
-def until_done_or_gone(scope: dict, receive: Callable, work: Awaitable) -> Awaitable:
+def until_done_or_gone(scope: Any, receive: Callable, work: Awaitable) -> Awaitable:
     """Await ``work`` (the runtime call) while watching for the client leaving: a client that
     hangs up cancels it (and with it the queued runtime request(s)), raising ClientGone.  On
     Lumen's own connections the connection watches (:func:`.limits.connection_of`: no task);

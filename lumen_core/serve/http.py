@@ -29,7 +29,6 @@ tasks it asks the runtime's query API (``task_names``, ``describe``, ``token_ids
 """
 from __future__ import annotations
 
-import asyncio
 import difflib
 import logging
 import time

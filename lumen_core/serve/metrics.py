@@ -61,7 +61,7 @@ class Histogram:
         """(le, cumulative count) pairs as the exposition writes them."""
         out = []
         acc = 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts):
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
             acc += n
             out.append((floatToGoString(bound), acc))
         return out
