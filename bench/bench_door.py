@@ -6,7 +6,7 @@ three servers on the same uvicorn (uvloop + httptools), alone on the machine whi
 
 * **lumen**: ``lumen serve`` (a subprocess, with a config) serving a null model (a 16x16
   MatMul, one instance, batches of 32) and a tiny text encoder (the MiniLM tokenizer over a
-  graph that averages the token ids: the door, the tokenizer and JSON are what is measured);
+  table lookup and a mean: the door, the tokenizer and JSON are what is measured);
 * **starlette**: a Starlette app whose routes read the body, multiply it by the same 16x16
   matrix in numpy (or tokenize and embed the same way) and answer;
 * **bare**: a bare ASGI callable doing the same.
@@ -50,10 +50,14 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-D = 16
-BATCH = 32
+import bench_null  # noqa: E402 - bench/: the null model (a DxD MatMul)
+
+D = bench_null.D
+BATCH = bench_null.BATCH
 #: the tiny text encoder's embedding size
 EMBED_DIM = 32
+#: the MiniLM tokenizer's vocabulary size (the tiny model's table has a row per id)
+VOCAB = 30522
 SERVERS = ("lumen", "starlette", "bare")
 ROUTES = ("tensor", "oip", "embed")
 TEXT = "a short sentence for the door"
@@ -64,7 +68,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def weights() -> np.ndarray:
-    """The null model's matrix (the floors multiply by the same one)."""
+    """The null model's matrix (``bench_null.null_model``: seed 0, scaled by 1/sqrt(D)); the
+    floors multiply by the same one."""
     return (np.random.default_rng(0).standard_normal((D, D)) / np.sqrt(D)).astype(np.float32)
 
 
@@ -80,39 +85,29 @@ def tokenizer_path() -> str:
 
 
 # ----------------------------------------------------------------------------- models
-def null_model(path: str) -> str:
-    """``y = x @ W`` with x [N, 16] (W from :func:`weights`)."""
-    from onnx import TensorProto, helper, numpy_helper, save
-
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])], "null",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", D])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", D])],
-        [numpy_helper.from_array(weights(), "W")])
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
-
-
 def tiny_text_model(path: str) -> str:
-    """A text encoder with MiniLM's inputs whose ``embedding`` is the masked mean of the
-    token ids times a row of ones (``EMBED_DIM`` wide): nothing for ORT to do."""
+    """A text encoder with MiniLM's inputs whose ``embedding`` [N, EMBED_DIM] is the mean of
+    a seeded embedding table's rows for the masked token ids: a lookup and a mean, nothing
+    for ORT to do."""
     from onnx import TensorProto, helper, numpy_helper, save
 
+    table = np.random.default_rng(2).standard_normal((VOCAB, EMBED_DIM)).astype(np.float32)
     nodes = [
-        helper.make_node("Cast", ["input_ids"], ["ids_f"], to=TensorProto.FLOAT),
+        helper.make_node("Gather", ["table", "input_ids"], ["rows"]),
         helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
-        helper.make_node("Mul", ["ids_f", "mask_f"], ["masked"]),
-        helper.make_node("ReduceMean", ["masked"], ["mean"], axes=[1], keepdims=1),
-        helper.make_node("MatMul", ["mean", "ones"], ["embedding"]),
+        helper.make_node("Unsqueeze", ["mask_f", "last"], ["mask3"]),
+        helper.make_node("Mul", ["rows", "mask3"], ["kept"]),
+        helper.make_node("ReduceMean", ["kept", "tokens"], ["embedding"], keepdims=0),
     ]
-    ones = numpy_helper.from_array(np.ones((1, EMBED_DIM), np.float32), "ones")
     graph = helper.make_graph(
         nodes, "tiny_text",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", "L"]),
          helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", "L"])],
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", EMBED_DIM])],
-        [ones])
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        [numpy_helper.from_array(table, "table"),
+         numpy_helper.from_array(np.array([2], np.int64), "last"),
+         numpy_helper.from_array(np.array([1], np.int64), "tokens")])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
     return path
 
 
@@ -124,7 +119,7 @@ max_connections = 4096
 [[tasks]]
 name = "null"
 backend = "onnx"
-model = "{null_model(os.path.join(workdir, 'null.onnx'))}"
+model = "{bench_null.null_model()}"
 instances = 1
 intra_op_threads = 1
 [tasks.batching]
@@ -154,7 +149,7 @@ def floor_handlers(tokenizer: str) -> dict:
 
     w = weights()
     tok = Tokenizer.from_file(tokenizer)
-    ones = np.ones((1, EMBED_DIM), np.float32)
+    table = np.random.default_rng(2).standard_normal((VOCAB, EMBED_DIM)).astype(np.float32)
 
     def tensor(body: bytes) -> tuple:
         y = np.frombuffer(body, np.float32).reshape(1, D) @ w
@@ -172,7 +167,7 @@ def floor_handlers(tokenizer: str) -> dict:
     def embed(body: bytes) -> tuple:
         obj = codec.loads(body, "the body", "body")
         ids = np.array(tok.encode(obj["input"]).ids, np.int64)
-        vec = (ids.astype(np.float32).mean(keepdims=True)[None] @ ones).reshape(-1)
+        vec = table[ids].mean(axis=0)
         return b"application/json", codec.dumps({
             "object": "list", "data": [{"object": "embedding", "index": 0,
                                         "embedding": vec.tolist()}],

@@ -43,20 +43,8 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def connect(srv) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=S.WAIT_S)
-
-
-def read_all(s: socket.socket) -> bytes:
-    out = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return out
-            out += chunk
-    except (ConnectionResetError, socket.timeout):
-        return out
+connect = S.raw_connect
+read_all = S.read_until_closed
 
 
 def tensor_post(path: str = "/v1/infer/mlp", extra: bytes = b"", body_len: int = 64) -> bytes:
