@@ -49,7 +49,6 @@ _INFER_PREFIX = "/v1/infer/"
 _OIP_PREFIX = "/v2/models/"
 _OIP_SUFFIX = "/infer"
 _VERSIONS = "/versions/"
-_EMBEDDINGS = frozenset({"/v1/embeddings", "/embeddings"})
 #: the route templates the transport counter and the error log name
 INFER_ROUTE = "/v1/infer/{task}"
 OIP_ROUTE = "/v2/models/{task}/infer"
@@ -97,6 +96,22 @@ class HotDoor:
         self.queries: dict = {}  # (task, query string) -> meta (checked against the task)
         self.tensor_heads: dict = {}  # (task, output, dtype, shape) -> header list
         self.needs_key = app.keys.enabled
+        #: POST path -> the coroutine serving it: routes with a fixed path whose handler is
+        #: the app's, under their endpoint's guard (:meth:`add_route`)
+        self.exact: dict = {}
+        self.add_route("/v1/embeddings", EMBEDDINGS_ROUTE)
+        self.add_route("/embeddings", EMBEDDINGS_ROUTE)
+
+    def add_route(self, path: str, route: str) -> None:
+        """Serve ``POST path`` on the hot path by the handler the app guards as ``route`` (a
+        route template the app registered with :meth:`.http.HttpApp.guard`, e.g. TEI's
+        ``/embed``): the same guard, errors and counting, without the stack and the router."""
+        self.app.guarded(route)  # a route the app does not guard is a KeyError here, at start
+
+        async def serve(scope: dict, receive: Callable, send: Callable) -> None:
+            await self.guarded(scope, receive, send, route)
+
+        self.exact[path] = serve
 
     def handler(self, scope: dict) -> Optional[Callable]:
         """The coroutine function serving ``scope`` on the hot path, or None (the app's)."""
@@ -115,9 +130,11 @@ class HotDoor:
                 scope["path_params"] = {"task": task, "version": version} if sep else \
                     {"task": task}
                 return self.oip_versioned if sep else self.oip
-        elif path in _EMBEDDINGS:
-            scope["path_params"] = {}
-            return self.embeddings
+        else:
+            serve = self.exact.get(path)
+            if serve is not None:
+                scope["path_params"] = {}
+                return serve
         return None
 
     # -- the native route ---------------------------------------------------------------------
@@ -243,9 +260,6 @@ class HotDoor:
 
     async def oip_versioned(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.guarded(scope, receive, send, OIP_VERSION_ROUTE)
-
-    async def embeddings(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await self.guarded(scope, receive, send, EMBEDDINGS_ROUTE)
 
     async def guarded(self, scope: dict, receive: Callable, send: Callable, route: str) -> None:
         """A route served by its handler in the app, under the same guard (key, errors,

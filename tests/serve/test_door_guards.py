@@ -219,3 +219,60 @@ def test_a_client_that_hangs_up_cancels_its_queued_request(server):
     assert S.metric(samples, "lumen_requests_total", task="wait", code="cancelled") == 1
     assert S.metric(samples, "lumen_transport_requests_total", endpoint="/v1/infer/{task}",
                     status="499") >= 1
+
+
+def test_a_route_added_to_the_hot_path_keeps_its_guard_and_counting(server):
+    """``HotDoor.add_route`` (how TEI's /embed joins the hot path): the endpoint's handler,
+    error shape and transport counter, under the template it was guarded as."""
+    door = server.server.http.door
+    door.add_route("/embed-door-test", "/v1/embeddings")
+    with pytest.raises(KeyError):
+        door.add_route("/nowhere", "/v1/not-a-route")
+    r = httpx.post(f"{server.url}/embed-door-test", json={"model": "mlp", "input": "hi"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "model"
+    samples = S.scrape(server.url)
+    assert S.metric(samples, "lumen_transport_requests_total", endpoint="/v1/embeddings",
+                    status="400") >= 1
+
+
+def test_the_query_memo_is_checked_against_the_tasks_head_version():
+    """The native route remembers a query string's meta and option check per task head; a new
+    head (a reload, a version load) clears it, an unknown task is never remembered, and a
+    refused query is refused every time."""
+    import functools
+    import types
+
+    from lumen_core import errors
+    from lumen_core.serve.door import HotDoor
+    from lumen_core.serve.http import HttpApp
+
+    class Runtime:
+        def __init__(self) -> None:
+            self.tasks = {"t": object()}
+            self.asked = 0
+
+        def has_task(self, task: str) -> bool:
+            return task in self.tasks
+
+        def request_options(self, task: str) -> dict:
+            self.asked += 1
+            return {"opt": "an option"}
+
+    rt = Runtime()
+    app = types.SimpleNamespace(runtime=rt, keys=types.SimpleNamespace(enabled=False),
+                                guarded=lambda route: None)
+    app.check_options = functools.partial(HttpApp.check_options, app)
+    door = HotDoor(app, None)
+    assert door.meta("t", b"opt=1", "") == {"opt": "1"}
+    got = door.meta("t", b"opt=1", "")
+    assert got == {"opt": "1"} and rt.asked == 1  # remembered
+    got["lumen.x"] = "y"  # a caller's change stays its own
+    assert door.meta("t", b"opt=1", "") == {"opt": "1"}
+    rt.tasks["t"] = object()  # a new head version
+    assert door.meta("t", b"opt=1", "") == {"opt": "1"} and rt.asked == 2
+    for _ in range(2):
+        with pytest.raises(errors.InvalidArgument):
+            door.meta("t", b"opts=1", "")
+    assert door.meta("gone", b"anything=1", "") == {"anything": "1"}  # refused later: 404
+    assert ("gone", b"anything=1", "") not in door.queries
