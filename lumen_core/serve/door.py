@@ -268,7 +268,11 @@ class HotDoor:
         resp = await self.app.guarded(route)(Request(scope, receive))
         if cid:
             resp.headers[CORRELATION_HEADER.decode()] = cid
-        await respond(scope, send, resp.status_code, resp.raw_headers, resp.body)
+        body = getattr(resp, "body", None)
+        if body is None or resp.background is not None:  # streamed, or work after the reply
+            await resp(scope, receive, send)
+            return
+        await respond(scope, send, resp.status_code, resp.raw_headers, body)
 
     async def cold(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.app.cold(scope, receive, send)
