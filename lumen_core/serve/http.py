@@ -157,7 +157,8 @@ class HttpApp:
         #: what serves a request the hot door does not (door.py): the Starlette app, under
         #: the request context when the server asks for one (:meth:`with_context`)
         self.cold: Callable = self.app
-        self.door: Optional[HotDoor] = HotDoor(self, observer)
+        # (this app's own access lines are written by each endpoint's guard: then no hot path)
+        self.door: Optional[HotDoor] = None if access_log else HotDoor(self, observer)
 
     def with_context(self, access_log: bool) -> "HttpApp":
         """Serve the cold routes under :class:`.logs.RequestContext` (a correlation id on
