@@ -44,7 +44,7 @@ cdef class Dispatcher:
     cpdef Route routed(self, object req)
     cpdef tuple payload(self, object payload, Route route)
     @cython.locals(priority=int, timeout_ms="long long")
-    cpdef tuple checked(self, Route route, object req, Py_ssize_t nbytes, bint late)
+    cpdef tuple checked(self, Route route, object desc, bint late)
     cpdef observed(self, Route route, object kind, str code, long long t0, Entry e=*)
     @cython.locals(route=Route, entry=Entry, nbytes=Py_ssize_t, priority=int,
                    timeout_ms="long long", t0="long long")

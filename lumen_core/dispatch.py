@@ -279,21 +279,17 @@ class Dispatcher:
                          e.compute_us if e is not None else 0, route.version)
 
     # -- admission: the one sequence every door runs ------------------------------------------
-    def checked(self, route: Route, req: Any, nbytes: int, late: bool) -> tuple:
-        """(descriptor, priority, timeout_ms) of ``req`` on ``route``: its ``lumen.*`` meta
-        validated, its priority and deadline within the task's policy, and -- when ``late``
-        -- refused now if the task's latency budget cannot take it (before paying to prepare
-        it).  The one validation and policy stage of :meth:`admit`, :meth:`admit_off_loop`,
-        the items of :meth:`infer_many` and the response cache's :meth:`cached`."""
-        desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
-        if desc.priority or desc.timeout_ms:
-            priority, timeout_ms = route.policy(desc)
-        else:
-            priority = route.default_priority
-            timeout_ms = route.default_timeout_ms
+    def checked(self, route: Route, desc: Any, late: bool) -> tuple:
+        """(priority, timeout_ms) of a request on ``route`` whose meta parsed to ``desc``: its
+        own values within the task's policy, and -- when ``late`` -- refused now if the task's
+        latency budget cannot take it (before paying to prepare it).  The one policy stage of
+        every door: :meth:`admit` (which skips the call when nothing asks for it: no priority,
+        no deadline, no latency target), :meth:`admit_off_loop`, the items of
+        :meth:`infer_many` and the response cache's :meth:`cached`."""
+        priority, timeout_ms = route.policy(desc)
         if late and route.batcher.target_ns and not route.stateful:
             route.batcher.refuse_late(priority, timeout_ms)
-        return desc, priority, timeout_ms
+        return priority, timeout_ms
 
     # -- infer --------------------------------------------------------------------------------
     async def infer(self, req: Any, cached: bool = True) -> InferResponse:
@@ -344,7 +340,12 @@ class Dispatcher:
                 payload, nbytes = self.payload(req.payload, route)
             if route.prepares_off_loop(nbytes):
                 return None
-            desc, priority, timeout_ms = self.checked(route, req, nbytes, True)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            if desc.priority or desc.timeout_ms or route.batcher.target_ns:
+                priority, timeout_ms = self.checked(route, desc, True)
+            else:  # the common case, without a call: the task's defaults
+                priority = route.default_priority
+                timeout_ms = route.default_timeout_ms
             kind = desc.kind
             prepared = route.prepare(req, desc, payload)
             entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
@@ -381,7 +382,8 @@ class Dispatcher:
         try:
             route = self.routed(req)
             payload, nbytes = self.payload(req.payload, route)
-            desc, priority, timeout_ms = self.checked(route, req, nbytes, True)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            priority, timeout_ms = self.checked(route, desc, True)
             kind = desc.kind
             prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
                                                                nbytes, timeout_ms)
@@ -428,7 +430,8 @@ class Dispatcher:
         where: list = [None]
         try:
             payload, nbytes = self.payload(req.payload, route)
-            desc, _priority, timeout_ms = self.checked(route, req, nbytes, False)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            timeout_ms = self.checked(route, desc, False)[1]
             kind = desc.kind
             key = cache.key(route.version, req.payload_mime, req.meta, payload)
             run = req
@@ -548,7 +551,8 @@ class Dispatcher:
             payload, nbytes = self.payload(req.payload, route)
             if route.prepares_off_loop(nbytes):
                 return items, payload, nbytes
-            desc, priority, timeout_ms = self.checked(route, req, nbytes, False)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            priority, timeout_ms = self.checked(route, desc, False)
             kind = desc.kind
             items.add(i, kind, route.prepare(req, desc, payload), desc, priority, timeout_ms)
         except LumenError as exc:
@@ -563,7 +567,8 @@ class Dispatcher:
         route = items.route
         kind = route_of(req.meta)
         try:
-            desc, priority, timeout_ms = self.checked(route, req, nbytes, False)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            priority, timeout_ms = self.checked(route, desc, False)
             kind = desc.kind
             prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
                                                                nbytes, timeout_ms)
