@@ -28,7 +28,7 @@ TREE_KEY = $$( { echo "$(SRC_FILES) | $(EXTRAS) | $(MODEL_PKGS)"; cat $(SRC_FILE
 # one line per step, so a long install says what it is doing
 STEP = @printf '==> %s\n'
 
-.PHONY: venv install models demo serve test test-compiled test-pure test-wheel test-types docs docs-check wheel bench lint clean
+.PHONY: venv install models demo serve test test-compiled test-pure test-wheel test-types docs docs-check wheel bench gpu-check lint clean
 
 $(PY):
 	$(STEP) "create the virtualenv $(VENV) and upgrade pip"
@@ -121,6 +121,11 @@ wheel: $(PY)
 bench: install
 	$(VENV)/bin/pytest -q bench --benchmark-only
 	$(PY) bench/bench_runtime.py
+
+# on a CUDA machine with CuPy (cupy-cuda13x): build in place, the cuda-marked tests, pinned
+# staging + host-to-device copy against cupy.asarray; without a GPU it says so and exits 0
+gpu-check: $(PY)
+	$(PY) bench/gpu_check.py
 
 lint:
 	$(VENV)/bin/ruff check lumen_core tests bench

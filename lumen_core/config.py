@@ -32,6 +32,10 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 DEFAULT_READ_TIMEOUT_MS = 10_000
 DEFAULT_MAX_CONNECTIONS = 1000
+#: a request body's deadline: it may take this long from its headers, plus one second per
+#: DEFAULT_BODY_MIN_RATE bytes received (Apache mod_reqtimeout's ``body=20,MinRate=500``)
+DEFAULT_BODY_TIMEOUT_MS = 20_000
+DEFAULT_BODY_MIN_RATE = 500
 #: [server] shm_max_regions: system shared-memory regions registered at once (one file
 #: descriptor each; serve/shm.py also keeps them within a share of ``ulimit -n``)
 DEFAULT_SHM_MAX_REGIONS = 256
@@ -85,6 +89,10 @@ class ServerConfig:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     read_timeout_ms: int = DEFAULT_READ_TIMEOUT_MS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: a request body must arrive within body_timeout_ms of its headers, extended by one
+    #: second per body_min_rate bytes received (0: no extension); past it: 408 and close
+    body_timeout_ms: int = DEFAULT_BODY_TIMEOUT_MS
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE
     #: API keys (Bearer tokens); empty: no authentication.  ``api_key_file`` (one key a line,
     #: ``#`` comments) is read when the server starts and its keys added to these
     api_keys: tuple = ()
@@ -765,6 +773,8 @@ def parse_config(data: Mapping, source: str = "<dict>", base_dir: Optional[str] 
         max_header_bytes=srv.get("max_header_bytes", int, DEFAULT_MAX_HEADER_BYTES, lo=1024),
         read_timeout_ms=srv.get("read_timeout_ms", int, DEFAULT_READ_TIMEOUT_MS, lo=1),
         max_connections=srv.get("max_connections", int, DEFAULT_MAX_CONNECTIONS, lo=1),
+        body_timeout_ms=srv.get("body_timeout_ms", int, DEFAULT_BODY_TIMEOUT_MS, lo=1),
+        body_min_rate=srv.get("body_min_rate", int, DEFAULT_BODY_MIN_RATE, lo=0),
         api_keys=_parse_api_keys(srv),
         api_key_file=_server_path(srv, "api_key_file", base_dir),
         admin_api_keys=_parse_api_keys(srv, "admin_api_keys"),

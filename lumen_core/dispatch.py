@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 
 from . import native
-from .contract import KEY_INPUT_KIND, KEY_TIMEOUT_MS
+from .batching.policy import group_too_large
+from .cache import MISS
+from .contract import KEY_INPUT_KIND, KEY_MODEL_VERSION, KEY_TIMEOUT_MS
 from .errors import (
     DeadlineExceeded,
     InternalError,
@@ -268,12 +270,6 @@ class Dispatcher:
                                   f"(server.max_payload_bytes)", "payload")
         return payload, n
 
-    def validate(self, route: Route, req: Any) -> tuple:
-        """(descriptor, payload, nbytes) of ``req`` on ``route``: payload limits and the
-        ``lumen.*`` metadata checked (``InvalidArgument`` and kin otherwise)."""
-        payload, nbytes = self.payload(req.payload, route)
-        return native.descriptor.parse_meta(req.meta, nbytes, route.contract), payload, nbytes
-
     def observed(self, route: Optional[Route], kind: Any, code: str, t0: int,
                  e: Optional[entries.Entry] = None) -> None:
         """Report one finished request to the metrics hook (when there is one)."""
@@ -282,11 +278,30 @@ class Dispatcher:
                          e.queue_us if e is not None else 0,
                          e.compute_us if e is not None else 0, route.version)
 
+    # -- admission: the one sequence every door runs ------------------------------------------
+    def checked(self, route: Route, desc: Any, late: bool) -> tuple:
+        """(priority, timeout_ms) of a request on ``route`` whose meta parsed to ``desc``: its
+        own values within the task's policy, and -- when ``late`` -- refused now if the task's
+        latency budget cannot take it (before paying to prepare it).  The one policy stage of
+        every door: :meth:`admit` (which skips the call when nothing asks for it: no priority,
+        no deadline, no latency target), :meth:`admit_off_loop`, the items of
+        :meth:`infer_many` and the response cache's :meth:`cached`."""
+        priority, timeout_ms = route.policy(desc)
+        if late and route.batcher.target_ns and not route.stateful:
+            route.batcher.refuse_late(priority, timeout_ms)
+        return priority, timeout_ms
+
     # -- infer --------------------------------------------------------------------------------
-    async def infer(self, req: Any) -> InferResponse:
-        """Route by task, validate, prepare, queue, await the batch, respond (``Runtime.infer``)."""
-        entry = self.admit(req)
+    async def infer(self, req: Any, cached: bool = True) -> InferResponse:
+        """Route by task, validate, prepare, queue, await the batch, respond (``Runtime.infer``).
+
+        A task with a response cache answers through :meth:`cached` (a stage of its route:
+        ``cached=False`` is the computation behind the cache)."""
+        entry = self.admit(req, cached)
         if entry is None:
+            route = self.routed(req)
+            if cached and route.cache is not None:
+                return await self.cached(req, route)
             entry = await self.admit_off_loop(req)
         try:
             await entry.waiter
@@ -298,13 +313,15 @@ class Dispatcher:
             raise
         return self.finish(req, entry)
 
-    def admit(self, req: Any) -> Optional[entries.Entry]:
+    def admit(self, req: Any, cached: bool = True) -> Optional[entries.Entry]:
         """Everything before the await: route, validate, prepare inline, queue; None when the
-        input is prepared off the loop (:meth:`admit_off_loop`).  A refused request is
-        observed here and raises."""
+        input is prepared off the loop (:meth:`admit_off_loop`) or the task answers through
+        its response cache (``cached``).  A refused request is observed here and raises."""
         route = self.routes.get(req.task)
         if route is None or self.closing:
             route = self.route(req.task)
+        if cached and route.cache is not None:
+            return None
         t0 = 0
         kind = RAW
         if self.observe is not None:  # a request refused before its meta parses keeps its route
@@ -324,14 +341,12 @@ class Dispatcher:
             if route.prepares_off_loop(nbytes):
                 return None
             desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
-            kind = desc.kind
-            if desc.priority or desc.timeout_ms:
-                priority, timeout_ms = route.policy(desc)
-            else:
+            if desc.priority or desc.timeout_ms or route.batcher.target_ns:
+                priority, timeout_ms = self.checked(route, desc, True)
+            else:  # the common case, without a call: the task's defaults
                 priority = route.default_priority
                 timeout_ms = route.default_timeout_ms
-            if route.batcher.target_ns and not route.stateful:
-                route.batcher.refuse_late(priority, timeout_ms)  # before paying to prepare it
+            kind = desc.kind
             prepared = route.prepare(req, desc, payload)
             entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
         except LumenError as exc:
@@ -366,11 +381,10 @@ class Dispatcher:
         kind = route_of(req.meta)
         try:
             route = self.routed(req)
-            desc, payload, nbytes = self.validate(route, req)
+            payload, nbytes = self.payload(req.payload, route)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            priority, timeout_ms = self.checked(route, desc, True)
             kind = desc.kind
-            priority, timeout_ms = route.policy(desc)
-            if route.batcher.target_ns and not route.stateful:
-                route.batcher.refuse_late(priority, timeout_ms)  # before paying to prepare it
             prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
                                                                nbytes, timeout_ms)
             entry = route.batcher.submit(prepared, desc, priority, timeout_ms)
@@ -404,6 +418,41 @@ class Dispatcher:
             timeout_ms = left
         return prepared, timeout_ms
 
+    # -- the response cache: a stage of a cached task's route (cache.py) ----------------------
+    async def cached(self, req: Any, route: Route) -> InferResponse:
+        """``req`` on ``route`` (the version a pin or the split picked: it is in the key, and
+        the computation runs on exactly that version), validated as any request is, then
+        answered from the task's cache, by an identical computation already running, or by
+        :meth:`infer` without the cache."""
+        cache = route.cache
+        t0 = _monotonic_ns()
+        kind = route_of(req.meta)
+        where: list = [None]
+        try:
+            payload, nbytes = self.payload(req.payload, route)
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            timeout_ms = self.checked(route, desc, False)[1]
+            kind = desc.kind
+            key = cache.key(route.version, req.payload_mime, req.meta, payload)
+            run = req
+            meta = req.meta or {}
+            head = self.routes.get(req.task)
+            if head is not None and head.router is not None \
+                    and meta.get(KEY_MODEL_VERSION) != route.version:
+                # computed on the version the key names: pinned like a caller's pin
+                run = InferRequest(req.task, req.payload, req.payload_mime,
+                                   {**meta, KEY_MODEL_VERSION: route.version},
+                                   req.correlation_id)
+            resp = await cache.fetch(key, req, functools.partial(self.infer, run, False),
+                                     timeout_ms, where)
+        except LumenError as exc:
+            if where[0] != MISS:  # a miss: the computation observed it
+                self.observed(route, kind, exc.code, t0, None)
+            raise
+        if where[0] != MISS:
+            self.observed(route, kind, "ok", t0, None)
+        return resp
+
     # -- infer_many ---------------------------------------------------------------------------
     async def infer_many(self, requests: Sequence[Any]) -> list:
         """Run many requests as one group; return, in order, each one's ``InferResponse`` or
@@ -412,20 +461,24 @@ class Dispatcher:
         Every item is still its own request for validation, deadlines, errors and metrics,
         but the items of one task version are admitted as a unit (they fit the queue or each
         gets the same ``Overloaded``) and cost one future and one wake-up, not one per item.
-        Cancelling the call cancels every item still queued.
+        Items of a task with a response cache go through :meth:`cached` one by one (each is
+        its own request there too).  Cancelling the call cancels every item still queued.
         """
         out = [None] * len(requests)
         t0 = _monotonic_ns()
         groups: dict[int, _Items] = {}  # id(route) -> _Items
+        cached: list = []
         try:
-            late = self.many_prepare(requests, out, groups, t0)
-            for i in late:  # inputs prepared off the loop
-                await self.many_off_loop(requests[i], i, out, groups, t0)
+            late = self.many_prepare(requests, out, groups, cached, t0)
+            for i, state in late:  # inputs prepared off the loop
+                await self.many_off_loop(requests[i], i, out, state, t0)
             submitted = self.many_submit(groups, out, t0)
         finally:
             for items in groups.values():
                 items.route.holds -= 1
         try:
+            if cached:
+                await asyncio.gather(*[self.many_cached(requests, i, out) for i in cached])
             for items in submitted:
                 await items.group.future
         except _CancelledError:
@@ -435,32 +488,45 @@ class Dispatcher:
         self.many_respond(requests, submitted, out, t0)
         return out
 
-    def many_prepare(self, requests: Sequence[Any], out: list, groups: dict, t0: int) -> list:
-        """Validate, route and prepare every item that is prepared inline into its version's
-        group (an item's error goes to ``out[i]``); return the indices prepared off the loop."""
+    async def many_cached(self, requests: Sequence[Any], i: int, out: list) -> None:
+        """Item ``i`` of ``infer_many`` through its task's response cache."""
+        req = requests[i]
+        try:
+            out[i] = await self.cached(req, self.routed(req))
+        except LumenError as exc:
+            out[i] = exc
+
+    def many_prepare(self, requests: Sequence[Any], out: list, groups: dict, cached: list,
+                     t0: int) -> list:
+        """Route every item, prepare those prepared inline into their version's group (an
+        item's error goes to ``out[i]``), set aside those of cached tasks in ``cached``;
+        return (index, state) of those prepared off the loop."""
         late = []
+        counts: dict = {}  # task -> items of a cached task
         for i in range(len(requests)):
             req = requests[i]
-            route = None
-            kind = RAW
-            try:
-                if not isinstance(req, InferRequest):
-                    raise InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
-                                          f"InferRequest", "requests")
-                if self.observe is not None:
-                    kind = route_of(req.meta)
-                route = self.routed(req)
-                items = self.items_of(route, groups)
-                desc, payload, nbytes = self.validate(route, req)
-                kind = desc.kind
-                if route.prepares_off_loop(nbytes):
-                    late.append(i)
-                    continue
-                priority, timeout_ms = route.policy(desc)
-                items.add(i, kind, route.prepare(req, desc, payload), desc, priority, timeout_ms)
-            except LumenError as exc:
-                out[i] = exc
-                self.observed(route, kind, exc.code, t0, None)
+            if not isinstance(req, InferRequest):
+                out[i] = InvalidArgument(f"item {i} is a {type(req).__name__}, not an "
+                                         f"InferRequest", "requests")
+                continue
+            head = self.routes.get(req.task)
+            if head is not None and head.cache is not None and not self.closing:
+                cached.append(i)
+                counts[req.task] = counts.get(req.task, 0) + 1
+            else:
+                state = self.many_item(req, i, out, groups, t0)
+                if state is not None:
+                    late.append((i, state))
+        for name, n in counts.items():
+            # more items of a task than its queue holds: the uncached path's 400 (each item
+            # is its own request here, so the queue alone would answer a 429 no retry passes)
+            limit = self.routes[name].batcher.max_queue_size
+            if n > limit:
+                err = group_too_large(name, n, limit)
+                for i in cached:
+                    if requests[i].task == name:
+                        out[i] = err
+        cached[:] = [i for i in cached if out[i] is None]
         return late
 
     def items_of(self, route: Route, groups: dict) -> _Items:
@@ -471,16 +537,39 @@ class Dispatcher:
             items = groups[id(route)] = _Items(route)
         return items
 
-    async def many_off_loop(self, req: Any, i: int, out: list, groups: dict, t0: int) -> None:
-        """Item ``i`` of ``infer_many``, prepared on the bounded pool."""
+    def many_item(self, req: Any, i: int, out: list, groups: dict, t0: int) -> Any:
+        """Item ``i`` of ``infer_many`` into its version's group, prepared inline; its error
+        goes to ``out[i]``.  None when done, else (its group, payload, nbytes) for
+        :meth:`many_off_loop` (an input prepared on the bounded pool)."""
         route = None
-        kind = route_of(req.meta)
+        kind = RAW
         try:
+            if self.observe is not None:
+                kind = route_of(req.meta)
             route = self.routed(req)
             items = self.items_of(route, groups)
-            desc, payload, nbytes = self.validate(route, req)
+            payload, nbytes = self.payload(req.payload, route)
+            if route.prepares_off_loop(nbytes):
+                return items, payload, nbytes
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            priority, timeout_ms = self.checked(route, desc, False)
             kind = desc.kind
-            priority, timeout_ms = route.policy(desc)
+            items.add(i, kind, route.prepare(req, desc, payload), desc, priority, timeout_ms)
+        except LumenError as exc:
+            out[i] = exc
+            self.observed(route, kind, exc.code, t0, None)
+        return None
+
+    async def many_off_loop(self, req: Any, i: int, out: list, late: tuple, t0: int) -> None:
+        """Item ``i`` of ``infer_many``, prepared on the bounded pool (``late``: what
+        :meth:`many_item` returned for it)."""
+        items, payload, nbytes = late
+        route = items.route
+        kind = route_of(req.meta)
+        try:
+            desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
+            priority, timeout_ms = self.checked(route, desc, False)
+            kind = desc.kind
             prepared, timeout_ms = await self.prepare_off_loop(route, req, desc, payload,
                                                                nbytes, timeout_ms)
         except LumenError as exc:

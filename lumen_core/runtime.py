@@ -8,21 +8,16 @@ For synchronous callers, ``with rt:`` runs the same thing on a private event-loo
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import threading
-import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from . import native, tracing
-from .batching.policy import group_too_large
-from .cache import MISS
 from .config import LumenConfig, TaskConfig, load_config, parse_config
-from .contract import KEY_MODEL_VERSION, TensorContract
-from .dispatch import route_of
+from .contract import TensorContract
 from .errors import (
     InternalError,
     InvalidArgument,
@@ -63,14 +58,11 @@ class Runtime:
         self._caches: dict = {}
         #: builds task versions (loading.py); its batchers report to ``self.observer``
         self._loader = TaskLoader(lambda: self._observer, self._dispatch, self._caches)
-        # instance attributes: ``await rt.infer(req)`` calls the compiled dispatcher directly,
-        # with no Python frame between the caller and the request path
+        # instance attributes, bound once: ``await rt.infer(req)`` calls the compiled
+        # dispatcher directly, with no Python frame between the caller and the request path
+        # (a task's response cache is a stage of its route there, dispatch.Dispatcher.cached)
         self.infer = self._dispatch.infer  # type: ignore[method-assign]
         self.infer_many = self._dispatch.infer_many  # type: ignore[method-assign]
-        if any(tc.cache is not None for tc in config.tasks):
-            # a runtime without caches runs the dispatcher untouched (not one extra check)
-            self.infer = self._infer_cached  # type: ignore[method-assign]
-            self.infer_many = self._infer_many_cached  # type: ignore[method-assign]
 
     @property
     def tasks(self) -> dict:
@@ -162,13 +154,14 @@ class Runtime:
 
     async def warmup(self, task: Task) -> None:
         """Run the backend's warm-up requests through the whole request path, on ``task``
-        itself (a new version warms up before any traffic can reach it), unobserved."""
+        itself (a new version warms up before any traffic can reach it), unobserved and
+        past its response cache (a warm-up answer is no one's to keep)."""
         pinned = native.dispatch.Dispatcher(self.config.server.max_payload_bytes, self._pool)
         pinned.routes = {task.name: task}
         pinned.ready = True
         for req in task.backend.warmup_requests():
             try:
-                await pinned.infer(req)
+                await pinned.infer(req, False)
             except LumenError as exc:
                 raise InternalError(f"warm-up of task {task.config.name!r} failed: {exc}") from exc
 
@@ -230,78 +223,6 @@ class Runtime:
         one per item.  Cancelling the call cancels every item still queued.
         """
         return await self._dispatch.infer_many(requests)
-
-    async def _infer_cached(self, req: InferRequest) -> InferResponse:
-        """``infer`` of a runtime where some task has ``[tasks.cache]`` (cache.py): a cached
-        task's request is validated (meta, payload limits, deadline policy) and then answered
-        from its cache, by an identical computation already running, or by ``infer``."""
-        dispatch = self._dispatch
-        cache = self._caches.get(getattr(req, "task", None))
-        if cache is None:
-            return await dispatch.infer(req)
-        head = dispatch.route(req.task)
-        router = head.router
-        # the version that serves this request (a pin, a split), picked once: it is in the
-        # key, and the computation runs on exactly that version
-        task = router(req.meta) if router is not None else head
-        t0 = time.monotonic_ns()
-        kind = route_of(req.meta)
-        where: list = [None]
-        try:
-            desc, payload, _nbytes = dispatch.validate(task, req)
-            kind = desc.kind
-            timeout_ms = task.policy(desc)[1]
-            key = cache.key(task.version, req.payload_mime, req.meta, payload)
-            run = req
-            if router is not None and (req.meta or {}).get(KEY_MODEL_VERSION) != task.version:
-                # computed on the version the key names: pinned like a caller's pin
-                run = InferRequest(req.task, req.payload, req.payload_mime,
-                                   {**(req.meta or {}), KEY_MODEL_VERSION: task.version},
-                                   req.correlation_id)
-            compute = functools.partial(dispatch.infer, run)
-            resp = await cache.fetch(key, req, compute, timeout_ms, where)
-        except LumenError as exc:
-            if where[0] != MISS:  # a miss: the dispatcher observed it
-                dispatch.observed(task, kind, exc.code, t0, None)
-            raise
-        if where[0] != MISS:
-            dispatch.observed(task, kind, "ok", t0, None)
-        return resp
-
-    async def _infer_many_cached(self, requests: Sequence[InferRequest]) -> list:
-        """``infer_many`` where some task has a cache: items of cached tasks go one by one
-        through ``_infer_cached`` (each is its own request there too), the rest as one group."""
-        caches = self._caches
-        many = self._dispatch.infer_many
-        cached = [i for i, r in enumerate(requests) if getattr(r, "task", None) in caches]
-        if not cached:
-            return await many(requests)
-        out: list = [None] * len(requests)
-        plain = [i for i, r in enumerate(requests) if getattr(r, "task", None) not in caches]
-        # more items of a task than its queue holds: the uncached path's 400 (each item is its
-        # own request here, so the queue alone would answer a 429 no retry can pass)
-        counts = collections.Counter(requests[i].task for i in cached)
-        for name, n in counts.items():
-            head = self.tasks.get(name)
-            if head is not None and n > head.batcher.max_queue_size:
-                err = group_too_large(name, n, head.batcher.max_queue_size)
-                for i in cached:
-                    if requests[i].task == name:
-                        out[i] = err
-        cached = [i for i in cached if out[i] is None]
-
-        async def one(i: int) -> None:
-            try:
-                out[i] = await self._infer_cached(requests[i])
-            except LumenError as exc:
-                out[i] = exc
-
-        async def group() -> None:
-            for i, res in zip(plain, await many([requests[i] for i in plain]), strict=True):
-                out[i] = res
-
-        await asyncio.gather(*(one(i) for i in cached), *([group()] if plain else []))
-        return out
 
     # -- model lifecycle: versions, traffic, reload (lumen_core/versions.py) ---------------
     async def reload(self, task: Optional[str] = None) -> dict:

@@ -97,6 +97,26 @@ class ServerThread:
                 self.loop.close()
 
 
+def raw_connect(srv: "ServerThread") -> socket.socket:
+    """A plain TCP connection to ``srv``'s HTTP port (for what a client library would not
+    send: half requests, trickled bodies, pipelining)."""
+    return socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=WAIT_S)
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    """Everything until the server closes (a reset after a refused upload counts as closed,
+    and so does the socket's timeout)."""
+    out = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+    except (ConnectionResetError, socket.timeout):
+        return out
+
+
 def scrape(url: str) -> dict:
     """``{(sample name, frozenset(labels.items())): value}`` from /metrics, via the official
     parser (so the exposition must be valid)."""

@@ -9,7 +9,7 @@ server produced (no copy); several are joined once.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable
 
 from ..errors import InvalidArgument, PayloadTooLarge
 
@@ -24,11 +24,18 @@ class ClientGone(Exception):
     """The client disconnected before its reply was ready (nothing can be sent)."""
 
 
-async def read_body(request: Any, limit: int, field: str, what: str = REQUEST_BODY,
-                    setting: str = PAYLOAD_SETTING) -> bytes:
+def read_body(request: Any, limit: int, field: str, what: str = REQUEST_BODY,
+              setting: str = PAYLOAD_SETTING) -> Awaitable[bytes]:
     """The whole body of ``request`` (a Starlette request), at most ``limit`` bytes; a larger
     one is a 413 on ``field`` naming ``what`` and the ``setting`` that bounds it."""
-    declared = request.headers.get("content-length")
+    return receive_body(request.receive, request.headers.get("content-length"), limit,
+                        field, what, setting)
+
+
+async def receive_body(receive: Any, declared: Any, limit: int, field: str,
+                       what: str = REQUEST_BODY, setting: str = PAYLOAD_SETTING) -> bytes:
+    """:func:`read_body` from an ASGI ``receive`` and the Content-Length value ``declared``
+    (None when absent), for a caller that has read the headers itself."""
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):  # isdigit alone takes '\u00b2'
             raise InvalidArgument(f"bad Content-Length header {declared[:MAX_HEADER_ECHO]!r}",
@@ -36,7 +43,6 @@ async def read_body(request: Any, limit: int, field: str, what: str = REQUEST_BO
         if int(declared) > limit:
             raise PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes "
                                   f"({setting})", field)
-    receive = request.receive
     chunks: list = []
     total = 0
     while True:

@@ -54,9 +54,20 @@ def oip_datatype(arr: np.ndarray) -> str:
     return OIP_DATATYPES.get(dtype_name(arr), str(arr.dtype).upper())
 
 
+#: numpy dtype -> its lumen name, filled as dtypes are seen (``newbyteorder`` makes a new
+#: dtype object on every call: a microsecond a reply)
+_DTYPE_NAME_MEMO: dict = {}
+
+
 def dtype_name(arr: np.ndarray) -> str:
     """The lumen name of ``arr``'s dtype (``fp32``, ``int64``, ...), whatever its byte order."""
-    return DTYPE_NAMES.get(arr.dtype.newbyteorder("="), str(arr.dtype))
+    dt = arr.dtype
+    name = _DTYPE_NAME_MEMO.get(dt)
+    if name is None:
+        name = DTYPE_NAMES.get(dt.newbyteorder("="), str(dt))
+        if len(_DTYPE_NAME_MEMO) < 256:
+            _DTYPE_NAME_MEMO[dt] = name
+    return name
 
 
 def little_endian(arr: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ from ..errors import InternalError, LumenError, Overloaded, PayloadTooLarge, Una
 from ..request import InferRequest
 from . import audio, codec
 from .auth import ApiKeys, unscope_error
+from .logs import client_correlation_id
 from .metrics import PrometheusObserver
 from .oip_grpc import OipServicer
 from .options import check_options
@@ -99,7 +100,8 @@ def request_deserializer(limit: int) -> Any:
 def to_request(msg: Any, scope: Optional[str] = None) -> InferRequest:
     """Proto -> runtime request; ``payload`` stays the message's ``bytes`` object (no copy)."""
     meta = ApiKeys.scoped_meta(dict(msg.meta), scope)
-    return InferRequest(msg.task, msg.payload, msg.payload_mime, meta, msg.correlation_id)
+    return InferRequest(msg.task, msg.payload, msg.payload_mime, meta,
+                        client_correlation_id(msg.correlation_id))
 
 
 def stream_target(msg: Any, scope: Optional[str]) -> tuple:
@@ -224,7 +226,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
 
     async def _stream_reply(self, msg: Any, scope: Optional[str],
                             events: Optional[audio.SequenceEvents]) -> Any:
-        cid = msg.correlation_id
+        cid = client_correlation_id(msg.correlation_id)
         ticket = None
         if events is not None and not isinstance(msg, Oversized):
             ticket = events.admit(msg.task, msg.meta)

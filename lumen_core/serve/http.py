@@ -29,7 +29,6 @@ tasks it asks the runtime's query API (``task_names``, ``describe``, ``token_ids
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, Awaitable, Callable, Mapping, Optional
@@ -56,6 +55,8 @@ from . import audio, codec, ws
 from .admin import AdminRoutes
 from .auth import ApiKeys, Unauthenticated, unscope_error
 from .body import ClientGone, read_body
+from .door import HotDoor, meta_headers, until_done_or_gone
+from .logs import RequestContext
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
 from .oip import OipRoutes
@@ -133,6 +134,9 @@ class HttpApp:
         self.access_log = access_log
         self.version = version
         self.draining = False
+        #: route template -> the guarded handler of its endpoint (the hot door calls them)
+        self.handlers: dict = {}
+        self.error_shapes: dict = {}
         ep = self.endpoint
         self.app = Starlette(routes=[
             Route("/v1/infer/{task}", ep("/v1/infer/{task}", self.infer), methods=["POST"]),
@@ -150,24 +154,40 @@ class HttpApp:
                 runtime, self.keys, lambda: self.draining,
                 runtime.config.server.read_timeout_ms / 1000.0)),
         ], exception_handlers={HTTPException: routing_error})  # type: ignore[dict-item]
+        # an unknown path is the JSON 404, never a redirect built from the Host header
+        self.app.router.redirect_slashes = False
+        #: what serves a request the hot door does not (door.py): the Starlette app, under
+        #: the request context when the server asks for one (:meth:`with_context`)
+        self.cold: Callable = self.app
+        # (this app's own access lines are written by each endpoint's guard: then no hot path)
+        self.door: Optional[HotDoor] = None if access_log else HotDoor(self, observer)
+
+    def with_context(self, access_log: bool) -> "HttpApp":
+        """Serve the cold routes under :class:`.logs.RequestContext` (a correlation id on
+        every request, the access log when ``access_log``); with the access log on, the hot
+        routes take the cold path too (each line needs the request's record)."""
+        self.cold = RequestContext(self.app, access_log=access_log)
+        if access_log:
+            self.door = None
+        return self
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await self.app(scope, receive, send)
+        door = self.door
+        if door is not None and scope["type"] == "http" and \
+                getattr(self.runtime, "tracing", None) is None:
+            hot = door.handler(scope)
+            if hot is not None:
+                await hot(scope, receive, send)
+                return
+        await self.cold(scope, receive, send)
 
     # -- plumbing: the public helpers every routes class (openai.py, oip.py, admin.py,
     # audio.py's whole files) uses ------------------------------------------------------------
     def endpoint(self, name: str, fn: Callable[[Request], Awaitable[Response]],
                   errors: Callable[[LumenError], Response] = error_response,
                   admin: bool = False) -> Callable:
-        """Wrap a route: check the API key (an admin key when ``admin``), LumenError -> JSON
-        error (``errors`` makes the body: a protocol of its own, such as OIP's, keeps its
-        shape for a missing key too), anything else -> logged 500, count it (and log it when
-        the access log is on)."""
-        observer = self.observer
-        keys = self.keys
-        needs_admin = admin and keys.admin_enabled
-        needs_key = (not admin and keys.enabled and name not in ALWAYS_OPEN
-                     and name not in keys.open_endpoints)
+        """Wrap a route: :meth:`guard` it, and open the transport span when tracing is on."""
+        handle = self.guard(name, fn, errors, admin)
 
         async def endpoint(request: Request) -> Response:
             tr = getattr(self.runtime, "tracing", None)
@@ -183,6 +203,22 @@ class HttpApp:
                 if resp.status_code >= 500:
                     tr.set_error(span, str(resp.status_code))
                 return resp
+
+        return endpoint
+
+    def guard(self, name: str, fn: Callable[[Request], Awaitable[Response]],
+              errors: Callable[[LumenError], Response] = error_response,
+              admin: bool = False) -> Callable[[Request], Awaitable[Response]]:
+        """``fn`` under its guard: check the API key (an admin key when ``admin``),
+        LumenError -> JSON error (``errors`` makes the body: a protocol of its own, such as
+        OIP's, keeps its shape for a missing key too), anything else -> logged 500, count it
+        (and log it when the access log is on).  Remembered by route template for the hot
+        door (:meth:`guarded`)."""
+        observer = self.observer
+        keys = self.keys
+        needs_admin = admin and keys.admin_enabled
+        needs_key = (not admin and keys.enabled and name not in ALWAYS_OPEN
+                     and name not in keys.open_endpoints)
 
         async def handle(request: Request) -> Response:
             t0 = time.perf_counter()
@@ -202,7 +238,7 @@ class HttpApp:
                 log.exception("unhandled error on %s", name)
                 resp = errors(InternalError(f"internal server error: {exc}"))
             if observer is not None:
-                observer.transport_request("http", name, str(resp.status_code))
+                observer.http_request(name, resp.status_code)
             if self.access_log:
                 client = request.client
                 access_log.info("%s %s %s %d %.1fms", client.host if client else "-",
@@ -210,43 +246,33 @@ class HttpApp:
                                 resp.status_code, (time.perf_counter() - t0) * 1000)
             return resp
 
-        return endpoint
+        self.handlers.setdefault(name, handle)
+        self.error_shapes.setdefault(name, errors)
+        return handle
+
+    def guarded(self, name: str) -> Callable[[Request], Awaitable[Response]]:
+        """The guarded handler of route template ``name`` (:meth:`guard`)."""
+        return self.handlers[name]
+
+    def errors_of(self, name: str) -> Callable[[LumenError], Response]:
+        """The error shape of route template ``name``."""
+        return self.error_shapes.get(name, error_response)
+
+    #: the status a request whose client went away is counted under
+    client_closed_status = CLIENT_CLOSED_STATUS
 
     async def read_body(self, request: Request, field: str) -> bytes:
         """The whole body under ``[server] max_payload_bytes`` (:func:`.body.read_body`)."""
         return await read_body(request, self.max_body, field)
 
-    async def until_done_or_gone(self, request: Request, work: Awaitable) -> Any:
+    def until_done_or_gone(self, request: Request, work: Awaitable) -> Awaitable:
         """Await ``work`` while watching for ``http.disconnect``; a client that hangs up
         cancels it (and with it the queued runtime request(s)), raising ClientGone.
 
         The watcher cancels this task only while it is suspended in ``work`` (``waiting``),
-        so a disconnect that races with completion can never cancel the reply path."""
-        task = asyncio.current_task()
-        assert task is not None  # a route runs in its request's task
-        state = {"waiting": True, "gone": False}
-        receive = request.receive
-
-        async def watch() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    if state["waiting"]:
-                        state["gone"] = True
-                        task.cancel()
-                    return
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if state["gone"]:
-                task.uncancel()
-                raise ClientGone() from None
-            raise
-        finally:
-            state["waiting"] = False
-            watcher.cancel()
+        so a disconnect that races with completion can never cancel the reply path.  On
+        Lumen's own connections (limits.py) the connection does the watching: no task."""
+        return until_done_or_gone(request.scope, request.receive, work)
 
     def check_open(self) -> None:
         """503 once the server is draining (SIGTERM): no new inference request."""
@@ -261,10 +287,10 @@ class HttpApp:
         params = request.query_params
         if audio.wants_file(self.runtime, task, headers.get("content-type", ""),
                             params):  # a whole audio file -> segments (audio.py)
-            self._check_options(task, params, audio.FILE_OPTIONS)
+            self.check_options(task, params, audio.FILE_OPTIONS)
             return await audio.file_reply(self, request, task)
         if params:
-            self._check_options(task, params)
+            self.check_options(task, params)
         body = await self.read_body(request, "payload")
         meta = self.keys.scoped_meta(dict(request.query_params), request.state.key_scope)
         req = InferRequest(task, body, headers.get("content-type", ""), meta,
@@ -277,13 +303,23 @@ class HttpApp:
         return json_response(codec.response_json(resp),
                              headers={"X-Correlation-Id": resp.correlation_id})
 
-    def _check_options(self, task: str, params: Any, route_options: Optional[dict] = None) -> None:
+    def check_options(self, task: str, params: Any, route_options: Optional[dict] = None) -> None:
         """A plain query key that ``task`` does not read is a 400 (``options.check_options``:
         the same rule as gRPC's meta)."""
         check_options(self.runtime, task, params, route_options)
 
     @staticmethod
     def _tensor_reply(resp: Any, wanted: Optional[str]) -> Response:
+        _name, arr, head = HttpApp.tensor_head(resp, wanted)
+        headers = {k.decode("latin-1"): v.decode("latin-1")
+                   for k, v in [*head[1:], *meta_headers(resp.meta)]}
+        headers["x-correlation-id"] = resp.correlation_id
+        return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
+
+    @staticmethod
+    def tensor_head(resp: Any, wanted: Optional[str]) -> tuple:
+        """(output name, array, raw header list) of a raw tensor reply (its response meta and
+        correlation id aside): the output ``wanted`` (the Lumen-Output header), else the only one."""
         outs = resp.outputs
         if wanted is not None:
             if wanted not in outs:
@@ -300,12 +336,12 @@ class HttpApp:
         if not isinstance(arr, np.ndarray):
             raise InvalidArgument(f"output {name!r} of task {resp.task!r} is JSON, not a "
                                   f"tensor; accept application/json", "Accept")
-        headers = {"Lumen-Tensor-Dtype": codec.dtype_name(arr),
-                   "Lumen-Tensor-Shape": codec.shape_text(arr.shape),
-                   "Lumen-Output": name, "X-Correlation-Id": resp.correlation_id}
-        for k, v in resp.meta.items():
-            headers["Lumen-Meta-" + k] = v
-        return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
+        head = [(b"content-type", OCTET_STREAM.encode()),
+                (b"lumen-tensor-dtype", codec.dtype_name(arr).encode()),
+                (b"lumen-tensor-shape", codec.shape_text(arr.shape).encode()),
+                (b"lumen-output", name.encode("latin-1")),
+                (b"content-length", b"%d" % arr.nbytes)]
+        return name, arr, head
 
     async def json_body(self, request: Request, route: str) -> Any:
         """The JSON body of a route that takes one (415 for another Content-Type)."""

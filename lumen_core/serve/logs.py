@@ -38,7 +38,7 @@ import logging
 import sys
 import time
 import uuid
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, TextIO, Union
 
 #: the correlation id of the request being served in this context ("" outside any request)
 CORRELATION_ID: contextvars.ContextVar[str] = contextvars.ContextVar("lumen_correlation_id",
@@ -245,9 +245,30 @@ def _visible(text: str, limit: int) -> str:
     return "".join(c if "!" <= c <= "~" and c != '"' else "?" for c in text)
 
 
-def _loggable(value: bytes) -> str:
-    """A client's correlation id header as logs carry it."""
-    return _visible(value[:MAX_CORRELATION_ID].decode("latin-1"), MAX_CORRELATION_ID)
+def client_correlation_id(value: Union[bytes, str]) -> str:
+    """A client's correlation id as everything carries it -- the reply header and body, the
+    runtime's request, gRPC replies, log lines: cut to :data:`MAX_CORRELATION_ID` characters,
+    anything but visible ASCII replaced by '?'.  The one cut of every door."""
+    if isinstance(value, bytes):
+        value = value[:MAX_CORRELATION_ID].decode("latin-1")
+    return _visible(value, MAX_CORRELATION_ID)
+
+
+def scope_correlation_id(scope: dict) -> str:
+    """The client's correlation id of an ASGI ``scope`` ("" when it sent none), cut
+    (:func:`client_correlation_id`) and made the context's :data:`CORRELATION_ID`; a header the
+    cut changed is replaced in ``scope``, so every reader of the request sees the cut id."""
+    headers = scope["headers"]
+    for i, (name, value) in enumerate(headers):
+        if name == CORRELATION_HEADER:
+            cid = client_correlation_id(value)
+            if cid.encode("latin-1") != value:
+                headers = list(headers)
+                headers[i] = (CORRELATION_HEADER, cid.encode("latin-1"))
+                scope["headers"] = headers
+            CORRELATION_ID.set(cid)
+            return cid
+    return ""
 
 
 def _new_correlation_id() -> str:
@@ -267,15 +288,11 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = scope["headers"]
-        cid = ""
-        for name, value in headers:
-            if name == CORRELATION_HEADER:
-                cid = _loggable(value)
-                break
+        scope = dict(scope)
+        cid = scope_correlation_id(scope)
         if not cid:
             cid = _new_correlation_id()
-            scope = dict(scope, headers=[*headers, (CORRELATION_HEADER, cid.encode())])
+            scope["headers"] = [*scope["headers"], (CORRELATION_HEADER, cid.encode())]
         token = CORRELATION_ID.set(cid)
         try:
             if self.access_log:

@@ -32,7 +32,7 @@ from .auth import ApiKeys
 from .grpc import GrpcServer
 from .http import HttpApp
 from .limits import HttpLimits, protocol_class
-from .logs import RequestContext, guard_uvicorn_logs
+from .logs import guard_uvicorn_logs
 from .metrics import PrometheusObserver
 from .shm import is_loopback
 
@@ -226,7 +226,7 @@ class LumenServer:
                if self.tls is not None else {})
         # log_config=None: uvicorn installs no handlers or formats of its own, so its lines
         # reach the root logger (and --log-format) like everyone else's
-        config = uvicorn.Config(RequestContext(self.http, access_log=self.access_log),
+        config = uvicorn.Config(self.http.with_context(self.access_log),
                                 log_level=self._log_level, access_log=False, log_config=None,
                                 lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
                                 # uvicorn annotates int; it waits a float too

@@ -42,6 +42,7 @@ answers it:
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import mmap
@@ -153,10 +154,12 @@ class Caller(NamedTuple):
     local: bool
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: Optional[str]) -> bool:
     """Whether ``host`` (an IP address or the name ``localhost``) is this machine only:
     ``127.0.0.0/8``, ``::1`` (IPv4-mapped IPv6 included).  ``0.0.0.0`` / ``::`` (every
-    interface) and other names are not."""
+    interface) and other names are not.  Remembered per host (every OIP request asks; parsing
+    the address cost more than the rest of its shared-memory bookkeeping)."""
     if not host:
         return False
     if host.lower() == "localhost":

@@ -38,21 +38,8 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def connect(srv) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=S.WAIT_S)
-
-
-def read_all(s: socket.socket) -> bytes:
-    """Everything until the server closes (a reset after a refused upload counts as closed)."""
-    out = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return out
-            out += chunk
-    except ConnectionResetError:
-        return out
+connect = S.raw_connect
+read_all = S.read_until_closed
 
 
 def json_error(reply: bytes) -> dict:
