@@ -54,7 +54,6 @@ ORT's and numpy's versions, the recipe's constants and the output's sha256.
 from __future__ import annotations
 
 import pathlib
-import shutil
 from typing import Any, Optional
 
 import numpy as np
@@ -62,7 +61,7 @@ import numpy as np
 from ..corpus import make_corpus
 from ..engine.session import cpu_session
 from ..errors import ModelMissingError
-from . import _quant, minilm
+from . import _quant, minilm, st_import
 from ._files import MODEL_FILE, PREPARE_COMMAND, ProgressFn
 
 MODEL_ID = "all-minilm-l6-v2-int8"
@@ -72,7 +71,8 @@ MODEL_VERSION = "1"
 # 4: calibrated smoothing folded into the LayerNorms / value projections, GPTQ weights, a fixed
 #    zero point per activation (QuantizeLinear + MatMulIntegerToFloat instead of 11 elementwise
 #    ops per MatMul).
-REVISION = 4
+# 5: the fp32 graph built by the generic folder importer; the manifest's "text_model" block.
+REVISION = 5
 GRAPH = "int8-row-smooth-gptq"
 #: weights: symmetric int8 per output column (-127..127)
 WEIGHT_BITS = 8
@@ -409,12 +409,11 @@ def build(out_dir: pathlib.Path, progress: Optional[ProgressFn] = None) -> dict[
     say = progress or (lambda _msg: None)
     src = minilm.source_dir()
     say(f"{MODEL_ID}: building the fp32 graph from {minilm.DIST}")
-    weights, config = minilm.load_weights(src)
+    # the fp32 model as every folder is imported (its text_model block is this model's too)
+    fp32 = st_import.build_into(st_import.folder_spec(src), out_dir, say, MODEL_ID)
     plain = out_dir / "fp32.onnx"
-    model = minilm.build_graph(weights, config)
-    del weights
-    onnx.save_model(model, str(plain))
-    shutil.copyfile(src / minilm.TOKENIZER_FILE, out_dir / minilm.TOKENIZER_FILE)
+    (out_dir / MODEL_FILE).replace(plain)
+    model = onnx.load(str(plain))
     tokenizer = minilm.load_tokenizer(out_dir / minilm.TOKENIZER_FILE)
     n_int8 = quantize_model(model, tokenizer, say)
     onnx.checker.check_model(model)
@@ -447,5 +446,6 @@ def build(out_dir: pathlib.Path, progress: Optional[ProgressFn] = None) -> dict[
                    minilm.ATTENTION_MASK: ["int64", ["N", "L"]]},
         "outputs_spec": minilm.OUTPUTS_SPEC,
         "max_seq_length": minilm.MAX_SEQ_LENGTH,
+        "text_model": fp32["text_model"],
         "output_files": [MODEL_FILE, minilm.TOKENIZER_FILE],
     }

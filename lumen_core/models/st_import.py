@@ -329,15 +329,14 @@ def import_folder(src: os.PathLike, *, name: Optional[str] = None, int8: bool = 
     if not NAME_PATTERN.match(name):
         raise ModelImportError(spec.folder, ".", f"model name {name!r} must be lower-case letters, digits, "
                                                  "'.', '_' or '-' (pass --name)")
-    from . import minilm, minilm_int8
-
-    if name in (minilm.MODEL_ID, minilm_int8.MODEL_ID):
-        raise ModelImportError(spec.folder, ".", f"{name!r} is a built-in model's name (pass --name)")
     digest = content_hash(spec)
     root = models_dir(home)
     done = Prepared()
     with exclusive(root):
         manifest = read_manifest(root / name) or {}
+        if (root / name).exists() and "folder" not in (manifest.get("source") or {}):
+            raise ModelImportError(spec.folder, ".", f"{root / name} holds a model that was not imported "
+                                                     "from a folder (a built-in one?); pass another --name")
         if _current(root / name, digest, deep=True) and (manifest.get("source") or {}).get("int8") == int8:
             say(f"{name}: up to date ({root / name})")
             done[name] = root / name

@@ -1,0 +1,205 @@
+"""Imported sentence-transformers folders against sentence-transformers' own outputs.
+
+The folders under ``tests/fixtures/st_models/`` are tiny random models of every architecture
+and pooling mode, saved and run by sentence-transformers itself
+(``tests/fixtures/make_st_models.py``, in a throwaway torch virtualenv).  Here each is built
+into one ONNX graph without torch and must give ``encode``'s vectors (cosine >= 0.9999 per
+text; norms within 1e-3 where not normalised), with prompts too, and a cross-encoder
+``predict``'s scores.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from lumen_core.engine.session import cpu_session
+from lumen_core.models import _files, st_import, text_tokenize
+from lumen_core.models.st_import import ModelImportError
+
+ST_MODELS = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "st_models"
+EMBED = ["bert-mean-norm", "bert-cls-lower", "bert-max-mean", "roberta-weightedmean",
+         "xlmr-lasttoken", "mpnet-mean-prompt", "distilbert-meansqrt", "onnx-bert-mean"]
+CROSS = ["bert-cross", "roberta-cross"]
+MIN_COSINE = 0.9999
+NORM_RTOL = 1e-3
+RAW_ATOL = 1e-3
+SIGMOID_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("st_home")
+
+
+def _reference(name: str) -> dict:
+    return json.loads((ST_MODELS / name / "reference.json").read_text(encoding="utf-8"))
+
+
+def _embed(directory: pathlib.Path, texts: list, prompt_name=None) -> np.ndarray:
+    tm = st_import.read_text_model(directory)
+    ids, mask = text_tokenize.encode_texts(directory / "tokenizer.json", texts, tm, prompt_name)
+    return cpu_session(directory / "model.onnx").run(
+        [st_import.OUTPUT], {"input_ids": ids, "attention_mask": mask})[0]
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray, normalized: bool) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32
+    g, w = np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1)
+    cosine = (got * want).sum(axis=1) / (g * w)
+    assert cosine.min() >= MIN_COSINE, cosine
+    if not normalized:
+        np.testing.assert_allclose(g, w, rtol=NORM_RTOL)
+
+
+@pytest.mark.parametrize("name", EMBED)
+def test_embeddings_equal_sentence_transformers(name, home):
+    ref = _reference(name)
+    directory = st_import.prepare_folder(ST_MODELS / name, home=home)
+    tm = st_import.read_text_model(directory)
+    assert tm.kind == "embed" and tm.max_seq_length == ref["max_seq_length"]
+    want = np.load(ST_MODELS / name / "reference.npy")
+    # one padded batch and each text alone
+    _assert_close(_embed(directory, ref["texts"]), want, tm.normalize)
+    alone = np.concatenate([_embed(directory, [t]) for t in ref["texts"]])
+    _assert_close(alone, want, tm.normalize)
+    assert tm.dimension == want.shape[1]
+    if tm.default_prompt_name is None:  # then encode tokenises as tokenize() does
+        ids, mask = text_tokenize.encode_texts(directory / "tokenizer.json", ref["texts"], tm)
+        assert [list(r[: m.sum()]) for r, m in zip(ids.tolist(), mask, strict=True)] == \
+            [r[: int(m.sum())] for r, m in zip(ref["input_ids"], mask, strict=True)]
+        # the long text is cut at max_seq_length, special tokens included
+        assert int(mask.sum(axis=1).max()) == tm.max_seq_length
+    if "prompt_name" in ref:
+        _assert_close(_embed(directory, ref["texts"], ref["prompt_name"]),
+                      np.load(ST_MODELS / name / "reference_prompt.npy"), tm.normalize)
+
+
+def test_pooled_is_embedding_before_normalisation(home):
+    directory = st_import.prepare_folder(ST_MODELS / "mpnet-mean-prompt", home=home)
+    tm = st_import.read_text_model(directory)
+    ids, mask = text_tokenize.encode_texts(directory / "tokenizer.json", _reference("mpnet-mean-prompt")["texts"], tm)
+    emb, pooled = cpu_session(directory / "model.onnx").run(
+        [st_import.OUTPUT, st_import.POOLED], {"input_ids": ids, "attention_mask": mask})
+    norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+    assert not np.allclose(norms, 1.0, atol=1e-3)
+    np.testing.assert_allclose(pooled / norms, emb, atol=1e-6)
+
+
+def test_text_model_block(home):
+    directory = st_import.prepare_folder(ST_MODELS / "xlmr-lasttoken", home=home)
+    tm = st_import.read_text_model(directory)
+    assert (tm.architecture, tm.pooling, tm.normalize, tm.pad_token_id) == ("xlm-roberta", "lasttoken", True, 1)
+    assert tm.prompts["query"] == "query: " and tm.default_prompt_name is None and tm.num_labels == 1
+    assert tm.max_positions == 64 and tm.source == str(ST_MODELS / "xlmr-lasttoken")
+    lower = st_import.read_text_model(st_import.prepare_folder(ST_MODELS / "bert-cls-lower", home=home))
+    assert lower.do_lower_case and lower.pooling == "cls" and not lower.normalize
+    assert st_import.read_text_model(
+        st_import.prepare_folder(ST_MODELS / "bert-max-mean", home=home)).pooling == "max+mean"
+    manifest = _files.read_manifest(directory)
+    assert manifest["outputs_spec"] == {"embedding": ["float32", ["N", 32]], "pooled": ["float32", ["N", 32]]}
+    with pytest.raises(ValueError, match="unknown prompt_name 'nope'.*passage, query"):
+        text_tokenize.encode_texts(directory / "tokenizer.json", ["x"], tm, "nope")
+
+
+@pytest.mark.parametrize("name", CROSS)
+def test_cross_encoder_scores_equal_predict(name, home):
+    ref = _reference(name)
+    directory = st_import.prepare_folder(ST_MODELS / name, home=home)
+    tm = st_import.read_text_model(directory)
+    assert (tm.kind, tm.dimension, tm.pooling, tm.max_seq_length) == ("rerank", 1, "", ref["max_length"])
+    pairs = [tuple(p) for p in ref["pairs"]]
+    ids, mask = text_tokenize.encode_pairs(directory / "tokenizer.json", pairs, tm)
+    logits = cpu_session(directory / "model.onnx").run([st_import.LOGITS],
+                                                       {"input_ids": ids, "attention_mask": mask})[0]
+    assert logits.shape == (len(pairs), 1)
+    np.testing.assert_allclose(logits[:, 0], ref["raw"], atol=RAW_ATOL, rtol=0)
+    np.testing.assert_allclose(1 / (1 + np.exp(-logits[:, 0])), ref["sigmoid"], atol=SIGMOID_ATOL, rtol=0)
+    assert len(set(np.round(ref["raw"], 3))) == len(pairs)  # the scores differ: the check has teeth
+
+
+def test_bert_pair_token_types_matter(home, tmp_path):
+    """The BERT cross-encoder's graph derives token type 1 after the first [SEP]: with the
+    type-1 row replaced by type 0's the scores move (so the derivation is what matched)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "bert-cross"
+    shutil.copytree(ST_MODELS / "bert-cross", folder)
+    w = load_file(str(folder / "model.safetensors"))
+    types = w["bert.embeddings.token_type_embeddings.weight"]
+    w["bert.embeddings.token_type_embeddings.weight"] = np.stack([types[0], types[0]])
+    save_file(w, str(folder / "model.safetensors"))
+    directory = st_import.prepare_folder(folder, home=home)
+    tm = st_import.read_text_model(directory)
+    pairs = [tuple(p) for p in _reference("bert-cross")["pairs"]]
+    ids, mask = text_tokenize.encode_pairs(directory / "tokenizer.json", pairs, tm)
+    logits = cpu_session(directory / "model.onnx").run([st_import.LOGITS], {"input_ids": ids, "attention_mask": mask})[0]
+    assert np.abs(logits[:, 0] - np.asarray(_reference("bert-cross")["raw"])).max() > 10 * RAW_ATOL
+
+
+def test_attention_fuses_like_minilm(home, tmp_path):
+    """ORT's transformer optimizer fuses the imported encoders as it fuses MiniLM's (the
+    pattern ``_graph`` writes): every layer's attention, both skip LayerNorms and the GELU;
+    MPNet's relative position bias keeps its attention unfused (the rest fuses)."""
+    from lumen_core.models import minilm
+
+    layers = 2
+    for name, want in [
+        ("bert-mean-norm", {"Attention": layers, "SkipLayerNormalization": 2 * layers, "BiasGelu": layers,
+                            "EmbedLayerNormalization": 1}),
+        ("roberta-weightedmean", {"Attention": layers, "SkipLayerNormalization": 2 * layers, "BiasGelu": layers,
+                                  "EmbedLayerNormalization": 1}),
+        ("distilbert-meansqrt", {"Attention": layers, "SkipLayerNormalization": 2 * layers, "BiasGelu": layers,
+                                 "EmbedLayerNormalization": 1}),
+        ("mpnet-mean-prompt", {"SkipLayerNormalization": 2 * layers, "BiasGelu": layers}),
+    ]:
+        directory = st_import.prepare_folder(ST_MODELS / name, home=home)
+        stats = minilm._optimize(directory / "model.onnx", tmp_path / f"{name}.onnx",
+                                 {"num_attention_heads": 4, "hidden_size": 32})
+        assert {k: v for k, v in stats.items() if k in want} == want, (name, stats)
+
+
+def test_prepare_folder_is_cached_by_content(tmp_path):
+    home = tmp_path / "home"
+    folder = tmp_path / "m"
+    shutil.copytree(ST_MODELS / "bert-mean-norm", folder)
+    lines: list = []
+    first = st_import.prepare_folder(folder, home=home, progress=lines.append)
+    assert first.parent.name == ".folders" and any("building" in line for line in lines)
+    lines.clear()
+    assert st_import.prepare_folder(folder, home=home, progress=lines.append) == first and not lines
+    # a copy elsewhere with the same content is the same build
+    other = tmp_path / "copy"
+    shutil.copytree(folder, other)
+    assert st_import.prepare_folder(other, home=home) == first
+    # a changed setting is another build
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 10, "do_lower_case": False}))
+    second = st_import.prepare_folder(folder, home=home)
+    assert second != first and st_import.read_text_model(second).max_seq_length == 10
+
+
+def test_import_folder_names_and_skips(home, tmp_path, capsys):
+    src = tmp_path / "My-Model"
+    shutil.copytree(ST_MODELS / "roberta-weightedmean", src)
+    lines: list = []
+    done = st_import.import_folder(src, home=home, progress=lines.append)
+    assert list(done) == ["my-model"] and done["my-model"] == home / "models" / "my-model"
+    manifest = _files.read_manifest(done["my-model"])
+    assert manifest["name"] == manifest["model_id"] == "my-model" and manifest["source"]["folder"] == str(src)
+    assert _files.outputs_intact(done["my-model"], manifest, deep=True)
+    lines.clear()
+    st_import.import_folder(src, home=home, progress=lines.append)
+    assert lines == [f"my-model: up to date ({home / 'models' / 'my-model'})"]
+    named = st_import.import_folder(src, name="rw", home=home)
+    assert set(st_import.prepared_text_models(home)) >= {"my-model", "rw"}
+    assert st_import.read_text_model(named["rw"]).architecture == "roberta"
+    with pytest.raises(ModelImportError, match="must be lower-case"):
+        st_import.import_folder(src, name="Bad Name", home=home)
+    # a directory of the store that was not imported (a built-in model) is not overwritten
+    (home / "models" / "all-minilm-l6-v2").mkdir(parents=True, exist_ok=True)
+    _files.write_manifest(home / "models" / "all-minilm-l6-v2", {"source": {"package": "x"}})
+    with pytest.raises(ModelImportError, match="not imported from a folder"):
+        st_import.import_folder(src, name="all-minilm-l6-v2", home=home)
