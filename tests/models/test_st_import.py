@@ -203,3 +203,93 @@ def test_import_folder_names_and_skips(home, tmp_path, capsys):
     _files.write_manifest(home / "models" / "all-minilm-l6-v2", {"source": {"package": "x"}})
     with pytest.raises(ModelImportError, match="not imported from a folder"):
         st_import.import_folder(src, name="all-minilm-l6-v2", home=home)
+
+
+def _broken(tmp_path: pathlib.Path, base: str, edit) -> pathlib.Path:
+    folder = tmp_path / "broken"
+    shutil.copytree(ST_MODELS / base, folder)
+    edit(folder)
+    return folder
+
+
+def _json_edit(file: str, **changes):
+    def edit(folder: pathlib.Path) -> None:
+        data = json.loads((folder / file).read_text())
+        data.update(changes)
+        (folder / file).write_text(json.dumps(data))
+    return edit
+
+
+def _truncate(file: str):
+    def edit(folder: pathlib.Path) -> None:
+        data = (folder / file).read_bytes()
+        (folder / file).write_bytes(data[: len(data) // 2])
+    return edit
+
+
+def _torch_only(folder: pathlib.Path) -> None:
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+
+
+def _small_vocab(folder: pathlib.Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(str(folder / "model.safetensors"))
+    w["embeddings.word_embeddings.weight"] = w["embeddings.word_embeddings.weight"][:100]
+    save_file(w, str(folder / "model.safetensors"))
+    _json_edit("config.json", vocab_size=100)(folder)
+
+
+@pytest.mark.parametrize(("base", "edit", "file", "problem"), [
+    ("bert-mean-norm", _json_edit("config.json", model_type="gpt2", architectures=["GPT2Model"]),
+     "config.json", "model_type 'gpt2' (GPT2Model) is not supported"),
+    ("bert-mean-norm", _json_edit("config.json", architectures=["BertForMaskedLM"]),
+     "config.json", "architecture BertForMaskedLM is not supported"),
+    ("bert-mean-norm", _json_edit("config.json", position_embedding_type="relative_key"),
+     "config.json", "position_embedding_type 'relative_key'"),
+    ("bert-mean-norm", _torch_only, "pytorch_model.bin", "needs torch to read"),
+    ("bert-mean-norm", lambda f: (f / "model.safetensors").unlink(), "model.safetensors", "missing"),
+    ("bert-mean-norm", _truncate("model.safetensors"), "model.safetensors", "not a readable safetensors"),
+    ("bert-mean-norm", lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json", "missing"),
+    ("bert-mean-norm", _truncate("tokenizer.json"), "tokenizer.json", "not a readable tokenizer"),
+    ("bert-mean-norm", _truncate("config.json"), "config.json", "not valid JSON"),
+    ("bert-mean-norm", _small_vocab, "tokenizer.json", "embedding table has 100 rows"),
+    ("bert-mean-norm", _json_edit("1_Pooling/config.json", pooling_mode_mean_tokens=False,
+                                  pooling_mode="attention"), "1_Pooling/config.json", "pooling mode 'attention'"),
+    ("bert-mean-norm", _json_edit("1_Pooling/config.json", include_prompt=False),
+     "1_Pooling/config.json", "include_prompt false"),
+    ("onnx-bert-mean", _truncate("model.onnx"), "model.onnx", "not a readable ONNX model"),
+    ("bert-cross", _json_edit("config.json", id2label={"0": "a", "1": "b"}), "config.json", "2 labels"),
+    ("mpnet-mean-prompt", _json_edit("config_sentence_transformers.json", default_prompt_name="other"),
+     "config_sentence_transformers.json", "default_prompt_name 'other'"),
+], ids=["architecture", "head", "relative-positions", "pytorch-bin", "no-weights", "corrupt-weights",
+        "no-tokenizer", "corrupt-tokenizer", "corrupt-config", "vocabulary", "pooling", "include-prompt",
+        "corrupt-onnx", "labels", "default-prompt"])
+def test_import_errors_name_folder_file_and_supported_set(base, edit, file, problem, tmp_path):
+    folder = _broken(tmp_path, base, edit)
+    with pytest.raises(ModelImportError) as info:
+        st_import.prepare_folder(folder, home=tmp_path / "home")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{folder}: {file}: ")
+    assert problem in message and "supported: BertModel, RobertaModel" in message
+    assert info.value.file == file and info.value.folder == str(folder)
+    assert not [p for p in (tmp_path / "home" / "models").glob(".folders/*")
+                if p.name != ".prepare.lock"]  # nothing half-written
+
+
+def test_modules_json_type_names_of_every_version(tmp_path):
+    """2.x's ``sentence_transformers.models.Pooling`` and 6.x's ``...base.modules...`` alike;
+    a module the importer does not build is refused by name."""
+    folder = _broken(tmp_path, "bert-mean-norm", lambda f: None)
+    modules = json.loads((folder / "modules.json").read_text())
+    assert modules[1]["type"] == "sentence_transformers.models.Pooling"  # the legacy fixture
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelImportError, match=r"modules.json: module type 'sentence_transformers.models.Dense'"):
+        st_import.prepare_folder(folder, home=tmp_path / "home")
+    assert "sentence_transformers.base.modules" in (ST_MODELS / "bert-max-mean" / "modules.json").read_text()
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(ModelImportError, match=r"nowhere: \.: not a folder"):
+        st_import.prepare_folder(tmp_path / "nowhere", home=tmp_path)
