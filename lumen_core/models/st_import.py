@@ -53,6 +53,8 @@ TOKENIZER_FILE = "tokenizer.json"
 FOLDERS_SUBDIR = ".folders"
 TEXT_MODEL_KEY = "text_model"
 OUTPUT, POOLED, LOGITS = "embedding", "pooled", "logits"
+#: the ONNX producer_name of the graphs written here
+PRODUCER = "lumen_core.models.st_import"
 #: names ``lumen models import`` accepts (a directory name under the model store)
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 #: run through every build once: the graph must load and answer, alone and batched
@@ -197,7 +199,7 @@ def build_graph(spec: FolderSpec, tok: Any) -> tuple[Any, int]:
         _heads.add_embed_outputs(g, hidden, spec.pooling, spec.normalize, OUTPUT, POOLED)
         width = enc.hidden * len(spec.pooling)
         outputs = {OUTPUT: ["batch", width], POOLED: ["batch", width]}
-    return g.model(f"{enc.family}_{spec.kind}", outputs, "lumen_core.models.st_import"), enc.pad_token_id
+    return g.model(f"{enc.family}_{spec.kind}", outputs, PRODUCER), enc.pad_token_id
 
 
 def content_hash(spec: FolderSpec) -> str:
@@ -286,7 +288,7 @@ def _build_dir(spec: FolderSpec, root: pathlib.Path, name: str, digest: str, say
         if int8:
             from . import text_int8
 
-            details.update(text_int8.quantize_dir(staging, spec, say, name))
+            details.update(text_int8.quantize_dir(staging, spec, details[TEXT_MODEL_KEY], say, name))
         files = details.pop("output_files")
         write_manifest(staging, {"format": MANIFEST_FORMAT, "name": name, "model_id": name,
                                  "revision": IMPORT_REVISION,

@@ -293,3 +293,35 @@ def test_modules_json_type_names_of_every_version(tmp_path):
 def test_not_a_folder(tmp_path):
     with pytest.raises(ModelImportError, match=r"nowhere: \.: not a folder"):
         st_import.prepare_folder(tmp_path / "nowhere", home=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["bert-mean-norm", "mpnet-mean-prompt", "distilbert-meansqrt",
+                                  "roberta-weightedmean"])
+def test_int8_import_matches_fp32(name, home):
+    """``--int8``: the MiniLM recipe on any imported encoder; the self-check (cosine >= 0.99
+    over the calibration texts) passes and the test texts agree with sentence-transformers."""
+    lines: list = []
+    directory = st_import.import_folder(ST_MODELS / name, int8=True, home=home, progress=lines.append)[f"{name}-int8"]
+    manifest = _files.read_manifest(directory)
+    assert manifest["graph"] == "int8-row-smooth-gptq" and manifest["int8_matmuls"] == 12
+    assert manifest["self_check_cosine"] >= 0.99 and manifest["source"]["int8"] is True
+    assert any("int8 self-check" in line for line in lines)
+    ops = {n.op_type for n in __import__("onnx").load(str(directory / "model.onnx")).graph.node}
+    assert "MatMulIntegerToFloat" in ops
+    ref = _reference(name)
+    got = _embed(directory, ref["texts"])
+    want = np.load(ST_MODELS / name / "reference.npy")
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= 0.98, cosine
+
+
+def test_int8_refuses_below_the_self_check(home, monkeypatch, tmp_path):
+    from lumen_core.models import text_int8
+
+    monkeypatch.setattr(text_int8, "SELF_CHECK_MIN_COSINE", 1.5)  # no graph reaches it
+    with pytest.raises(ModelImportError, match=r"int8 graph reaches cosine [01]\.\d+ .* not written; import "
+                                               "without --int8"):
+        st_import.import_folder(ST_MODELS / "bert-mean-norm", name="refused", int8=True, home=tmp_path)
+    assert not (tmp_path / "models" / "refused").exists()
+    with pytest.raises(ModelImportError, match="--int8 is for embedding models .* not a cross-encoder"):
+        st_import.import_folder(ST_MODELS / "bert-cross", int8=True, home=tmp_path)
