@@ -196,7 +196,8 @@ def read_folder(src: Any) -> FolderSpec:
     return FolderSpec(
         folder=folder, kind=kind, architecture="onnx-export" if onnx is not None else family,
         family=family, config=config, transformer_dir=transformer_dir, weights=weights, onnx=onnx,
-        tokenizer=tokenizer, max_seq_length=max_seq, max_positions=min(max_positions, NO_LIMIT),
+        tokenizer=tokenizer, max_seq_length=max_seq,
+        max_positions=max_seq if max_positions >= NO_LIMIT else max_positions,
         do_lower_case=bool(sentence.get("do_lower_case", False)), pooling=pooling,
         normalize=normalize, prompts=prompts, default_prompt_name=default_prompt,
         num_labels=num_labels, files=files)

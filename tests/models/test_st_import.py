@@ -325,3 +325,73 @@ def test_int8_refuses_below_the_self_check(home, monkeypatch, tmp_path):
     assert not (tmp_path / "models" / "refused").exists()
     with pytest.raises(ModelImportError, match="--int8 is for embedding models .* not a cross-encoder"):
         st_import.import_folder(ST_MODELS / "bert-cross", int8=True, home=tmp_path)
+
+
+def test_onnx_export_keeps_two_inputs(home):
+    """The export's token_type_ids input becomes in-graph zeros: the prepared graph has the
+    two inputs of every text model."""
+    directory = st_import.prepare_folder(ST_MODELS / "onnx-bert-mean", home=home)
+    sess = cpu_session(directory / "model.onnx")
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask"]
+    assert [o.name for o in sess.get_outputs()] == ["embedding", "pooled"]
+    assert st_import.read_text_model(directory).architecture == "onnx-export"
+
+
+def _toy_export(path: pathlib.Path, opset: int) -> np.ndarray:
+    """An 'export' with int32 inputs and token types whose last hidden state is a table
+    lookup (word row + type row): pooling is checkable by hand."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(400, 8)).astype(np.float32)
+    types = rng.normal(size=(2, 8)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["word", "input_ids"], ["w"]),
+             helper.make_node("Gather", ["types", "token_type_ids"], ["t"]),
+             helper.make_node("Add", ["w", "t"], ["last_hidden_state"]),
+             helper.make_node("Cast", ["attention_mask"], ["unused"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(
+        nodes, "toy",
+        [helper.make_tensor_value_info(n, TensorProto.INT32, ["b", "s"])
+         for n in ("input_ids", "attention_mask", "token_type_ids")],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["b", "s", 8])],
+        initializer=[numpy_helper.from_array(table, "word"), numpy_helper.from_array(types, "types")])
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return table + types[0]
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_onnx_export_splice_int32_inputs_and_new_opsets(opset, tmp_path):
+    folder = tmp_path / "toy"
+    shutil.copytree(ST_MODELS / "onnx-bert-mean", folder)
+    rows = _toy_export(folder / "model.onnx", opset)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": ["max", "mean"]}))
+    if opset == 18:  # a bare export: no config.json, the limits come from sentence_bert_config.json
+        (folder / "config.json").unlink()
+    directory = st_import.prepare_folder(folder, home=tmp_path / "home")
+    tm = st_import.read_text_model(directory)
+    assert tm.pooling == "max+mean" and tm.dimension == 16 and tm.max_seq_length == 24
+    assert tm.max_positions == (24 if opset == 18 else 64)
+    texts = ["hello world", "the quick brown fox jumps"]
+    ids, mask = text_tokenize.encode_texts(directory / "tokenizer.json", texts, tm)
+    emb = _embed(directory, texts)
+    for row, (i, m) in enumerate(zip(ids, mask, strict=True)):
+        h = rows[i[m == 1]]
+        want = np.concatenate([h.max(axis=0), h.mean(axis=0)])
+        np.testing.assert_allclose(emb[row], want / np.linalg.norm(want), atol=1e-6)
+
+
+def test_builtin_minilm_manifests_carry_the_text_model_block(tmp_path_factory):
+    """The built-in MiniLMs are imports too: the serving side reads one format."""
+    from serve_support import prepared_home
+
+    from lumen_core import models
+
+    home = prepared_home(tmp_path_factory)
+    for name in (models.MINILM, models.MINILM_INT8):
+        tm = st_import.read_text_model(models.model_dir(name, home))
+        assert (tm.kind, tm.architecture, tm.dimension, tm.max_seq_length, tm.max_positions) == \
+            ("embed", "bert", 384, 256, 512)
+        assert (tm.pooling, tm.normalize, tm.do_lower_case, tm.pad_token_id, tm.prompts) == \
+            ("mean", True, False, 0, {})
+    assert {models.MINILM, models.MINILM_INT8} <= set(st_import.prepared_text_models(home))
