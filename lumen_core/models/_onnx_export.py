@@ -13,8 +13,6 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import numpy as np
-
 from ._graph import ATTENTION_MASK, INPUT_IDS, GraphBuilder
 from ._heads import add_embed_outputs
 
@@ -104,14 +102,3 @@ def _rename_consumers(graph: Any, old: str, new: str) -> None:
             if name == old:
                 node.input[i] = new
 
-
-def hidden_size(model: Any) -> int:
-    """The export's hidden size from its output shape, 0 when symbolic."""
-    for o in model.graph.output:
-        dims = o.type.tensor_type.shape.dim
-        if len(dims) == 3 and dims[2].dim_value:
-            return int(dims[2].dim_value)
-    return 0
-
-
-__all__ = ["ExportError", "load", "splice", "hidden_size", "np"]

@@ -29,7 +29,8 @@ from typing import Any, Optional
 from ._arch import CLASSIFIERS, ENCODERS, ArchError, encoder_spec, family_of
 from ._heads import POOLING_MODES
 
-#: config.json ``architectures`` an imported folder may have
+#: config.json ``architectures`` an imported folder may have (another head over a supported
+#: encoder, e.g. ``MPNetForMaskedLM``, counts as the encoder: the head is not used)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ENCODERS + CLASSIFIERS
 #: what the one-line errors list as supported
 SUPPORTED_TEXT = (f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} with model.safetensors, or an "
@@ -148,10 +149,13 @@ def read_folder(src: Any) -> FolderSpec:
         family = family_of(config) if (config or onnx is None) else "bert"
     except ArchError as exc:
         raise ModelImportError(folder, _rel(folder, config_path), exc.problem) from None
-    if arch and arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelImportError(folder, _rel(folder, config_path), f"architecture {arch} is not supported")
-    kind = "rerank" if arch in CLASSIFIERS or sentence.get("transformer_task") == "sequence-classification" \
-        else "embed"
+    # a head other than a sequence classifier (``MPNetForMaskedLM``, ``BertForPreTraining``) is
+    # ignored, as sentence-transformers' AutoModel ignores it: the encoder under it is the model
+    classifier = arch.endswith("ForSequenceClassification") \
+        or sentence.get("transformer_task") == "sequence-classification"
+    if classifier and arch not in CLASSIFIERS:
+        raise ModelImportError(folder, _rel(folder, config_path), f"architecture {arch or '?'} is not supported")
+    kind = "rerank" if classifier else "embed"
     num_labels = 1
     if kind == "rerank":
         num_labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import pathlib
 import re
@@ -347,15 +346,7 @@ def import_folder(src: os.PathLike, *, name: Optional[str] = None, int8: bool = 
     return done
 
 
-def text_model_manifest(spec: FolderSpec, out_dir: pathlib.Path, say: ProgressFn, label: str) -> dict:
-    """For the built-in preparers (``models/minilm.py``): :func:`build_into`'s details."""
-    return build_into(spec, out_dir, say, label)
-
-
 def folder_spec(src: os.PathLike) -> FolderSpec:
     """The folder read (``_st_folder.read_folder``), for the built-in preparers and tools."""
     return read_folder(src)
 
-
-def describe(tm: TextModel) -> str:
-    return json.dumps(dataclasses.asdict(tm), sort_keys=True)

@@ -243,8 +243,9 @@ def _small_vocab(folder: pathlib.Path) -> None:
 @pytest.mark.parametrize(("base", "edit", "file", "problem"), [
     ("bert-mean-norm", _json_edit("config.json", model_type="gpt2", architectures=["GPT2Model"]),
      "config.json", "model_type 'gpt2' (GPT2Model) is not supported"),
-    ("bert-mean-norm", _json_edit("config.json", architectures=["BertForMaskedLM"]),
-     "config.json", "architecture BertForMaskedLM is not supported"),
+    ("bert-cross", _json_edit("config.json", model_type="distilbert",
+                              architectures=["DistilBertForSequenceClassification"]),
+     "config.json", "architecture DistilBertForSequenceClassification is not supported"),
     ("bert-mean-norm", _json_edit("config.json", position_embedding_type="relative_key"),
      "config.json", "position_embedding_type 'relative_key'"),
     ("bert-mean-norm", _torch_only, "pytorch_model.bin", "needs torch to read"),
@@ -275,6 +276,22 @@ def test_import_errors_name_folder_file_and_supported_set(base, edit, file, prob
     assert info.value.file == file and info.value.folder == str(folder)
     assert not [p for p in (tmp_path / "home" / "models").glob(".folders/*")
                 if p.name != ".prepare.lock"]  # nothing half-written
+
+
+def test_another_head_over_a_supported_encoder_is_the_encoder(tmp_path):
+    """``MPNetForMaskedLM`` in config.json (all-mpnet-base-v2's) and weights under the head's
+    prefix (``bert.``): sentence-transformers' AutoModel loads the encoder, so does the import."""
+    from safetensors.numpy import load_file, save_file
+
+    def edit(folder: pathlib.Path) -> None:
+        _json_edit("config.json", architectures=["BertForMaskedLM"])(folder)
+        w = load_file(str(folder / "model.safetensors"))
+        save_file({"bert." + k: v for k, v in w.items()}, str(folder / "model.safetensors"))
+
+    folder = _broken(tmp_path, "bert-mean-norm", edit)
+    directory = st_import.prepare_folder(folder, home=tmp_path / "home")
+    ref = _reference("bert-mean-norm")
+    _assert_close(_embed(directory, ref["texts"]), np.load(ST_MODELS / "bert-mean-norm" / "reference.npy"), True)
 
 
 def test_modules_json_type_names_of_every_version(tmp_path):
