@@ -128,29 +128,27 @@ _MPNET = {"attention.attn.q": "attention.self.query", "attention.attn.k": "atten
           "attention.LayerNorm": "attention.output.LayerNorm"}
 
 
+def _rename_layers(w: dict[str, np.ndarray], prefix: str, stems: dict[str, str]) -> dict[str, np.ndarray]:
+    """``<prefix><i>.<stem>.<leaf>`` -> ``encoder.layer.<i>.<BERT's stem>.<leaf>``."""
+    renamed = {}
+    for k, v in w.items():
+        if k.startswith(prefix):
+            idx, rest = k[len(prefix):].split(".", 1)
+            stem, leaf = rest.rsplit(".", 1)
+            k = f"encoder.layer.{idx}.{stems.get(stem, stem)}.{leaf}"
+        renamed[k] = v
+    return renamed
+
+
 def canonical_weights(weights: dict[str, np.ndarray], spec: EncoderSpec) -> dict[str, np.ndarray]:
     """The encoder's tensors under BERT's names (``embeddings.*``, ``encoder.layer.i.*``);
     for MPNet also sets ``spec.relative_bias``.  ArchError naming the first missing tensor."""
     w = {k.replace(".gamma", ".weight").replace(".beta", ".bias"): v
          for k, v in _strip_prefix(weights).items()}
     if spec.family == "distilbert":
-        renamed = {}
-        for k, v in w.items():
-            if k.startswith("transformer.layer."):
-                _, _, idx, rest = k.split(".", 3)
-                stem, leaf = rest.rsplit(".", 1)
-                k = f"encoder.layer.{idx}.{_DISTILBERT.get(stem, stem)}.{leaf}"
-            renamed[k] = v
-        w = renamed
+        w = _rename_layers(w, "transformer.layer.", _DISTILBERT)
     elif spec.family == "mpnet":
-        renamed = {}
-        for k, v in w.items():
-            if k.startswith("encoder.layer."):
-                _, _, idx, rest = k.split(".", 3)
-                stem, leaf = rest.rsplit(".", 1)
-                k = f"encoder.layer.{idx}.{_MPNET.get(stem, stem)}.{leaf}"
-            renamed[k] = v
-        w = renamed
+        w = _rename_layers(w, "encoder.layer.", _MPNET)
         table = w.get("encoder.relative_attention_bias.weight")
         if table is None:
             raise ArchError("model.safetensors", "MPNet without encoder.relative_attention_bias.weight")

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..engine.session import cpu_session
 from ..errors import ModelMissingError
-from . import _arch, _graph, _heads, st_import
+from . import _arch, _graph, _heads, st_import, text_tokenize
 from ._files import (
     MODEL_FILE,
     ProgressFn,
@@ -170,13 +170,7 @@ def load_tokenizer(path: pathlib.Path) -> Any:
 
 def pad_batch(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token id lists into (input_ids, attention_mask), both int64 [N, max_len]."""
-    length = max(len(x) for x in ids)
-    input_ids = np.full((len(ids), length), PAD_TOKEN_ID, dtype=np.int64)
-    mask = np.zeros((len(ids), length), dtype=np.int64)
-    for row, seq in enumerate(ids):
-        input_ids[row, : len(seq)] = seq
-        mask[row, : len(seq)] = 1
-    return input_ids, mask
+    return text_tokenize.pad_batch(ids, PAD_TOKEN_ID)
 
 
 def embed(sess: Any, tokenizer: Any, texts: list[str]) -> np.ndarray:
