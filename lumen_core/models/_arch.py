@@ -17,10 +17,11 @@ from ._graph import ACTIVATIONS
 
 #: config.json ``model_type`` -> family (the TextModel's ``architecture``)
 FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "xlm-roberta",
-            "camembert": "roberta", "mpnet": "mpnet", "distilbert": "distilbert"}
+            "camembert": "roberta", "mpnet": "mpnet", "distilbert": "distilbert",
+            "modernbert": "modernbert"}
 #: config.json ``architectures`` the importer builds: encoders (embed) ...
 ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "MPNetModel",
-            "DistilBertModel")
+            "DistilBertModel", "ModernBertModel")
 #: ... and one-label sequence classifiers (rerank: sentence-transformers' CrossEncoder)
 CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                "XLMRobertaForSequenceClassification")
@@ -87,7 +88,8 @@ def encoder_spec(config: dict) -> EncoderSpec:
         layers, act, eps = _int(config, "n_layers"), config.get("activation", "gelu"), DISTILBERT_EPS
     else:
         hidden, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
-        layers, act = _int(config, "num_hidden_layers"), config.get("hidden_act", "gelu")
+        layers = _int(config, "num_hidden_layers")
+        act = config.get("hidden_activation" if family == "modernbert" else "hidden_act", "gelu")
         eps = float(config.get("layer_norm_eps", 1e-12))
         kind = config.get("position_embedding_type", "absolute")
         if kind not in (None, "absolute"):

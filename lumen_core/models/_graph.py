@@ -75,6 +75,14 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=out + "_node", **attrs))
         return out
 
+    def op_multi(self, op_type: str, inputs: list[str], hints: list[str], **attrs: Any) -> list[str]:
+        """A node with several outputs (``Split``), named from ``hints``."""
+        from onnx import helper
+
+        outs = [self._name(h) for h in hints]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=outs[0] + "_node", **attrs))
+        return outs
+
     def linear(self, x: str, weight: np.ndarray, bias: np.ndarray, hint: str) -> str:
         """``x @ W.T + b`` as MatMul + Add (torch stores Linear weights as [out, in])."""
         w = self.const(np.ascontiguousarray(weight.T), hint + ".weight")

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..engine.session import cpu_session
-from . import _arch, _graph, _heads, _onnx_export
+from . import _arch, _graph, _heads, _modernbert, _onnx_export
 from ._files import (
     MANIFEST_FORMAT,
     MODEL_FILE,
@@ -66,7 +66,7 @@ class TextModel:
     """The manifest's ``"text_model"`` block: what serving an imported text model needs."""
 
     kind: str  # "embed" | "rerank"
-    architecture: str  # "bert" | "roberta" | "xlm-roberta" | "mpnet" | "distilbert" | "onnx-export"
+    architecture: str  # "bert" | "roberta" | "xlm-roberta" | "mpnet" | "distilbert" | "modernbert" | "onnx-export"
     dimension: int  # embedding size (embed); num_labels for rerank
     max_seq_length: int  # tokens incl. special tokens
     max_positions: int  # the position table's usable length
@@ -179,18 +179,22 @@ def build_graph(spec: FolderSpec, tok: Any) -> tuple[Any, int]:
         return model, int(pad) if isinstance(pad, int) else (tok.token_to_id("[PAD]") or 0)
     enc = _arch.encoder_spec(spec.config)
     raw = _load_weights(spec)
-    try:
-        weights = _arch.canonical_weights(raw, enc)
-        head = _arch.classifier_weights(raw, enc.family) if spec.kind == "rerank" else None
-    except _arch.ArchError as exc:
-        raise ModelImportError(spec.folder, spec.weights[-1].name, exc.problem) from None
-    del raw
     _check_vocabulary(spec, tok, enc.vocab_size)
-    if spec.kind == "rerank" and "embeddings.token_type_embeddings.weight" in weights \
-            and len(weights["embeddings.token_type_embeddings.weight"]) > 1:
-        enc.pair_separator = _pair_separator(spec, tok)
     g = _graph.GraphBuilder()
-    hidden = _graph.encoder(g, weights, enc)
+    try:
+        if enc.family == "modernbert":
+            hidden, head = _modernbert.encoder(g, raw, spec.config, enc), None
+        else:
+            weights = _arch.canonical_weights(raw, enc)
+            head = _arch.classifier_weights(raw, enc.family) if spec.kind == "rerank" else None
+            if spec.kind == "rerank" and "embeddings.token_type_embeddings.weight" in weights \
+                    and len(weights["embeddings.token_type_embeddings.weight"]) > 1:
+                enc.pair_separator = _pair_separator(spec, tok)
+            hidden = _graph.encoder(g, weights, enc)
+    except _arch.ArchError as exc:
+        raise ModelImportError(spec.folder, exc.file if exc.file == "config.json" else spec.weights[-1].name,
+                               exc.problem) from None
+    del raw
     if head is not None:
         g.identity(_heads.classifier(g, hidden, head), LOGITS)
         outputs = {LOGITS: ["batch", spec.num_labels]}

@@ -30,6 +30,8 @@ GRAPH = "int8-row-smooth-gptq"
 #: weight MatMuls per encoder layer: Q, K, V, attention output, FFN in, FFN out
 MATMULS_PER_LAYER = 6
 POOLED = "pooled"
+#: the BERT-pattern encoders the recipe's graph walk knows (ModernBERT's bias-free gated layers not)
+INT8_FAMILIES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert")
 
 
 def _layers(spec: FolderSpec) -> int:
@@ -53,8 +55,9 @@ def quantize_dir(directory: pathlib.Path, spec: FolderSpec, text_model: dict, sa
     import onnx
     from tokenizers import Tokenizer
 
-    if spec.kind != "embed" or spec.onnx is not None:
-        what = "a cross-encoder" if spec.kind != "embed" else "an ONNX export"
+    if spec.kind != "embed" or spec.onnx is not None or spec.family not in INT8_FAMILIES:
+        what = ("a cross-encoder" if spec.kind != "embed" else "an ONNX export" if spec.onnx is not None
+                else f"a {spec.family} model")
         raise ModelImportError(spec.folder, (spec.onnx or spec.weights[-1]).name,
                                f"--int8 is for embedding models built from safetensors, not {what}")
     fp32 = directory / "fp32.onnx"

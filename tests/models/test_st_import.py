@@ -22,7 +22,7 @@ from lumen_core.models.st_import import ModelImportError
 
 ST_MODELS = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "st_models"
 EMBED = ["bert-mean-norm", "bert-cls-lower", "bert-max-mean", "roberta-weightedmean",
-         "xlmr-lasttoken", "mpnet-mean-prompt", "distilbert-meansqrt", "onnx-bert-mean"]
+         "xlmr-lasttoken", "mpnet-mean-prompt", "distilbert-meansqrt", "modernbert-mean", "onnx-bert-mean"]
 CROSS = ["bert-cross", "roberta-cross"]
 MIN_COSINE = 0.9999
 NORM_RTOL = 1e-3
@@ -342,6 +342,8 @@ def test_int8_refuses_below_the_self_check(home, monkeypatch, tmp_path):
     assert not (tmp_path / "models" / "refused").exists()
     with pytest.raises(ModelImportError, match="--int8 is for embedding models .* not a cross-encoder"):
         st_import.import_folder(ST_MODELS / "bert-cross", int8=True, home=tmp_path)
+    with pytest.raises(ModelImportError, match="not a modernbert model"):
+        st_import.import_folder(ST_MODELS / "modernbert-mean", int8=True, home=tmp_path)
 
 
 def test_onnx_export_keeps_two_inputs(home):
@@ -427,3 +429,25 @@ def test_minilm_package_folder_imports_as_the_builtin_model(tmp_path_factory, tm
     assert _files.sha256_file(directory / "model.onnx") == _files.sha256_file(builtin / "model.onnx")
     mine, theirs = st_import.read_text_model(directory), st_import.read_text_model(builtin)
     assert mine == theirs
+
+
+def test_modernbert_config_of_either_transformers_and_the_band_matters(tmp_path):
+    """ModernBERT's config as transformers 4.48 wrote it (``global_attn_every_n_layers``,
+    ``global_rope_theta``, ``local_rope_theta``) builds the same graph as 5.x's
+    (``layer_types``, ``rope_parameters``); and the local layers' window is real: with a window
+    wider than any text, the long text's vector moves."""
+    ref = _reference("modernbert-mean")
+    want = np.load(ST_MODELS / "modernbert-mean" / "reference.npy")
+
+    def legacy(folder: pathlib.Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["layer_types"], cfg["rope_parameters"]
+        cfg.update(global_attn_every_n_layers=3, global_rope_theta=160000.0, local_rope_theta=10000.0)
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+    folder = _broken(tmp_path, "modernbert-mean", legacy)
+    _assert_close(_embed(st_import.prepare_folder(folder, home=tmp_path / "h"), ref["texts"]), want, True)
+    _json_edit("config.json", local_attention=1000)(folder)
+    got = _embed(st_import.prepare_folder(folder, home=tmp_path / "h"), ref["texts"])
+    cosine = (got * want).sum(axis=1)
+    assert cosine.min() < 0.999 and cosine[0] > 0.9999  # the long text moves, "hello world" not
