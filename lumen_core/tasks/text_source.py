@@ -13,7 +13,7 @@ A text task names its model one of three ways (docs/own-models.md):
   ``"text_model"`` block) is used as it is.
 - ``model = "file.onnx"``: an ONNX file with the MiniLM graph I/O; its tokenizer is the
   ``tokenizer.json`` beside it, and how to feed it the manifest beside it when that has the
-  block, else all-MiniLM-L6-v2's values (``models.text_model.minilm_text_model``).
+  block, else all-MiniLM-L6-v2's values (``models.minilm.minilm_text_model``).
 
 The result, :class:`TextSource`, carries the files, the :class:`TextModel` and the preprocess
 id of the tokenizer (:func:`preprocess_id`), which the tensor route's clients name.
@@ -44,7 +44,13 @@ from ..models import (
     read_manifest,
     require_model,
 )
-from ..models.minilm import ATTENTION_MASK, INPUT_IDS, TOKEN_DTYPE, TOKENIZER_FILE
+from ..models.minilm import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    TOKEN_DTYPE,
+    TOKENIZER_FILE,
+    minilm_text_model,
+)
 from ..models.text_model import (
     IMPORT_COMMAND,
     KIND_EMBED,
@@ -52,7 +58,6 @@ from ..models.text_model import (
     TextModelError,
     find_prepared,
     importer,
-    minilm_text_model,
     prepared_text_models,
     read_text_model,
 )
@@ -152,7 +157,7 @@ def not_prepared(cfg: TaskConfig, name: str, root: pathlib.Path) -> ConfigError:
     """The error for a ``model_id`` that is not in the store: the text models that are, and
     the commands that put one there."""
     have = prepared_text_models(root)
-    listed = ", ".join(f"{n} ({k})" for n, k in have.items()) or "none"
+    listed = ", ".join(f"{n} ({tm.kind})" for n, tm in have.items()) or "none"
     return ConfigError(cfg.source, f"{cfg.key}.model_id",
                        f"no prepared model {name[:200]!r} under {root}; the prepared text models "
                        f"are: {listed}. Run `{PREPARE_COMMAND}` (the built-in models) or "

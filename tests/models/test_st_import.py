@@ -19,6 +19,7 @@ import pytest
 from lumen_core.engine.session import cpu_session
 from lumen_core.models import _files, st_import, text_tokenize
 from lumen_core.models.st_import import ModelImportError
+from lumen_core.models.text_model import prepared_text_models
 
 ST_MODELS = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "st_models"
 EMBED = ["bert-mean-norm", "bert-cls-lower", "bert-max-mean", "roberta-weightedmean",
@@ -194,7 +195,7 @@ def test_import_folder_names_and_skips(home, tmp_path, capsys):
     st_import.import_folder(src, home=home, progress=lines.append)
     assert lines == [f"my-model: up to date ({home / 'models' / 'my-model'})"]
     named = st_import.import_folder(src, name="rw", home=home)
-    assert set(st_import.prepared_text_models(home)) >= {"my-model", "rw"}
+    assert set(prepared_text_models(home / "models")) >= {"my-model", "rw"}
     assert st_import.read_text_model(named["rw"]).architecture == "roberta"
     with pytest.raises(ModelImportError, match="must be lower-case"):
         st_import.import_folder(src, name="Bad Name", home=home)
@@ -413,7 +414,7 @@ def test_builtin_minilm_manifests_carry_the_text_model_block(tmp_path_factory):
             ("embed", "bert", 384, 256, 512)
         assert (tm.pooling, tm.normalize, tm.do_lower_case, tm.pad_token_id, tm.prompts) == \
             ("mean", True, False, 0, {})
-    assert {models.MINILM, models.MINILM_INT8} <= set(st_import.prepared_text_models(home))
+    assert {models.MINILM, models.MINILM_INT8} <= set(prepared_text_models(models.models_dir(home)))
 
 
 def test_minilm_package_folder_imports_as_the_builtin_model(tmp_path_factory, tmp_path):

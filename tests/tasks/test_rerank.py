@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 import lumen_core as lc
 from lumen_core import models
 from lumen_core.errors import ConfigError
-from lumen_core.tasks.rerank import LONG_TEXT_CHARS, longest_first
+from lumen_core.models.text_tokenize import longest_first
+from lumen_core.tasks.rerank import LONG_TEXT_CHARS
 
 MAX_LEN = 32
 TASK = "rr"
