@@ -285,6 +285,10 @@ def import_folder(src: os.PathLike, *, name: Optional[str] = None, int8: bool = 
     if not NAME_PATTERN.match(name):
         raise ModelImportError(spec.folder, ".", f"model name {name!r} must be lower-case letters, digits, "
                                                  "'.', '_' or '-' (pass --name)")
+    if int8:  # refused before anything is built
+        from .text_int8 import check_int8
+
+        check_int8(spec)
     digest = content_hash(spec)
     root = models_dir(home)
     done = Prepared()

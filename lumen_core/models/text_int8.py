@@ -47,6 +47,16 @@ def _pooled(path: pathlib.Path, ids: list, pad: int) -> np.ndarray:
     return np.concatenate(out).astype(np.float64)
 
 
+def check_int8(spec: FolderSpec) -> None:
+    """ModelImportError unless ``spec`` is a model ``--int8`` can quantize (an embedding model
+    of a BERT-pattern family built from safetensors): asked before anything is built."""
+    if spec.kind != "embed" or spec.onnx is not None or spec.family not in INT8_FAMILIES:
+        what = ("a cross-encoder" if spec.kind != "embed" else "an ONNX export" if spec.onnx is not None
+                else f"a {spec.family} model")
+        raise ModelImportError(spec.folder, (spec.onnx or spec.weights[-1]).name,
+                               f"--int8 is for embedding models built from safetensors, not {what}")
+
+
 def quantize_dir(directory: pathlib.Path, spec: FolderSpec, text_model: dict, say: ProgressFn,
                  label: str) -> dict[str, Any]:
     """Replace ``directory``'s fp32 model.onnx by its int8 graph; return the manifest details
@@ -55,11 +65,7 @@ def quantize_dir(directory: pathlib.Path, spec: FolderSpec, text_model: dict, sa
     import onnx
     from tokenizers import Tokenizer
 
-    if spec.kind != "embed" or spec.onnx is not None or spec.family not in INT8_FAMILIES:
-        what = ("a cross-encoder" if spec.kind != "embed" else "an ONNX export" if spec.onnx is not None
-                else f"a {spec.family} model")
-        raise ModelImportError(spec.folder, (spec.onnx or spec.weights[-1]).name,
-                               f"--int8 is for embedding models built from safetensors, not {what}")
+    check_int8(spec)
     fp32 = directory / "fp32.onnx"
     (directory / MODEL_FILE).replace(fp32)
     model = onnx.load(str(fp32))
