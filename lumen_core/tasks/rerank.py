@@ -33,7 +33,7 @@ import numpy as np
 from ..config import Option
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..errors import ConfigError, InvalidArgument, PayloadTooLarge
-from ..models.text_model import KIND_RERANK
+from ..models.text_model import KIND_RERANK, LOGITS  # the graph's raw scores [N, num_labels]
 from ..models.text_tokenize import PairTemplate, model_text
 from ..request import new_infer_request
 from .base import TaskBackend
@@ -54,8 +54,6 @@ BACKEND_NAME = "rerank"
 TEXT_MIME = "text/plain"
 LAYOUT = "NL"
 TOKEN_NP = np.dtype("<i8")
-#: the graph's output: raw scores (logits) [N, num_labels]
-LOGITS = "logits"
 #: the plain request options (TEI's names where TEI has one)
 OPT_QUERY = "query"
 OPT_TRUNCATE = "truncate"

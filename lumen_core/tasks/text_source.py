@@ -54,6 +54,7 @@ from ..models.minilm import (
 from ..models.text_model import (
     IMPORT_COMMAND,
     KIND_EMBED,
+    TEXT_MODEL_KEY,
     TextModel,
     TextModelError,
     find_prepared,
@@ -168,7 +169,7 @@ def not_prepared(cfg: TaskConfig, name: str, root: pathlib.Path) -> ConfigError:
 def _folder(cfg: TaskConfig) -> TextSource:
     folder = pathlib.Path(cfg.model)
     manifest = read_manifest(folder)
-    if manifest is None or "text_model" not in manifest or not (folder / MODEL_FILE).is_file():
+    if manifest is None or TEXT_MODEL_KEY not in manifest or not (folder / MODEL_FILE).is_file():
         try:  # the importer (models/st_import.py), loaded only for a folder that needs it
             st_import = importer()
         except ImportError as exc:
@@ -189,7 +190,7 @@ def _file(cfg: TaskConfig) -> TextSource:
     here = pathlib.Path(cfg.model).parent
     manifest = read_manifest(here)
     tm = minilm_text_model()
-    if manifest is not None and "text_model" in manifest:
+    if manifest is not None and TEXT_MODEL_KEY in manifest:
         try:
             tm = read_text_model(here)
         except TextModelError as exc:
