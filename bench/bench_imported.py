@@ -17,8 +17,8 @@ neighbours' load hits both; it prints texts per second of each and the ratio imp
 builtin per round, then the median ratio and its spread (min..max), and the largest
 |imported - builtin| over the corpus (they should be equal: the same graph recipe).
 
-Needs the importer (``lumen_core.models.st_import``, branch t36models) for ``--folder``;
-``--imported NAME`` runs without it on a model imported earlier.
+``--folder`` goes through the importer (``lumen_core.models.st_import.prepare_folder``, as a
+config's ``model = "folder"`` does); ``--imported NAME`` serves a model imported earlier.
 
 Run: ``python bench/bench_imported.py [--texts 1000] [--rounds 3] [--home DIR]``.
 """
@@ -43,8 +43,6 @@ from lumen_core import models  # noqa: E402
 from lumen_core.models import minilm  # noqa: E402
 
 BATCH = 32
-#: a round must not be shorter than this (seconds of wall time per task), else it repeats
-MIN_ROUND_S = 2.0
 
 
 def drive(rt: lc.Runtime, task: str, payloads: list, callers: int) -> tuple:

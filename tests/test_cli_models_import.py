@@ -1,49 +1,22 @@
 """``lumen models import`` and start-up errors of text models (issue 36, items 1 and 7): the
-CLI calls the importer (``models/st_import.py``, stood in for here by a module of the
-contract's shape, until the importer is merged) and prints its errors as one line, exit 2; a
-corrupt ONNX file is a one-line config error naming the task and the file."""
+CLI runs the importer (``models/st_import.py``) on the committed sentence-transformers folders
+of ``tests/fixtures/st_models/`` and prints its errors as one line, exit 2; a folder in a
+config is prepared by the importer; a corrupt ONNX file is a one-line config error naming the
+task and the file."""
 from __future__ import annotations
 
+import json
+import shutil
 import sys
-import types
 
 import pytest
-import text_models as TM
+import st_fixtures as F
 
 from lumen_core import cli, models
 from lumen_core.errors import ConfigError, InvalidArgument
+from lumen_core.models import st_import
 
 IMPORTER = "lumen_core.models.st_import"
-
-
-class FakeImportError(ConfigError):
-    pass
-
-
-@pytest.fixture
-def importer(monkeypatch):
-    """A stand-in ``st_import`` recording its calls (``fail``: raise a ModelImportError)."""
-    mod = types.ModuleType(IMPORTER)
-    mod.calls = []
-    mod.fail = None
-
-    def import_folder(src, *, name=None, int8=False, home=None, progress=None):
-        mod.calls.append(("import_folder", str(src), name, int8, home))
-        if mod.fail:
-            raise FakeImportError(str(src), "config.json", mod.fail)
-        progress("building")
-        prepared = models.Prepared()
-        prepared[name or "folder"] = f"{home}/models/{name or 'folder'}"
-        return prepared
-
-    def prepare_folder(src, *, home=None, progress=None):
-        mod.calls.append(("prepare_folder", str(src)))
-        return mod.prepared_dir
-
-    mod.import_folder, mod.prepare_folder = import_folder, prepare_folder
-    monkeypatch.setitem(sys.modules, IMPORTER, mod)
-    monkeypatch.setattr(models, "st_import", mod, raising=False)
-    return mod
 
 
 def run_cli(capsys, *argv):
@@ -52,21 +25,39 @@ def run_cli(capsys, *argv):
     return rc, out, err
 
 
-def test_models_import_calls_the_importer_and_names_the_model(importer, capsys, tmp_path):
-    rc, out, err = run_cli(capsys, "models", "import", str(tmp_path), "--name", "bge-small",
-                           "--int8", "--home", str(tmp_path / "h"))
-    assert rc == 0
-    assert importer.calls == [("import_folder", str(tmp_path), "bge-small", True,
-                               str(tmp_path / "h"))]
-    assert out.startswith("bge-small\t") and 'model_id = "bge-small"' in err
-    assert "building" in err
+def test_models_import_builds_the_folder_into_the_store(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, "models", "import", str(F.ST_MODELS / "mpnet-mean-prompt"),
+                           "--name", "bge-small", "--home", str(tmp_path / "h"))
+    assert rc == 0, err
+    directory = models.models_dir(tmp_path / "h") / "bge-small"
+    assert out == f"bge-small\t{directory}\n" and 'model_id = "bge-small"' in err
+    assert "building the mpnet embed graph" in err and "text_embedding task" in err
+    tm = st_import.read_text_model(directory)
+    assert (tm.kind, tm.architecture, tm.default_prompt_name) == ("embed", "mpnet", "query")
+    # again: up to date, nothing rebuilt
+    rc, out, err = run_cli(capsys, "models", "import", str(F.ST_MODELS / "mpnet-mean-prompt"),
+                           "--name", "bge-small", "--home", str(tmp_path / "h"))
+    assert rc == 0 and "up to date" in err and "building" not in err
+    # a cross-encoder: served by a rerank task
+    rc, out, err = run_cli(capsys, "models", "import", str(F.ST_MODELS / "bert-cross"),
+                           "--home", str(tmp_path / "h"))
+    assert rc == 0 and out.startswith("bert-cross\t") and "on a rerank task" in err
 
 
-def test_models_import_errors_are_one_line_exit_2(importer, capsys, tmp_path):
-    importer.fail = "architecture 'GPT2Model' is not supported (supported: BertModel, ...)"
-    rc, out, err = run_cli(capsys, "models", "import", str(tmp_path))
+def test_models_import_errors_are_one_line_exit_2(capsys, tmp_path):
+    folder = tmp_path / "gpt"
+    shutil.copytree(F.ST_MODELS / "bert-mean-norm", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["GPT2Model"], model_type="gpt2")
+    (folder / "config.json").write_text(json.dumps(config))
+    rc, out, err = run_cli(capsys, "models", "import", str(folder), "--home", str(tmp_path / "h"))
     assert rc == 2 and out == ""
-    assert err.count("\n") == 1 and "GPT2Model" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert str(folder) in err and "config.json" in err and "BertModel" in err
+    # --int8 of a cross-encoder: refused, one line
+    rc, out, err = run_cli(capsys, "models", "import", str(F.ST_MODELS / "bert-cross"), "--int8",
+                           "--home", str(tmp_path / "h"))
+    assert rc == 2 and err.count("\n") == 1 and "cross-encoder" in err
 
 
 def test_models_import_without_an_importer_says_so(capsys, tmp_path, monkeypatch):
@@ -75,27 +66,29 @@ def test_models_import_without_an_importer_says_so(capsys, tmp_path, monkeypatch
     assert rc == 2 and "no model importer" in err and err.count("\n") == 1
 
 
-def test_a_folder_in_the_config_is_prepared_by_the_importer(importer, tmp_path, prepared_home):
-    """A folder that is not a prepared directory goes to ``st_import.prepare_folder``; the
-    directory it returns is served."""
+def test_a_folder_in_the_config_is_prepared_by_the_importer(tmp_path, monkeypatch):
+    """A folder that is not a prepared directory goes to ``st_import.prepare_folder`` (cached
+    under the store's ``.folders``); the task is named after the folder and serves its model."""
     import asyncio
 
     import lumen_core as lc
 
     src = tmp_path / "st-folder"
-    src.mkdir()
-    (src / "config.json").write_text("{}")
-    importer.prepared_dir = TM.minilm_as(tmp_path / "h", "built", prepared_home)
+    shutil.copytree(F.ST_MODELS / "xlmr-lasttoken", src)
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path / "h"))
+    ref = F.reference("xlmr-lasttoken")
 
     async def main():
         t = {"name": "t", "backend": "text_embedding", "model": str(src)}
         async with lc.Runtime.from_dict({"tasks": [t]}) as rt:
-            res = await rt.infer(lc.InferRequest("t", "hi", "text/plain",
-                                                 {"prompt_name": "query"}))
-            return res.outputs["embedding"].shape, rt.describe("t")["model_id"]
+            res = await rt.infer(lc.InferRequest("t", ref["texts"][0], "text/plain",
+                                                 {"prompt_name": ref["prompt_name"]}))
+            return res.outputs["embedding"], rt.describe("t")["model_id"]
 
-    assert asyncio.run(main()) == ((384,), "st-folder")
-    assert importer.calls == [("prepare_folder", str(src))]
+    vec, model_id = asyncio.run(main())
+    assert model_id == "st-folder"
+    assert F.cosines(vec, F.reference_vectors("xlmr-lasttoken", prompt=True)[0]).min() >= F.MIN_COSINE
+    assert len(list((tmp_path / "h" / "models" / ".folders").glob("[!.]*"))) == 1
 
 
 def test_a_corrupt_onnx_file_is_a_one_line_error_naming_task_and_file(tmp_path, capsys):
@@ -109,13 +102,13 @@ def test_a_corrupt_onnx_file_is_a_one_line_error_naming_task_and_file(tmp_path, 
     assert "tasks[0].model" in err and "'mine'" in err and str(bad) in err
 
 
-def test_a_corrupt_prepared_model_is_a_config_error(tmp_path, prepared_home):
+def test_a_corrupt_prepared_model_is_a_config_error(tmp_path):
     import asyncio
 
     import lumen_core as lc
 
-    tok = models.model_dir(models.MINILM, prepared_home) / "tokenizer.json"
-    d = TM.tiny_reranker(tmp_path / "rr", tok)
+    d = tmp_path / "rr"
+    shutil.copytree(st_import.prepare_folder(F.ST_MODELS / "bert-cross", home=tmp_path / "h"), d)
     (d / "model.onnx").write_bytes(b"not onnx at all")
     t = {"name": "r", "backend": "rerank", "model": str(d)}
     with pytest.raises(ConfigError) as info:

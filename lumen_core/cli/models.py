@@ -60,7 +60,7 @@ def cmd_models_import(args: argparse.Namespace) -> int:
     """``lumen models import DIR [--name NAME] [--int8]``: ``st_import.import_folder`` (loaded
     here only: the importer pulls in the graph builders).  Its errors (``ModelImportError``)
     are one line, exit 2, like every error ``main`` prints."""
-    from ..models.text_model import importer
+    from ..models.text_model import KIND_RERANK, importer, read_text_model
 
     try:
         st_import = importer()
@@ -71,12 +71,12 @@ def cmd_models_import(args: argparse.Namespace) -> int:
         raise
     done = st_import.import_folder(args.folder, name=args.name, int8=args.int8, home=args.home,
                                    progress=StepPrinter(sys.stderr))
-    pairs = list(done.items()) if isinstance(done, dict) else [tuple(done)]
-    for name, directory in pairs:
+    for name, directory in done.items():
         print(f"{name}\t{directory}")
-    for name, _ in pairs:
-        print(f"{PROG}: serve it with model_id = \"{name}\" on a text_embedding (or rerank) "
-              f"task", file=sys.stderr)
+    for name, directory in done.items():
+        rerank = read_text_model(directory).kind == KIND_RERANK
+        print(f"{PROG}: serve it with model_id = \"{name}\" on a "
+              f"{'rerank' if rerank else 'text_embedding'} task", file=sys.stderr)
     return EXIT_OK
 
 

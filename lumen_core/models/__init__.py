@@ -21,12 +21,11 @@ by name whose package is missing is an error.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import shutil
 from types import ModuleType
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import ModelMissingError  # also read here by cli/ (old home of the class)
 from . import minilm, minilm_int8, mtcnn, rapidocr, silero
@@ -41,6 +40,18 @@ from ._files import (
     outputs_intact,
     read_manifest,
     write_manifest,
+)
+from ._store import (  # noqa: F401  (re-exported: cli/ and tests read them here)
+    DEFAULT_HOME,
+    HOME_ENV,
+    LOCK_NAME,
+    MODELS_SUBDIR,
+    Prepared,
+    exclusive,
+    lumen_home,
+    models_dir,
+    staging_dir,
+    swap_in,
 )
 
 __all__ = [
@@ -65,11 +76,6 @@ __all__ = [
     "source_packages",
 ]
 
-HOME_ENV = "LUMEN_HOME"
-DEFAULT_HOME = pathlib.Path("~/.cache/lumen")
-MODELS_SUBDIR = "models"
-LOCK_NAME = ".prepare.lock"
-
 MINILM = minilm.MODEL_ID
 SILERO_VAD = silero.MODEL_ID
 OCR = rapidocr.MODEL_ID
@@ -78,16 +84,6 @@ FACES = mtcnn.MODEL_ID
 _PREPARERS: dict[str, ModuleType] = {MINILM: minilm, SILERO_VAD: silero, OCR: rapidocr,
                                      MINILM_INT8: minilm_int8, FACES: mtcnn}
 DEFAULT_MODELS: tuple[str, ...] = tuple(_PREPARERS)
-
-
-def lumen_home() -> pathlib.Path:
-    """``$LUMEN_HOME``, or ``~/.cache/lumen``."""
-    env = os.environ.get(HOME_ENV)
-    return pathlib.Path(env).expanduser() if env else DEFAULT_HOME.expanduser()
-
-
-def models_dir(home: Optional[os.PathLike] = None) -> pathlib.Path:
-    return (pathlib.Path(home).expanduser() if home is not None else lumen_home()) / MODELS_SUBDIR
 
 
 def model_dir(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path:
@@ -170,22 +166,6 @@ def _home_hint(home: Optional[os.PathLike]) -> str:
     return f" --home {home}" if home is not None else ""
 
 
-@contextlib.contextmanager
-def _exclusive(directory: pathlib.Path) -> Iterator[None]:
-    """One preparer at a time per models dir (two shells running prepare must not interleave)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: no advisory locks, accept the race
-        yield
-        return
-    with open(directory / LOCK_NAME, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _prepare_one(name: str, root: pathlib.Path, force: bool, say: ProgressFn) -> pathlib.Path:
     preparer = _preparer(name)
     directory = root / name
@@ -202,9 +182,7 @@ def _prepare_one(name: str, root: pathlib.Path, force: bool, say: ProgressFn) ->
         say(f"{name}: up to date ({directory})")
         return directory
 
-    staging = root / f".{name}.staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = staging_dir(root, name)
     try:
         details = preparer.build(staging, say)
         files = details.pop("output_files")
@@ -215,32 +193,11 @@ def _prepare_one(name: str, root: pathlib.Path, force: bool, say: ProgressFn) ->
             **details,
             "outputs": output_entries(staging, files),
         })
-        # swap in whole: a reader sees the old complete directory or the new one
-        retired = root / f".{name}.retired-{os.getpid()}"
-        shutil.rmtree(retired, ignore_errors=True)
-        if directory.exists():
-            directory.rename(retired)
-        try:
-            staging.rename(directory)
-        except OSError:
-            if retired.exists():
-                retired.rename(directory)
-            raise
-        shutil.rmtree(retired, ignore_errors=True)
+        swap_in(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     say(f"{name}: prepared ({directory})")
     return directory
-
-
-class Prepared(dict):
-    """What :func:`prepare` did: ``{name: prepared directory}``, plus ``skipped``:
-    ``{name: ModelMissingError}`` of the models left out because their source package is not
-    installed (``error.command`` installs it; only when no names were asked for)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.skipped: dict[str, ModelMissingError] = {}
 
 
 def prepare(
@@ -264,7 +221,7 @@ def prepare(
     root = models_dir(home)
     root.mkdir(parents=True, exist_ok=True)
     done = Prepared()
-    with _exclusive(root):
+    with exclusive(root):
         for name in wanted:
             try:
                 done[name] = _prepare_one(name, root, force, say)

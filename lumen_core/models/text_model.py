@@ -8,10 +8,9 @@ block says how to feed it (sequence length, lower-casing, pad id, prompts) and w
 model through :func:`read_text_model`; the importer (``models/st_import.py``) writes it.
 Pure manifest parsing: no ONNX, no tokenizer, so a task can ask cheaply at load.
 
-A MiniLM prepared before the block existed has a manifest without it:
-:func:`minilm_text_model` derives the same values from ``models/minilm.py``'s constants (the
-serving side uses it for exactly those two model ids, until ``lumen models prepare`` rewrites
-the manifest with the block).
+This module is the one home of the block: the importer re-exports :class:`TextModel` and
+:func:`read_text_model` (``st_import``), and writes ``TextModel.to_dict()``.  A configured ONNX
+file without a manifest is fed as all-MiniLM-L6-v2 (``models.minilm.minilm_text_model``).
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Optional
 
-from . import minilm
 from ._files import MANIFEST_NAME, MODEL_FILE, outputs_intact, read_manifest
 
 #: the manifest key of the block
@@ -34,6 +32,9 @@ KIND_RERANK = "rerank"
 KINDS = (KIND_EMBED, KIND_RERANK)
 #: the commands that put a text model into the store (named by every "not prepared" error)
 IMPORT_COMMAND = "lumen models import DIR --name NAME"
+#: the graph's outputs: an embed model's vector (normalised iff ``normalize``) and the pooled
+#: vector before normalisation; a rerank model's raw scores
+OUTPUT, POOLED, LOGITS = "embedding", "pooled", "logits"
 
 
 class TextModelError(ValueError):
@@ -47,13 +48,13 @@ class TextModel:
     it returns."""
 
     kind: str                 # "embed" | "rerank"
-    architecture: str         # "bert" | "roberta" | "xlm-roberta" | "mpnet" | "distilbert" | "onnx-export"
-    dimension: int            # embedding size (embed); 1 for rerank
+    architecture: str         # "bert" | "roberta" | "xlm-roberta" | "mpnet" | "distilbert" | "modernbert" | "onnx-export"
+    dimension: int            # embedding size (embed); num_labels (1) for rerank
     max_seq_length: int       # tokens incl. special tokens
     max_positions: int        # the position table's usable length
     do_lower_case: bool       # lower-case the text before tokenizing
     pad_token_id: int
-    pooling: str              # "cls" | "mean" | ... ("" for rerank)
+    pooling: str              # "cls" | "mean" | ..., several joined by "+" ("max+mean"); "" for rerank
     normalize: bool           # the embedding is L2-normalised
     prompts: dict = field(default_factory=dict)  # name -> prefix text
     default_prompt_name: Optional[str] = None
@@ -63,6 +64,10 @@ class TextModel:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def outputs(self) -> list[str]:
+        """The graph's output names, the first the one a task returns."""
+        return [LOGITS] if self.kind == KIND_RERANK else [OUTPUT, POOLED]
 
 
 #: field -> (type, required); the rest take the dataclass defaults
@@ -133,37 +138,24 @@ def read_text_model(directory: os.PathLike) -> TextModel:
     return parse_text_model(manifest[TEXT_MODEL_KEY], where)
 
 
-def minilm_text_model() -> TextModel:
-    """all-MiniLM-L6-v2 as the block describes it, from ``models/minilm.py``'s constants: for
-    a MiniLM (or its int8 twin) prepared before its manifest carried the block."""
-    return TextModel(kind=KIND_EMBED, architecture="bert", dimension=minilm.EMBEDDING_DIM,
-                     max_seq_length=minilm.MAX_SEQ_LENGTH, max_positions=minilm.MAX_POSITIONS,
-                     do_lower_case=False, pad_token_id=minilm.PAD_TOKEN_ID, pooling="mean",
-                     normalize=True, prompts={}, default_prompt_name=None, num_labels=1,
-                     source=minilm.DIST, content_hash="")
-
-
-def prepared_text_models(models_root: pathlib.Path) -> dict:
-    """``{name: kind}`` of the text models prepared under ``models_root`` (directories with a
-    model file and a manifest; ``kind`` is ``"embed"`` / ``"rerank"``, ``"?"`` for a manifest
-    without a readable block), sorted by name: what a "not prepared" error lists."""
-    out: dict = {}
+def prepared_text_models(models_root: pathlib.Path) -> dict[str, TextModel]:
+    """The text models prepared under ``models_root``, by name, sorted: every directory with a
+    model file and a readable ``"text_model"`` block (the built-in MiniLMs and each imported
+    folder; the hash-cached builds of ``models/.folders`` are left out).  What a "not
+    prepared" error and ``/v1/models`` list."""
+    out: dict[str, TextModel] = {}
     try:
         entries = sorted(p for p in models_root.iterdir() if p.is_dir()
                          and not p.name.startswith("."))
     except OSError:
         return out
     for p in entries:
-        manifest = read_manifest(p)
-        if manifest is None or not (p / MODEL_FILE).is_file():
+        if not (p / MODEL_FILE).is_file():
             continue
-        block = manifest.get(TEXT_MODEL_KEY)
-        kind = block.get("kind") if isinstance(block, dict) else None
-        if kind is None and p.name in (minilm.MODEL_ID, f"{minilm.MODEL_ID}-int8"):
-            kind = KIND_EMBED
-        if kind is None and "tokenizer.json" not in {q.name for q in p.iterdir()}:
-            continue  # not a text model (VAD, OCR)
-        out[p.name] = kind if kind in KINDS else "?"
+        try:
+            out[p.name] = read_text_model(p)
+        except TextModelError:
+            continue  # not a text model (VAD, OCR), or prepared before the block
     return out
 
 

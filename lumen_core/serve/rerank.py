@@ -25,8 +25,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..errors import InvalidArgument, LumenError, TaskNotFound
+from ..models.text_model import LOGITS
 from ..request import InferRequest
-from ..tasks.rerank import LOGITS, OPT_QUERY, OPT_TRUNCATE, TEXT_MIME
+from ..tasks.rerank import OPT_QUERY, OPT_TRUNCATE, TEXT_MIME
 from .logs import note_task
 from .openai import MAX_EMBEDDING_INPUTS, MAX_NAME_ECHO, check_text, reply, reranks
 from .tei import TRUNCATION_DIRECTIONS, first_task

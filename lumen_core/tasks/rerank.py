@@ -16,11 +16,13 @@ the tokenizer's preprocess id).
 Encoding, as sentence-transformers' ``CrossEncoder`` does (its tokenizer called on the pair,
 ``truncation="longest_first"``, ``max_length``): the tokenizer's pair encoding (its post
 processor's template: ``[CLS] q [SEP] d [SEP]``, ``<s> q </s></s> d </s>``, ...), both sides
-cut by the Rust tokenizers' longest-first rule (:func:`longest_first`) to ``max_seq_length``
+cut by the Rust tokenizers' longest-first rule to ``max_seq_length``
 tokens including the special ones.  A long document is tokenized by prefix (the rule only
 needs its first ``max(budget, query tokens) + 1`` tokens), so a 16 MB document costs what a
 page costs; a query is tokenized whole (at most ``MAX_QUERY_CHARS`` characters) and once per
-call (a small cache keyed by the query text).
+call (a small cache keyed by the query text).  The pair template and the longest-first rule
+are the model side's (``models/text_tokenize.py``: ``PairTemplate``, ``longest_first``), the
+very code the importer's checks against ``CrossEncoder.predict`` run.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ import numpy as np
 from ..config import Option
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..errors import ConfigError, InvalidArgument, PayloadTooLarge
-from ..models.text_model import KIND_RERANK
+from ..models.text_model import KIND_RERANK, LOGITS  # the graph's raw scores [N, num_labels]
+from ..models.text_tokenize import PairTemplate, model_text
 from ..request import new_infer_request
 from .base import TaskBackend
 from .charset import codec_for
@@ -51,8 +54,6 @@ BACKEND_NAME = "rerank"
 TEXT_MIME = "text/plain"
 LAYOUT = "NL"
 TOKEN_NP = np.dtype("<i8")
-#: the graph's output: raw scores (logits) [N, num_labels]
-LOGITS = "logits"
 #: the plain request options (TEI's names where TEI has one)
 OPT_QUERY = "query"
 OPT_TRUNCATE = "truncate"
@@ -60,22 +61,6 @@ OPT_TRUNCATE = "truncate"
 MAX_QUERY_CHARS = 16384
 #: queries whose token ids are kept (one call's documents share its query)
 QUERY_CACHE_SIZE = 64
-
-
-def longest_first(n_a: int, n_b: int, budget: int) -> tuple:
-    """How many tokens of each side a pair keeps under ``budget`` (the tokens left after the
-    special ones): the Rust ``tokenizers`` LongestFirst rule, which ``CrossEncoder`` runs.  The
-    shorter side keeps what it has unless even half the budget is too little for it; the
-    longer side gets the rest; both over half: halves, the odd token to the longer side."""
-    if n_a + n_b <= budget:
-        return n_a, n_b
-    swap = n_a > n_b
-    n1, n2 = (n_b, n_a) if swap else (n_a, n_b)  # n1: the shorter
-    n2 = n1 if n1 > budget else max(n1, budget - n1)
-    if n1 + n2 > budget:
-        n1 = budget // 2
-        n2 = n1 + budget % 2
-    return (n2, n1) if swap else (n1, n2)
 
 
 class RerankBackend(TaskBackend):
@@ -106,9 +91,7 @@ class RerankBackend(TaskBackend):
         self.vocab_size = 0
         self.num_labels = 1
         self._signature: Any = None
-        self._pre: list = []  # the pair template's special tokens: before a, between, after b
-        self._mid: list = []
-        self._post: list = []
+        self._template: Any = None  # the pair encoding's special tokens
         self._budget = 0
         self._reducer: Optional[Reducer] = None
         self._queries: dict = {}
@@ -139,17 +122,12 @@ class RerankBackend(TaskBackend):
         tok = Tokenizer.from_file(path)
         tok.no_truncation()  # ours: longest_first over the two sides' ids
         tok.no_padding()
-        probe = tok.encode("a", "b")
-        seq, ids = probe.sequence_ids, probe.ids
-        first = [i for i, s in enumerate(seq) if s == 0]
-        second = [i for i, s in enumerate(seq) if s == 1]
-        if not first or not second or first[-1] > second[0]:
+        try:
+            self._template = PairTemplate(tok)
+        except ValueError as exc:
             raise ConfigError(self.config.source, f"{self.config.key}.model",
-                              f"the tokenizer {path} has no pair encoding (its post-processor "
-                              f"does not join two texts); a cross-encoder needs one")
-        self._pre, self._mid = ids[:first[0]], ids[first[-1] + 1:second[0]]
-        self._post = ids[second[-1] + 1:]
-        self._budget = self.max_seq_length - len(self._pre) - len(self._mid) - len(self._post)
+                              f"the tokenizer {path}: {exc}") from None
+        self._budget = self.max_seq_length - self._template.specials
         if self._budget < 2:
             raise ConfigError(self.config.source, f"{self.config.key}.options.max_seq_length",
                               f"must leave room for a query and a document token after the "
@@ -162,7 +140,7 @@ class RerankBackend(TaskBackend):
         return {"max_batch_tokens": self.max_batch_tokens}
 
     def warmup_requests(self) -> list:
-        longest = np.full((1, self.max_seq_length), self._pre[0] if self._pre else 0,
+        longest = np.full((1, self.max_seq_length), self._template.pre[0] if self._template.pre else 0,
                           dtype=TOKEN_NP)
         return [
             new_infer_request(self.name).for_raw_input(b"lumen warm-up document", TEXT_MIME)
@@ -224,13 +202,11 @@ class RerankBackend(TaskBackend):
         was cut, else (a lower bound of) the uncut pair's token count."""
         q = self._query_ids(query)
         d = self._doc_ids(doc, max(self._budget, len(q)) + 1, off_loop)
-        a, b = longest_first(len(q), len(d), self._budget)
-        cut = a < len(q) or b < len(d)
-        ids = self._pre + q[:a] + self._mid + d[:b] + self._post
-        return ids, (len(q) + len(d) + len(ids) - a - b) if cut else 0
+        ids, cut = self._template.join(q, d, self.max_seq_length)
+        return ids, (len(q) + len(d) + self._template.specials) if cut else 0
 
     def _prepped(self, text: str) -> str:
-        return text.lower() if self._lower else text
+        return model_text("", text, self._lower)
 
     def _query_ids(self, query: str) -> list:
         ids = self._queries.get(query)

@@ -8,6 +8,11 @@ request's ``prompt_name`` option (TEI's name; ``/v1/embeddings``' ``prompt_name`
 native route's ``?prompt_name=``, ``/embed``'s field).  An unknown name is a 400 listing the
 model's prompts.
 
+The rules themselves (which prompt a name selects, prompt first, then lower-casing) are the
+model side's (``models/text_tokenize.py``: ``choose_prompt``, ``model_text``), which the
+importer's checks against sentence-transformers use too; this module adds the request side
+(the option, the 400, the fast path).
+
 Token ids sent on the tensor route are embedded as sent: a prompt applies to text only.
 """
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import InvalidArgument
+from ..models.text_tokenize import UnknownPrompt, choose_prompt, model_text
 
 #: the plain request option naming the prompt (TEI's name)
 OPT_PROMPT_NAME = "prompt_name"
@@ -39,29 +45,25 @@ class Prompts:
     def prefix(self, meta: Any, task: str) -> str:
         """The prompt text ``meta`` asks (``prompt_name``), else the default prompt's, else ""."""
         name = meta.get(OPT_PROMPT_NAME) if meta else None
-        if name is None:
-            return self.prompts.get(self.default, "") if self.default else ""
-        if not isinstance(name, str) or name not in self.prompts:
+        try:
+            return choose_prompt(self.prompts, self.default, name)
+        except UnknownPrompt:
             shown = name[:MAX_NAME_ECHO] if isinstance(name, str) else type(name).__name__
             listed = ", ".join(repr(n) for n in self.prompts) or "none (it takes no prompt_name)"
             raise InvalidArgument(f"unknown prompt_name {shown!r} for task {task!r}; the "
-                                  f"model's prompts are: {listed}", OPT_PROMPT_NAME)
-        return self.prompts[name]
+                                  f"model's prompts are: {listed}", OPT_PROMPT_NAME) from None
 
     def apply(self, text: str, meta: Any, task: str) -> str:
         """``text`` as the model reads it: the prompt first, lower-cased if the model says so."""
-        text = self.prefix(meta, task) + text
-        return text.lower() if self.lower else text
+        return model_text(self.prefix(meta, task), text, self.lower)
 
     def encoder(self, encode: Callable[[str], Any]) -> Callable[[str], Any]:
         """``encode`` of a request without options (the fast path's): with the default
         prompt and lower-casing applied first when the model has them."""
         if self.identity:
             return encode
-        prefix = self.prompts.get(self.default, "") if self.default else ""
-        if self.lower:
-            return lambda text: encode((prefix + text).lower())
-        return lambda text: encode(prefix + text)
+        prefix, lower = choose_prompt(self.prompts, self.default, None), self.lower
+        return lambda text: encode(model_text(prefix, text, lower))
 
     def check_tensor(self, meta: Any, task: str) -> None:
         """Token ids are embedded as sent: naming a prompt with them is a 400 (the caller

@@ -13,7 +13,7 @@ A text task names its model one of three ways (docs/own-models.md):
   ``"text_model"`` block) is used as it is.
 - ``model = "file.onnx"``: an ONNX file with the MiniLM graph I/O; its tokenizer is the
   ``tokenizer.json`` beside it, and how to feed it the manifest beside it when that has the
-  block, else all-MiniLM-L6-v2's values (``models.text_model.minilm_text_model``).
+  block, else all-MiniLM-L6-v2's values (``models.minilm.minilm_text_model``).
 
 The result, :class:`TextSource`, carries the files, the :class:`TextModel` and the preprocess
 id of the tokenizer (:func:`preprocess_id`), which the tensor route's clients name.
@@ -44,15 +44,21 @@ from ..models import (
     read_manifest,
     require_model,
 )
-from ..models.minilm import ATTENTION_MASK, INPUT_IDS, TOKEN_DTYPE, TOKENIZER_FILE
+from ..models.minilm import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    TOKEN_DTYPE,
+    TOKENIZER_FILE,
+    minilm_text_model,
+)
 from ..models.text_model import (
     IMPORT_COMMAND,
     KIND_EMBED,
+    TEXT_MODEL_KEY,
     TextModel,
     TextModelError,
     find_prepared,
     importer,
-    minilm_text_model,
     prepared_text_models,
     read_text_model,
 )
@@ -152,7 +158,7 @@ def not_prepared(cfg: TaskConfig, name: str, root: pathlib.Path) -> ConfigError:
     """The error for a ``model_id`` that is not in the store: the text models that are, and
     the commands that put one there."""
     have = prepared_text_models(root)
-    listed = ", ".join(f"{n} ({k})" for n, k in have.items()) or "none"
+    listed = ", ".join(f"{n} ({tm.kind})" for n, tm in have.items()) or "none"
     return ConfigError(cfg.source, f"{cfg.key}.model_id",
                        f"no prepared model {name[:200]!r} under {root}; the prepared text models "
                        f"are: {listed}. Run `{PREPARE_COMMAND}` (the built-in models) or "
@@ -163,7 +169,7 @@ def not_prepared(cfg: TaskConfig, name: str, root: pathlib.Path) -> ConfigError:
 def _folder(cfg: TaskConfig) -> TextSource:
     folder = pathlib.Path(cfg.model)
     manifest = read_manifest(folder)
-    if manifest is None or "text_model" not in manifest or not (folder / MODEL_FILE).is_file():
+    if manifest is None or TEXT_MODEL_KEY not in manifest or not (folder / MODEL_FILE).is_file():
         try:  # the importer (models/st_import.py), loaded only for a folder that needs it
             st_import = importer()
         except ImportError as exc:
@@ -184,7 +190,7 @@ def _file(cfg: TaskConfig) -> TextSource:
     here = pathlib.Path(cfg.model).parent
     manifest = read_manifest(here)
     tm = minilm_text_model()
-    if manifest is not None and "text_model" in manifest:
+    if manifest is not None and TEXT_MODEL_KEY in manifest:
         try:
             tm = read_text_model(here)
         except TextModelError as exc:

@@ -1,7 +1,8 @@
 """The rerank backend: (query, document) pairs encoded as CrossEncoder encodes them (the
 tokenizer's pair template, longest-first truncation), batched by length, scores equal to the
-model's on those ids; the tiny cross-encoder of ``tests/text_models.py`` stands in for an
-imported one (its scores are reproduced in numpy)."""
+model's on those ids and CrossEncoder.predict's committed scores.  The model is the tiny BERT
+cross-encoder folder ``tests/fixtures/st_models/bert-cross`` named in the task's config
+(``model = "folder"``: the real importer prepares it)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,8 @@ import random
 
 import numpy as np
 import pytest
-import text_models as TM
+import serve_support as S
+import st_fixtures as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -17,28 +19,38 @@ from tokenizers import Tokenizer
 import lumen_core as lc
 from lumen_core import models
 from lumen_core.errors import ConfigError
-from lumen_core.tasks.rerank import LONG_TEXT_CHARS, longest_first
+from lumen_core.models import st_import
+from lumen_core.models.text_tokenize import longest_first
+from lumen_core.tasks.rerank import LONG_TEXT_CHARS
 
-MAX_LEN = 32
+FOLDER = "bert-cross"
+MAX_LEN = F.reference(FOLDER)["max_length"]
 TASK = "rr"
 
 
 @pytest.fixture(scope="module")
-def tok_path(prepared_home):
-    return models.model_dir(models.MINILM, prepared_home) / "tokenizer.json"
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("rerank_home")
 
 
 @pytest.fixture(scope="module")
-def rr_dir(tmp_path_factory, tok_path):
-    return TM.tiny_reranker(tmp_path_factory.mktemp("rr") / "tiny-rr", tok_path, MAX_LEN)
+def rr_dir(home):
+    """The folder as the task's ``model = "folder"`` prepares it (the importer's cache)."""
+    return st_import.prepare_folder(F.ST_MODELS / FOLDER, home=home)
 
 
 @pytest.fixture(scope="module")
-def rt(rr_dir):
-    runtime = lc.Runtime.from_dict({"tasks": [
-        {"name": TASK, "backend": "rerank", "model": str(rr_dir),
-         "batching": {"max_queue_delay_us": 20000}}]})
-    runtime.start_background()
+def tok_path(rr_dir):
+    return rr_dir / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def rt(home, rr_dir):
+    with S.lumen_home_env(home):
+        runtime = lc.Runtime.from_dict({"tasks": [
+            {"name": TASK, "backend": "rerank", "model": str(F.ST_MODELS / FOLDER),
+             "batching": {"max_queue_delay_us": 20000}}]})
+        runtime.start_background()
     yield runtime
     runtime.stop_background()
 
@@ -49,8 +61,9 @@ def score(runtime, query, docs, **meta):
 
 
 @pytest.fixture(scope="module")
-def plain_tok(tok_path):
-    return Tokenizer.from_file(str(tok_path))
+def plain_tok(prepared_home):
+    """A tokenizer in which "a" and "b" are one token each (the MiniLM's)."""
+    return Tokenizer.from_file(str(models.model_dir(models.MINILM, prepared_home) / "tokenizer.json"))
 
 
 @settings(max_examples=300, deadline=None)
@@ -64,7 +77,16 @@ def test_longest_first_is_the_tokenizers_rule(plain_tok, n_a, n_b, budget):
     assert longest_first(n_a, n_b, budget) == want
 
 
-def test_scores_equal_the_models_on_crossencoder_ids(rt, tok_path):
+def test_scores_equal_crossencoder_predict(rt):
+    """The committed ``CrossEncoder.predict`` scores of the folder's reference pairs, served
+    through the runtime (each query's documents in one call)."""
+    ref = F.reference(FOLDER)
+    for (query, doc), raw in zip(ref["pairs"], ref["raw"], strict=True):
+        got = score(rt, query, [doc])[0].outputs["logits"][0]
+        assert abs(float(got) - raw) <= F.RAW_ATOL
+
+
+def test_scores_equal_the_models_on_crossencoder_ids(rt, rr_dir):
     rng = random.Random(3)
     words = "rice cooking water boil pan heat salt the a of to quickly Ünïcode 東京".split()
     query = "how to cook rice"
@@ -72,7 +94,7 @@ def test_scores_equal_the_models_on_crossencoder_ids(rt, tok_path):
     docs.append("x " * (LONG_TEXT_CHARS * 3))  # tokenized by prefix
     res = score(rt, query, docs)
     got = np.array([r.outputs["logits"][0] for r in res], np.float32)
-    want = TM.rerank_reference(tok_path, query, docs, MAX_LEN)
+    want = F.crossencoder_raw(rr_dir, query, docs, MAX_LEN)
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert max(int(r.meta["lumen.tokens"]) for r in res) == MAX_LEN
 
@@ -109,7 +131,7 @@ def test_errors_name_the_field(rt):
 def test_describe_and_kind_checks(rt, rr_dir, prepared_home):
     d = rt.describe(TASK)
     assert d["backend"] == "rerank" and d["rerank"]["num_labels"] == 1
-    assert d["max_seq_length"] == MAX_LEN and d["model_id"] == "tiny-rr"
+    assert d["max_seq_length"] == MAX_LEN and d["model_id"] == FOLDER
     # an embedding backend on a rerank model, and the other way round: named config errors
     with pytest.raises(ConfigError, match='backend = "rerank"'):
         asyncio.run(lc.Runtime.from_dict({"tasks": [
@@ -120,7 +142,7 @@ def test_describe_and_kind_checks(rt, rr_dir, prepared_home):
             {"name": "r", "backend": "rerank", "model": str(mini)}]}).start())
 
 
-def test_the_documents_of_one_call_batch_together(rt, tok_path):
+def test_the_documents_of_one_call_batch_together(rt, rr_dir):
     """infer_many submits a call's documents at once: they run in fewer batches than there
     are documents (the task's queue delay lets them gather), each with its own score."""
     task = rt.tasks[TASK]
@@ -134,7 +156,7 @@ def test_the_documents_of_one_call_batch_together(rt, tok_path):
     res = score(rt, QUERY_FOR_BATCH, docs)
     b1, n1 = batches()
     assert n1 - n0 == len(docs) and b1 - b0 < len(docs)
-    want = TM.rerank_reference(tok_path, QUERY_FOR_BATCH, docs, MAX_LEN)
+    want = F.crossencoder_raw(rr_dir, QUERY_FOR_BATCH, docs, MAX_LEN)
     np.testing.assert_allclose([r.outputs["logits"][0] for r in res], want, atol=1e-5)
 
 
