@@ -66,6 +66,8 @@ from .rerank import RerankRoutes
 from .tei import TeiRoutes
 
 log = logging.getLogger("lumen.http")
+#: POST routes with a fixed path that the hot door serves beside the native, OIP and OpenAI ones
+TEI_HOT_ROUTES = ("/embed", "/", "/rerank", "/v1/rerank")
 #: one line per finished request when the access log is on (never a header or a body)
 access_log = logging.getLogger("lumen.access")
 
@@ -161,6 +163,9 @@ class HttpApp:
         self.cold: Callable = self.app
         # (this app's own access lines are written by each endpoint's guard: then no hot path)
         self.door: Optional[HotDoor] = None if access_log else HotDoor(self, observer)
+        if self.door is not None:  # TEI's and the rerank routes: the hot path too
+            for path in TEI_HOT_ROUTES:
+                self.door.add_route(path, path)
 
     def with_context(self, access_log: bool) -> "HttpApp":
         """Serve the cold routes under :class:`.logs.RequestContext` (a correlation id on
