@@ -150,7 +150,6 @@ class Lifecycle:
         self.rt = rt
         self.sets: dict = {}  # task name -> TaskVersions
         self.config_error: Optional[str] = None
-        self.config_failures = 0
         self._watch: Optional[asyncio.Task] = None
         self._files = FileWatch()
         #: seconds a changed file must stay unchanged before it is read (STABLE_QUIET_S)
@@ -258,7 +257,6 @@ class Lifecycle:
             st, digest, cfg = await asyncio.to_thread(read)
         except ConfigError as exc:
             self.config_error = str(exc)
-            self.config_failures += 1
             log.error("lumen reload: %s; keeping the running config", exc)
             return None
         self.config_error = None
