@@ -125,3 +125,15 @@ def test_a_backend_default_overrides_the_declared_one():
 def test_a_bad_declaration_is_refused_at_import(default, kind, problem):
     with pytest.raises(TypeError, match=problem):
         setting(default, "a thing", kind=kind)
+
+
+def test_the_example_server_table_lists_every_key_with_its_default():
+    """The page's first example says it lists every [server] key with its default: hold it
+    to the declarations too."""
+    import tomllib
+
+    text = PAGE.read_text(encoding="utf-8")
+    example = tomllib.loads(text.split("```toml\n", 1)[1].split("```", 1)[0])
+    declared = {s.name: s.default for s in settings_of(config.ServerConfig)}
+    written = {k: tuple(v) if isinstance(v, list) else v for k, v in example["server"].items()}
+    assert written == declared

@@ -6,7 +6,6 @@ Each key is declared once, as a :func:`~.schema.setting` field of :class:`Batchi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .schema import Reader, default_of, read_settings, setting
 
@@ -67,14 +66,11 @@ class BatchingConfig:
                                      hi=MAX_LOOP_EXECUTION_US)
 
 
-def _default(name: str) -> Any:
-    return default_of(BatchingConfig, name)
-
-
-DEFAULT_MAX_BATCH_SIZE: int = _default("max_batch_size")
-DEFAULT_MAX_QUEUE_DELAY_US: int = _default("max_queue_delay_us")
-DEFAULT_MAX_QUEUE_SIZE: int = _default("max_queue_size")
-DEFAULT_LOOP_EXECUTION_US: int = _default("loop_execution_us")
+#: the declared defaults, by the names other modules import
+DEFAULT_MAX_BATCH_SIZE: int = default_of(BatchingConfig, "max_batch_size")
+DEFAULT_MAX_QUEUE_DELAY_US: int = default_of(BatchingConfig, "max_queue_delay_us")
+DEFAULT_MAX_QUEUE_SIZE: int = default_of(BatchingConfig, "max_queue_size")
+DEFAULT_LOOP_EXECUTION_US: int = default_of(BatchingConfig, "loop_execution_us")
 
 
 def parse_batching(r: Reader, backend: str = "") -> BatchingConfig:

@@ -84,7 +84,7 @@ OUTPUT_NAME = "speech_prob"
 #: PCM16 full scale (Silero and torchaudio normalise int16 samples by 1/32768)
 PCM16_SCALE = np.float32(1.0 / 32768.0)
 WARMUP_SEQUENCE_ID = "lumen-warmup"
-#: the batching defaults of every vad task, a config file's or the default one (config.py)
+#: the batching defaults of every vad task, a config file's or the default one (config/batching.py)
 DEFAULT_MAX_BATCH_SIZE = BACKEND_BATCHING_DEFAULTS["vad"]["max_batch_size"]
 DEFAULT_MAX_QUEUE_SIZE = BACKEND_BATCHING_DEFAULTS["vad"]["max_queue_size"]
 DEFAULT_IDLE_US = 10_000_000
