@@ -81,7 +81,7 @@ def test_a_page_without_a_table_block_is_refused():
         docs.render("# Configuration\n")
 
 
-@pytest.mark.parametrize("cls", [config.ServerConfig, config.BatchingConfig])
+@pytest.mark.parametrize("cls", [config.ServerConfig, config.BatchingConfig, config.CacheConfig])
 def test_every_field_of_a_settings_table_is_declared(cls):
     """No key of these tables bypasses the schema: each field is a declared setting whose
     declared default is the dataclass default."""
@@ -137,3 +137,12 @@ def test_the_example_server_table_lists_every_key_with_its_default():
     declared = {s.name: s.default for s in settings_of(config.ServerConfig)}
     written = {k: tuple(v) if isinstance(v, list) else v for k, v in example["server"].items()}
     assert written == declared
+
+
+def test_a_required_setting_says_what_to_write():
+    with pytest.raises(config.ConfigError) as ei:
+        config.parse_task({"name": "t", "backend": "onnx", "cache": {"ttl_s": 5}}, "lumen.toml")
+    assert str(ei.value) == ("lumen.toml: tasks[0].cache.max_bytes: is required: the cache's "
+                             "size bound in bytes, e.g. 67108864")
+    assert "| `max_bytes` | integer | required | 1..1099511627776 |" in \
+        settings_table(config.CacheConfig)

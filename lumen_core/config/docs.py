@@ -21,11 +21,11 @@ from .batching import BatchingConfig
 from .schema import settings_table
 from .sequence import SequenceConfig
 from .server import ServerConfig
-from .tasks import TaskConfig
+from .tasks import CacheConfig, TaskConfig
 
 #: marker name -> the dataclass whose settings the table lists
 TABLES = {"server": ServerConfig, "tasks": TaskConfig, "tasks.batching": BatchingConfig,
-          "tasks.sequence": SequenceConfig}
+          "tasks.sequence": SequenceConfig, "tasks.cache": CacheConfig}
 
 
 def _block(name: str) -> "re.Pattern[str]":

@@ -118,7 +118,8 @@ class Setting:
     ``lo`` / ``hi`` bound an ``int``; a bound that is a string names an earlier setting whose
     value is the bound (``default_priority_level <= priority_levels``).  ``default_doc`` is the
     docs' text for a default the code derives (``None``, a backend's own), ``range_doc`` for
-    bounds that ``check`` enforces."""
+    bounds that ``check`` enforces.  ``required`` (what to write) makes the key required: its
+    ``default`` is then only the dataclass's."""
 
     name: str
     kind: type
@@ -131,12 +132,15 @@ class Setting:
     kind_doc: str = ""
     default_doc: str = ""
     range_doc: str = ""
+    required: str = ""
 
     def read(self, r: Reader, values: Mapping, default: Any = dataclasses.MISSING) -> Any:
         """This setting's value in ``r``'s table: its default when absent (``default`` when
         given: a backend's own), else the value checked against kind, bounds and ``check``."""
         fallback = self.default if default is dataclasses.MISSING else default
         present = self.name in r.table
+        if self.required and not present:
+            raise r.err(self.name, f"is required: {self.required}")
         v = r.get(self.name, self.kind, fallback, lo=_bound(self.lo, values),
                   hi=_bound(self.hi, values), choices=self.choices)
         if present and self.check is not None:
@@ -159,6 +163,8 @@ class Setting:
         return f"<= {hi}" if hi is not None else ""
 
     def default_text(self) -> str:
+        if self.required:
+            return "required"
         if self.default_doc:
             return self.default_doc
         return "`" + toml_literal(self.default) + "`"
@@ -181,7 +187,8 @@ def toml_literal(v: Any) -> str:
 
 def setting(default: Any, doc: str, *, kind: Optional[type] = None, lo: Bound = None,
             hi: Bound = None, choices: Optional[tuple] = None, check: Optional[Check] = None,
-            kind_doc: str = "", default_doc: str = "", range_doc: str = "") -> Any:
+            kind_doc: str = "", default_doc: str = "", range_doc: str = "",
+            required: str = "") -> Any:
     """A dataclass field that declares a setting (its name is the field's).
 
     ``kind`` defaults to the type of ``default`` (a tuple default: ``list``, the TOML array it
@@ -194,7 +201,7 @@ def setting(default: Any, doc: str, *, kind: Optional[type] = None, lo: Bound = 
     if isinstance(default, (list, dict, set)):
         raise TypeError("a setting's default must be immutable (a tuple for an array)")
     spec = Setting("", kind, default, doc, lo, hi, choices, check, kind_doc, default_doc,
-                   range_doc)
+                   range_doc, required)
     return dataclasses.field(default=default, metadata={"setting": spec})
 
 

@@ -39,12 +39,29 @@ class VersionConfig:
     model: str = ""
 
 
+#: bounds of [tasks.cache] (1 TiB, 30 days)
+MAX_CACHE_BYTES = 1 << 40
+MAX_CACHE_TTL_S = 30 * 24 * 3600
+
+
+def _ttl(r: Reader, name: str, ttl: Any, _values: dict) -> float:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
+            or not 0 <= ttl <= MAX_CACHE_TTL_S:
+        raise r.err(name, f"must be a number of seconds in 0..{MAX_CACHE_TTL_S} "
+                          f"(0: no expiry), got {ttl!r}")
+    return float(ttl)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """``[tasks.cache]``: the task's response cache (``lumen_core/cache.py``)."""
 
-    max_bytes: int
-    ttl_s: float = 0.0  # 0: entries never expire (they are still evicted by bytes)
+    max_bytes: int = setting(0, "the cache's size bound: least recently used entries are "
+                                "evicted past it", lo=1, hi=MAX_CACHE_BYTES,
+                             required="the cache's size bound in bytes, e.g. 67108864")
+    ttl_s: float = setting(0.0, "seconds an entry is served (0: no expiry; entries are still "
+                                "evicted by bytes)", kind=object, check=_ttl, kind_doc="number",
+                           range_doc=f"0..{MAX_CACHE_TTL_S}")
 
 
 @dataclass
@@ -190,20 +207,7 @@ def _parse_versions(r: Reader, cfg: TaskConfig) -> None:
     cfg.traffic = {str(k): traffic_weight(v) for k, v in traffic.items()}
 
 
-#: bounds of [tasks.cache] (1 TiB, 30 days)
-MAX_CACHE_BYTES = 1 << 40
-MAX_CACHE_TTL_S = 30 * 24 * 3600
-
-
 def _parse_cache(r: Reader) -> CacheConfig:
-    if "max_bytes" not in r.table:
-        raise r.err("max_bytes", "is required: the cache's size bound in bytes, e.g. 67108864")
-    max_bytes = r.get("max_bytes", int, 0, lo=1, hi=MAX_CACHE_BYTES)
-    r.used.add("ttl_s")
-    ttl = r.table.get("ttl_s", 0)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
-            or not 0 <= ttl <= MAX_CACHE_TTL_S:
-        raise r.err("ttl_s", f"must be a number of seconds in 0..{MAX_CACHE_TTL_S} "
-                             f"(0: no expiry), got {ttl!r}")
+    cache = CacheConfig(**read_settings(r, CacheConfig))
     r.finish()
-    return CacheConfig(max_bytes, float(ttl))
+    return cache
