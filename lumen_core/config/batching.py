@@ -42,9 +42,9 @@ class BatchingConfig:
                                            kind_doc="array of integers")
     max_queue_size: int = setting(1024, "requests waiting at once; past it: 429 at once (a vad "
                                         "task: 4096)", lo=1)
-    default_timeout_ms: int = setting(0, "a request's timeout when it names none (0: none)",
-                                      lo=0)
-    priority_levels: int = setting(1, "priority levels (1 is the highest)", lo=1,
+    default_timeout_ms: int = setting(0, "the task's request timeout; a request's "
+                                         "lumen.timeout_ms may only tighten it (0: none)", lo=0)
+    priority_levels: int = setting(1, "priority levels (a request's lumen.priority: 1 = highest)", lo=1,
                                    hi=MAX_PRIORITY_LEVELS)
     default_priority_level: int = setting(0, "the level of a request that names none (0: the "
                                              "lowest, priority_levels)", lo=0,
