@@ -79,6 +79,10 @@ class Pending:
         with self._lock:
             self.truncated += 1
 
+    def add_tokens(self, n: int) -> None:
+        with self._lock:
+            self.tokens += n
+
     def batch_done(self, rows: int, exc: Optional[BaseException] = None) -> None:
         with self._lock:
             if exc is not None and self._exc is None:
