@@ -156,13 +156,13 @@ class Inputs:
         if path == STDIN:
             f: BinaryIO = self.stdin or sys.stdin.buffer
             name = "<stdin>"
-            if fmt == "stdin":
-                fmt = _sniff(f)
         else:
             name = path
             f = open(path, "rb")  # noqa: SIM115 - closed below
         try:
             counted = io.BufferedReader(_Counting(f, self))
+            if fmt == "stdin":
+                fmt = _sniff(counted)
             if fmt == "jsonl":
                 yield from self._jsonl(counted, name)
             elif fmt in ("csv", "tsv"):
@@ -270,10 +270,9 @@ class Inputs:
             self.bytes_read = base + size * n // rows
 
 
-def _sniff(f: BinaryIO) -> str:
+def _sniff(f: io.BufferedReader) -> str:
     """stdin's format: JSONL when its first non-blank byte is ``{``, else text."""
-    peek = getattr(f, "peek", None)
-    head = peek(64) if peek is not None else b""
+    head = f.peek(64)
     return "jsonl" if head.lstrip()[:1] == b"{" else "text"
 
 
