@@ -38,6 +38,8 @@ BACKOFF_S = 0.5
 BACKOFF_MAX_S = 30.0
 #: a request retried this long in all fails the job (its row groups so far are saved)
 MAX_RETRY_S = 600.0
+#: the probe at start retries a busy server (429 / 503: still loading) this long
+PROBE_RETRY_S = 120.0
 #: statuses that mean "later", not "never"
 RETRY_STATUSES = (429, 502, 503, 504)
 
@@ -99,7 +101,7 @@ class RemoteEmbedder:
         self.retries = 0  # requests retried (429 / 503 / connection), for the tests and logs
         self._local = threading.local()
         self._queue: queue.Queue = queue.Queue()
-        probe, _ = self._post(["lumen embed: probe"])
+        probe, _ = self._post(["lumen embed: probe"], probe=True)
         self.dim = int(probe.shape[1])
         self._threads = [threading.Thread(target=self._work, daemon=True,
                                           name=f"lumen-embed-http-{i}")
@@ -173,9 +175,10 @@ class RemoteEmbedder:
             conn.close()
         self._local.conn = None
 
-    def _post(self, texts: list) -> tuple:
+    def _post(self, texts: list, probe: bool = False) -> tuple:
         """``(vectors [n, dim] float32, prompt tokens)`` of ``texts``, retried as the module
-        docstring says."""
+        docstring says; the ``probe`` at start is not retried when the server cannot be
+        reached (a wrong URL is said at once) and retries 429 / 503 for ``PROBE_RETRY_S``."""
         body = json.dumps({**self._body, "input": texts}).encode()
         started = time.monotonic()
         attempt = 0
@@ -201,12 +204,15 @@ class RemoteEmbedder:
                 if isinstance(exc, RemoteError):
                     raise
                 self._drop()
+                if probe:
+                    raise RemoteError(f"cannot reach the server at {self.url}: {exc}") from None
                 wait, why = None, f"{type(exc).__name__}: {exc}"
             attempt += 1
             self.retries += 1
             if wait is None:
                 wait = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (attempt - 1)) * (0.5 + random.random())
-            if time.monotonic() - started + wait > self.max_retry_s:
+            budget = min(self.max_retry_s, PROBE_RETRY_S) if probe else self.max_retry_s
+            if time.monotonic() - started + wait > budget:
                 raise RemoteError(f"{self.url}: gave up after {attempt} tries over "
                                   f"{time.monotonic() - started:.0f} s (last: {why})")
             time.sleep(wait)
