@@ -83,7 +83,7 @@ def fingerprint(path: str) -> dict:
             "head_sha256": head, "tail_sha256": tail}
 
 
-def _text_value(value: Any) -> tuple:
+def text_or_reason(value: Any) -> tuple:
     """``(text, None)`` for a usable text, else ``(None, why not)``."""
     if not isinstance(value, str):
         kind = "null" if value is None else type(value).__name__
@@ -198,7 +198,7 @@ class Inputs:
             if fld not in obj:
                 yield where, None, f"no field {fld!r}", rid, kept
                 continue
-            text, bad = _text_value(obj[fld])
+            text, bad = text_or_reason(obj[fld])
             yield where, text, bad, rid, kept
 
     def _csv(self, f: BinaryIO, name: str, delimiter: str) -> Iterator[tuple]:
@@ -228,7 +228,7 @@ class Inputs:
                 yield where, None, f"{len(rec)} fields, the header has {width}", None, ()
                 continue
             rid = rec[ii] if ii >= 0 else None
-            text, bad = _text_value(rec[ti])
+            text, bad = text_or_reason(rec[ti])
             yield where, text, bad, rid, tuple(rec[k] for k in ki)
 
     def _text(self, f: BinaryIO, name: str) -> Iterator[tuple]:
@@ -241,7 +241,7 @@ class Inputs:
             except UnicodeDecodeError as exc:
                 yield where, None, f"not valid UTF-8 (byte {exc.start})", None, ()
                 continue
-            text, bad = _text_value(s)
+            text, bad = text_or_reason(s)
             yield where, text, bad, None, ()
 
     def _parquet(self, path: str) -> Iterator[tuple]:
@@ -264,7 +264,7 @@ class Inputs:
                 if ids is not None and rid is None:
                     yield where, None, f"no id (column {spec.id_field!r} is null)", None, ()
                     continue
-                text, bad = _text_value(value)
+                text, bad = text_or_reason(value)
                 yield where, text, bad, rid, tuple(k[j] for k in kept)
             n += len(texts)
             self.bytes_read = base + size * n // rows
