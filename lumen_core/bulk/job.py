@@ -189,9 +189,10 @@ class Job:
                                   "the total)")
             self._shown += 1
         table = self._table(w, keep, res)
-        info = {"rows_in": len(w.rows), "rows_out": len(keep), "bad": len(bad),
-                "bad_rows": [list(b) for b in bad[:BAD_ROWS_KEPT]],
-                "tokens": int(res.tokens), "truncated": int(res.truncated), "hash": w.digest}
+        info: dict = {"rows_in": len(w.rows), "rows_out": len(keep), "bad": len(bad),
+                      "bad_rows": [list(b) for b in bad[:BAD_ROWS_KEPT]],
+                      "tokens": int(res.tokens), "truncated": int(res.truncated),
+                      "hash": w.digest}
         self.store.write_part(w.k, table, info)
         self._account(info)
         s = self.summary

@@ -180,6 +180,9 @@ class LocalEmbedder:
                        key=lambda i: (lengths[i], i))
         batches = self._cut(order, lengths)
         pending.expect(len(batches))
+        # the costliest batches first (padded slots): the window's last batches are then
+        # small ones, so no engine idles long while another finishes a big one
+        batches.sort(key=lambda b: -len(b) * lengths[b[-1]])
         for b in batches:
             pending.tokens += sum(lengths[i] for i in b)
             self._queue.put((pending, b, [items[i] for i in b]))
@@ -204,10 +207,11 @@ class LocalEmbedder:
         route (long texts, and everything if the self-check fails)."""
         short = [i for i, t in enumerate(texts) if len(t) <= LONG_TEXT_CHARS]
         rest = [i for i, t in enumerate(texts) if len(t) > LONG_TEXT_CHARS]
-        if not short:
-            return rest
+        tok = self._tok
+        if not short or tok is None:
+            return short + rest
         try:
-            encs = self._tok.encode_batch([texts[i] for i in short])
+            encs = tok.encode_batch([texts[i] for i in short])
         except Exception as exc:  # noqa: BLE001 - a text it refuses: the backend says why
             log.info("bulk tokenization failed (%s); this window takes the raw route", exc)
             return short + rest

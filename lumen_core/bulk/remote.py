@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import urllib.parse
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 

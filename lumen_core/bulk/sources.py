@@ -270,7 +270,7 @@ class Inputs:
             self.bytes_read = base + size * n // rows
 
 
-def _sniff(f: io.BufferedReader) -> str:
+def _sniff(f: Any) -> str:
     """stdin's format: JSONL when its first non-blank byte is ``{``, else text."""
     head = f.peek(64)
     return "jsonl" if head.lstrip()[:1] == b"{" else "text"

@@ -1,0 +1,266 @@
+"""``lumen embed`` (in process) vs the offline best and vs a client loop against ``lumen serve``.
+
+Same prepared all-MiniLM-L6-v2, the seeded length-mixed corpus (``lumen_core.corpus``),
+tokenization included everywhere, spinning off.  Modes, interleaved in every round so a
+neighbour's burst of load hits all of them:
+
+* ``offline 1x2`` / ``offline 2x1``: tokenize every text (``Tokenizer.encode``), sort the whole
+  corpus by token count, run batches of 32 on one 2-thread ORT session, or on two 1-thread
+  sessions driven by two threads (the offline twin of the job's layout); the offline best is
+  the better of the two, in the same round;
+* ``embed IxT``: the job itself (``bulk.job.run_job``: read the JSONL, tokenize, sort inside
+  each window, run, write Parquet row groups, assemble the output), with I engine sessions of
+  T threads; the time is the job's (the runtime's start and warm-up are not counted, as the
+  offline sessions' creation is not);
+* ``serve c=16``: 16 client threads, each posting one text per ``/v1/embeddings`` request
+  (keep-alive connections) to a ``lumen serve`` subprocess with the built-in text_embed task;
+  the client runs on the same cores, as a client loop on the same machine would.
+
+Prints per round texts/s and the ratios embed / offline best (target >= 0.95) and embed /
+serve (target >= 3), then the median over rounds with min and max, and the load average.
+
+``--rss N,M``: instead, the peak RSS of ``lumen embed`` (a subprocess each, the tiny
+``embedding_only`` model from tests/onnx_models.py, short texts) for N and M rows: memory must
+not grow with the input (target: M's within 1.5x of N's).
+
+    python bench/bench_embed.py [--texts 400] [--rounds 3] [--layouts 2x1,1x2]
+    python bench/bench_embed.py --rss 10000,1000000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from lumen_core import models  # noqa: E402
+from lumen_core.bulk import job as J  # noqa: E402
+from lumen_core.bulk import local as L  # noqa: E402
+from lumen_core.bulk import store as ST  # noqa: E402
+from lumen_core.bulk.sources import InputSpec, open_inputs  # noqa: E402
+from lumen_core.corpus import make_corpus  # noqa: E402
+from lumen_core.engine.session import cpu_session  # noqa: E402
+from lumen_core.models import minilm  # noqa: E402
+
+BATCH = 32
+CLIENTS = 16
+TARGET_OFFLINE = 0.95
+TARGET_SERVE = 3.0
+
+
+def offline(texts: list, sessions: int, threads: int) -> float:
+    """texts/s of the offline ideal (see the module docstring)."""
+    path = models.require_model(models.MINILM)
+    sess = [cpu_session(path / models.MODEL_FILE, threads) for _ in range(sessions)]
+    tok = minilm.load_tokenizer(path / minilm.TOKENIZER_FILE)
+    for s in sess:  # warm-up
+        ids, mask = minilm.pad_batch([tok.encode("warm up").ids])
+        s.run([minilm.OUTPUT], {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: mask})
+    t0 = time.perf_counter()
+    ids = [tok.encode(t).ids for t in texts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches = [[ids[i] for i in order[s:s + BATCH]] for s in range(0, len(order), BATCH)]
+
+    def work(k: int) -> None:
+        for rows in batches[k::sessions]:
+            a, m = minilm.pad_batch(rows)
+            sess[k].run([minilm.OUTPUT], {minilm.INPUT_IDS: a, minilm.ATTENTION_MASK: m})
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(sessions)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return len(texts) / (time.perf_counter() - t0)
+
+
+def embed(src: str, n: int, instances: int, threads: int, tmp: str) -> float:
+    """texts/s of the job (run_job's own time)."""
+    rt = L.bulk_runtime("text_embed", None, instances, threads)
+    rt.start_background()
+    emb = L.LocalEmbedder(rt, "text_embed")
+    try:
+        out = os.path.join(tmp, f"embed-{instances}x{threads}.parquet")
+        inputs = open_inputs([src], InputSpec())
+        store = ST.Store(out, {"job": {}, "model": {}, "inputs": []}, overwrite=True)
+        done = store.open()
+        schema = ST.output_schema(emb.dim, None, None, (), None)
+        s = J.run_job(inputs, emb, store, schema, done, J.JobOptions(row_group_size=4096))
+        assert s.rows_out == n, s
+        return n / s.seconds
+    finally:
+        emb.close()
+        rt.stop_background()
+
+
+class Server:
+    """``lumen serve`` with the built-in text_embed task, in a subprocess."""
+
+    def __init__(self, port: int, tmp: str):
+        cfg = os.path.join(tmp, "serve.toml")
+        with open(cfg, "w") as f:
+            f.write('[server]\n[[tasks]]\nname = "text_embed"\nbackend = "text_embedding"\n'
+                    'model_id = "all-minilm-l6-v2"\nmodel_version = "1"\ninstances = 2\n')
+        self.url = f"http://127.0.0.1:{port}"
+        self.p = subprocess.Popen([sys.executable, "-m", "lumen_core.cli", "serve", "--config",
+                                   cfg, "--http-port", str(port), "--grpc-port", "0"],
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/readyz", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError("lumen serve did not start")
+
+    def close(self) -> None:
+        self.p.terminate()
+        self.p.wait(30)
+
+
+def client_loop(url: str, texts: list) -> float:
+    """texts/s of CLIENTS threads posting one text per request."""
+    import http.client
+
+    host, port = url.split("//")[1].split(":")
+    nxt = iter(range(len(texts)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            body = json.dumps({"model": "text_embed", "input": texts[i]})
+            conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            assert r.status == 200, r.status
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=work) for _ in range(CLIENTS)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return len(texts) / (time.perf_counter() - t0)
+
+
+def spread(values: list) -> str:
+    return (f"median {statistics.median(values):.3f} (min {min(values):.3f}, "
+            f"max {max(values):.3f}, {len(values)} rounds)")
+
+
+def rss(sizes: list) -> None:
+    import onnx_models as M
+    import serve_support as S
+
+    from lumen_core.corpus import make_corpus as mc
+
+    short = [t for t in mc(400) if len(t.split()) <= 20][:100]
+    probe = ("import json, resource, sys\nfrom lumen_core import cli\nrc = cli.main(sys.argv[1:])"
+             "\nprint(json.dumps({'rc': rc, 'kb': resource.getrusage(resource.RUSAGE_SELF)"
+             ".ru_maxrss}))")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = M.embedding_only(os.path.join(tmp, "tiny.onnx"))
+        tok = models.require_model(models.MINILM) / minilm.TOKENIZER_FILE
+        cfg = os.path.join(tmp, "tiny.toml")
+        with open(cfg, "w") as f:
+            f.write(S.to_toml({"server": {}, "tasks": [
+                {"name": "tiny", "backend": "text_embedding", "model": model,
+                 "options": {"tokenizer": str(tok)}}]}))
+        got = {}
+        for n in sizes:
+            src = os.path.join(tmp, f"{n}.txt")
+            with open(src, "w") as f:
+                for i in range(n):
+                    f.write(short[i % len(short)] + "\n")
+            t0 = time.monotonic()
+            r = subprocess.run([sys.executable, "-c", probe, "embed", src, "-o",
+                                os.path.join(tmp, f"{n}.parquet"), "--config", cfg, "--task",
+                                "tiny", "-q"], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            got[n] = res["kb"]
+            print(f"{n:>10,} rows: peak RSS {res['kb'] / 1024:,.1f} MiB "
+                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+            os.remove(src)
+        a, b = sizes[0], sizes[-1]
+        print(f"peak RSS {b:,} / {a:,} rows = {got[b] / got[a]:.3f} (target <= 1.5); load "
+              f"average {os.getloadavg()[0]:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--texts", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default="2x1,1x2", help="the job's instances x threads")
+    ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--rss", default=None, metavar="N,M")
+    a = ap.parse_args()
+    if a.rss:
+        rss([int(v) for v in a.rss.split(",")])
+        return
+    layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",")]
+    texts = make_corpus(a.texts)
+    ratios: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "corpus.jsonl")
+        with open(src, "w") as f:
+            for t in texts:
+                f.write(json.dumps({"text": t}) + "\n")
+        server = None if a.no_serve else Server(S_port(), tmp)
+        try:
+            print(f"{a.texts} texts (length-mixed corpus), {os.cpu_count()} cores, load "
+                  f"average {os.getloadavg()[0]:.2f} at start", flush=True)
+            for rnd in range(1, a.rounds + 1):
+                off = {(1, 2): offline(texts, 1, 2), (2, 1): offline(texts, 2, 1)}
+                best = max(off.values())
+                ours = {lay: embed(src, a.texts, *lay, tmp) for lay in layouts}
+                srv = client_loop(server.url, texts) if server else None
+                line = (f"round {rnd}: offline 1x2 {off[(1, 2)]:.1f}, 2x1 {off[(2, 1)]:.1f} "
+                        f"texts/s; ")
+                for lay, v in ours.items():
+                    r = v / best
+                    ratios.setdefault(f"embed {lay[0]}x{lay[1]} / offline best", []).append(r)
+                    line += f"embed {lay[0]}x{lay[1]} {v:.1f} ({r:.3f} of offline best"
+                    if srv:
+                        ratios.setdefault(f"embed {lay[0]}x{lay[1]} / serve c={CLIENTS}",
+                                          []).append(v / srv)
+                        line += f", {v / srv:.2f}x serve"
+                    line += "); "
+                if srv:
+                    line += f"serve c={CLIENTS} {srv:.1f}; "
+                print(line + f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        finally:
+            if server:
+                server.close()
+    print(f"targets: embed / offline best >= {TARGET_OFFLINE}, embed / serve >= {TARGET_SERVE}")
+    for k, v in ratios.items():
+        print(f"  {k}: {spread(v)}")
+
+
+def S_port() -> int:  # noqa: N802 - a free port for the server
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
