@@ -143,6 +143,13 @@ class LocalEmbedder:
             meta[OPT_PROMPT_NAME] = prompt_name
         self.meta = meta
         self.truncate = truncate
+        if meta:  # an option the task refuses fails the job now, not every row
+            probe = rt.text_request(task, "probe")
+            probe.meta = dict(meta)
+            try:
+                rt.prepare(probe)
+            except LumenError as exc:
+                raise ValueError(f"task {task!r} refuses the options: {exc.message}") from None
         route = rt.tasks[task]
         self.runners = list(route.runners)
         self.max_batch = max(1, int(route.config.batching.max_batch_size))

@@ -18,6 +18,11 @@ BAR_WIDTH = 24
 MODES = ("auto", "bar", "lines", "none")
 
 
+def plural(n: int, word: str) -> str:
+    """``1 bad row`` / ``2 bad rows``."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 def clock(seconds: float) -> str:
     """``1:02:03`` / ``2:03``."""
     s = int(max(0, seconds) + 0.5)
@@ -44,8 +49,9 @@ class Summary:
     def lines(self) -> list:
         rate = self.embedded_now / self.seconds if self.seconds > 0 else 0.0
         tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        out = [f"done: {self.rows_out:,} rows -> {self.output} ({self.rows_in:,} read, "
-               f"{self.bad:,} bad rows skipped, {self.truncated:,} texts truncated)"]
+        out = [f"done: {plural(self.rows_out, 'row')} -> {self.output} ({self.rows_in:,} "
+               f"read, {plural(self.bad, 'bad row')} skipped, "
+               f"{plural(self.truncated, 'text')} truncated)"]
         resumed = (f" (resumed after {self.resumed_rows:,} rows)" if self.resumed_rows else "")
         out.append(f"this run: {self.embedded_now:,} rows in {clock(self.seconds)}{resumed}: "
                    f"{rate:,.1f} rows/s, {tps:,.0f} tokens/s")

@@ -253,3 +253,25 @@ def test_usage_errors_say_what_to_do(tiny, tmp_path, capsys):
     assert rc == 2 and "is int64, not text" in err
     rc, err = run_embed(capsys, src, "-o", tmp_path / "o.parquet", "--keep", "embedding")
     assert rc == 2 and "already has that column" in err
+
+
+def test_prompt_name_reaches_a_backend_that_reads_it(tiny, tmp_path, capsys, monkeypatch):
+    from lumen_core import tasks
+
+    monkeypatch.setitem(tasks.BACKENDS, "prompt_text", "prompt_backend:PromptBackend")
+    cfg = tiny.read_text().replace('backend = "text_embedding"', 'backend = "prompt_text"')
+    (tmp_path / "prompt.toml").write_text(cfg)
+    texts = short_texts(40)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    pre = write_jsonl(tmp_path / "pre.jsonl", [{"text": "query: " + t} for t in texts])
+    args = ["--config", tmp_path / "prompt.toml", "--task", "tiny", "--row-group-size", 16]
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "p.parquet", "--prompt-name", "query",
+                        *args)
+    assert rc == 0, err
+    assert "per-text tokenization" in err  # the backend's own preparation applies the prompt
+    rc, err = run_embed(capsys, pre, "-o", tmp_path / "q.parquet", *args)
+    assert rc == 0, err
+    assert pq.read_table(tmp_path / "p.parquet").equals(pq.read_table(tmp_path / "q.parquet"))
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "x.parquet", "--prompt-name", "nope",
+                        *args)
+    assert rc == 2 and "unknown prompt_name 'nope'; the prompts are query, passage" in err
