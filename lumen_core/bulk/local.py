@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -298,18 +298,8 @@ class LocalEmbedder:
     # -- running ---------------------------------------------------------------------------
     def _work(self, runner: Any) -> None:
         execute = runner.execute
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            pending, idx, items = job
-            try:
-                results = run_split(execute, items)
-                self._fill(pending, idx, results)
-            except BaseException as exc:  # noqa: BLE001 - handed to the window's owner
-                pending.batch_done(len(idx), exc)
-                continue
-            pending.batch_done(len(idx))
+        work_loop(self._queue,
+                  lambda pending, idx, items: self._fill(pending, idx, run_split(execute, items)))
 
     def _fill(self, pending: Pending, idx: list, results: Any) -> None:
         out = self.output
@@ -331,6 +321,23 @@ class LocalEmbedder:
             self._queue.put(None)
         for t in self._threads:
             t.join(timeout)
+
+
+def work_loop(jobs: queue.Queue, run: Callable[[Pending, list, list], None]) -> None:
+    """A worker thread of an embedder: ``run(pending, indices, payload)`` for each job of
+    ``jobs`` until a None; a job's failure goes to its window (``Pending.result`` raises it),
+    and every job counts its rows done either way."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        pending, idx, payload = job
+        try:
+            run(pending, idx, payload)
+        except BaseException as exc:  # noqa: BLE001 - handed to the window's owner
+            pending.batch_done(len(idx), exc)
+            continue
+        pending.batch_done(len(idx))
 
 
 def _special_suffix(tok: Any) -> int:

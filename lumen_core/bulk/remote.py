@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .local import Pending
+from .local import Pending, work_loop
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 #: seconds one request may take (a batch of long texts on a busy server)
@@ -129,17 +129,7 @@ class RemoteEmbedder:
 
     # -- workers -------------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            pending, idx, texts = job
-            try:
-                self._embed(pending, idx, texts)
-            except BaseException as exc:  # noqa: BLE001 - handed to the window's owner
-                pending.batch_done(len(idx), exc)
-                continue
-            pending.batch_done(len(idx))
+        work_loop(self._queue, self._embed)
 
     def _embed(self, pending: Pending, idx: list, texts: list) -> None:
         try:
