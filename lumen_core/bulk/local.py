@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..batching.runner import run_split
-from ..contract import KEY_EMBEDDING_DIMENSIONS, RESP_TRUNCATED
+from ..contract import KEY_EMBEDDING_DIMENSIONS, KEY_MODEL_VERSION, RESP_TRUNCATED
 from ..errors import LumenError
 
 log = logging.getLogger("lumen.embed")
@@ -141,6 +141,9 @@ class LocalEmbedder:
                                  f"{', '.join(sorted(options)) or 'none'}); leave out "
                                  f"--prompt-name")
             meta[OPT_PROMPT_NAME] = prompt_name
+        route = rt.tasks[task]
+        if len(rt.versions(task)) > 1:  # several versions: every item on the head's engines
+            meta[KEY_MODEL_VERSION] = route.version
         self.meta = meta
         self.truncate = truncate
         if meta:  # an option the task refuses fails the job now, not every row
@@ -150,7 +153,6 @@ class LocalEmbedder:
                 rt.prepare(probe)
             except LumenError as exc:
                 raise ValueError(f"task {task!r} refuses the options: {exc.message}") from None
-        route = rt.tasks[task]
         self.runners = list(route.runners)
         self.max_batch = max(1, int(route.config.batching.max_batch_size))
         self.max_tokens = int(desc.get("max_batch_tokens") or 0)

@@ -275,3 +275,26 @@ def test_prompt_name_reaches_a_backend_that_reads_it(tiny, tmp_path, capsys, mon
     rc, err = run_embed(capsys, src, "-o", tmp_path / "x.parquet", "--prompt-name", "nope",
                         *args)
     assert rc == 2 and "unknown prompt_name 'nope'; the prompts are query, passage" in err
+
+
+def test_a_task_with_several_versions_runs_every_item_on_its_head(tiny, tmp_path):
+    from lumen_core.bulk.local import LocalEmbedder, bulk_runtime
+
+    cfg = tiny.read_text()
+    model = cfg.split('model = "')[1].split('"')[0]
+    two = cfg.replace(f'model = "{model}"\n', "") + (
+        f'[[tasks.versions]]\nversion = "1"\nmodel = "{model}"\n'
+        f'[[tasks.versions]]\nversion = "2"\nmodel = "{model}"\n'
+        f'[tasks.traffic]\n"1" = 1\n"2" = 1\n')
+    (tmp_path / "two.toml").write_text(two)
+    rt = bulk_runtime("tiny", str(tmp_path / "two.toml"))
+    rt.start_background()
+    try:
+        emb = LocalEmbedder(rt, "tiny")
+        head = rt.tasks["tiny"].version
+        assert emb.meta == {"lumen.model.version": head}  # pinned: prepared where it runs
+        p = emb.submit(short_texts(50)).result(60)
+        emb.close()
+    finally:
+        rt.stop_background()
+    assert not p.errors and p.vectors.any(axis=1).all()
