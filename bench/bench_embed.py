@@ -4,10 +4,12 @@ Same prepared all-MiniLM-L6-v2, the seeded length-mixed corpus (``lumen_core.cor
 tokenization included everywhere, spinning off.  Modes, interleaved in every round so a
 neighbour's burst of load hits all of them:
 
-* ``offline 1x2`` / ``offline 2x1``: tokenize every text (``Tokenizer.encode``), sort the whole
-  corpus by token count, run batches of 32 on one 2-thread ORT session, or on two 1-thread
-  sessions driven by two threads (the offline twin of the job's layout); the offline best is
-  the better of the two, in the same round;
+* ``offline 32 1x2`` / ``offline 32 2x1``: tokenize every text (``Tokenizer.encode``), sort
+  the whole corpus by token count, run batches of 32 on one 2-thread ORT session, or on two
+  1-thread sessions driven by two threads (the offline twin of the job's layout); ``offline
+  <=512 tokens``: the same sorted order cut at 32 rows and 512 padded tokens (the job's CPU
+  budget, ``bulk.local.CPU_BATCH_TOKENS``), 2x1; the offline best is the best of the three in
+  the same round;
 * ``embed IxT``: the job itself (``bulk.job.run_job``: read the JSONL, tokenize, sort inside
   each window, run, write Parquet row groups, assemble the output), with I engine sessions of
   T threads; the time is the job's (the runtime's start and warm-up are not counted, as the
@@ -17,7 +19,10 @@ neighbour's burst of load hits all of them:
   the client runs on the same cores, as a client loop on the same machine would.
 
 Prints per round texts/s and the ratios embed / offline best (target >= 0.95) and embed /
-serve (target >= 3), then the median over rounds with min and max, and the load average.
+serve (target >= 3), in wall time and per CPU-second (process CPU time of every thread; for
+serve the server's and the clients' together: on a shared box it moves much less with the
+neighbours' load than wall time), then the median over rounds with min and max, and the load
+average.
 
 ``--rss N,M``: instead, the peak RSS of ``lumen embed`` (a subprocess each, the tiny
 ``embedding_only`` model from tests/onnx_models.py, short texts) for N and M rows: memory must
@@ -58,18 +63,27 @@ TARGET_OFFLINE = 0.95
 TARGET_SERVE = 3.0
 
 
-def offline(texts: list, sessions: int, threads: int) -> float:
-    """texts/s of the offline ideal (see the module docstring)."""
+def offline(texts: list, sessions: int, threads: int, budget: int = 0) -> tuple:
+    """(texts/s, texts per CPU-second) of the offline ideal (see the module docstring)."""
     path = models.require_model(models.MINILM)
     sess = [cpu_session(path / models.MODEL_FILE, threads) for _ in range(sessions)]
     tok = minilm.load_tokenizer(path / minilm.TOKENIZER_FILE)
     for s in sess:  # warm-up
         ids, mask = minilm.pad_batch([tok.encode("warm up").ids])
         s.run([minilm.OUTPUT], {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: mask})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ids = [tok.encode(t).ids for t in texts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    batches = [[ids[i] for i in order[s:s + BATCH]] for s in range(0, len(order), BATCH)]
+    if budget:  # runs of the sorted order within BATCH rows and ``budget`` padded tokens
+        batches, cur = [], []
+        for i in order:
+            if cur and (len(cur) >= BATCH or (len(cur) + 1) * len(ids[i]) > budget):
+                batches.append(cur)
+                cur = []
+            cur.append(ids[i])
+        batches.append(cur)
+    else:
+        batches = [[ids[i] for i in order[s:s + BATCH]] for s in range(0, len(order), BATCH)]
 
     def work(k: int) -> None:
         for rows in batches[k::sessions]:
@@ -81,11 +95,11 @@ def offline(texts: list, sessions: int, threads: int) -> float:
         t.start()
     for t in ts:
         t.join()
-    return len(texts) / (time.perf_counter() - t0)
+    return len(texts) / (time.perf_counter() - t0), len(texts) / (time.process_time() - c0)
 
 
-def embed(src: str, n: int, instances: int, threads: int, tmp: str) -> float:
-    """texts/s of the job (run_job's own time)."""
+def embed(src: str, n: int, instances: int, threads: int, tmp: str) -> tuple:
+    """(texts/s, texts per CPU-second) of the job (run_job's own time and CPU)."""
     rt = L.bulk_runtime("text_embed", None, instances, threads)
     rt.start_background()
     emb = L.LocalEmbedder(rt, "text_embed")
@@ -95,9 +109,11 @@ def embed(src: str, n: int, instances: int, threads: int, tmp: str) -> float:
         store = ST.Store(out, {"job": {}, "model": {}, "inputs": []}, overwrite=True)
         done = store.open()
         schema = ST.output_schema(emb.dim, None, None, (), None)
+        c0 = time.process_time()
         s = J.run_job(inputs, emb, store, schema, done, J.JobOptions(row_group_size=4096))
+        cpu = time.process_time() - c0
         assert s.rows_out == n, s
-        return n / s.seconds
+        return n / s.seconds, n / cpu
     finally:
         emb.close()
         rt.stop_background()
@@ -130,8 +146,16 @@ class Server:
         self.p.wait(30)
 
 
-def client_loop(url: str, texts: list) -> float:
-    """texts/s of CLIENTS threads posting one text per request."""
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def client_loop(url: str, texts: list, pid: int) -> tuple:
+    """(texts/s, texts per CPU-second of server and clients) of CLIENTS threads posting one
+    text per request."""
     import http.client
 
     host, port = url.split("//")[1].split(":")
@@ -151,13 +175,14 @@ def client_loop(url: str, texts: list) -> float:
             r.read()
             assert r.status == 200, r.status
 
-    t0 = time.perf_counter()
+    t0, c0, s0 = time.perf_counter(), time.process_time(), _cpu_of(pid)
     ts = [threading.Thread(target=work) for _ in range(CLIENTS)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    return len(texts) / (time.perf_counter() - t0)
+    cpu = time.process_time() - c0 + _cpu_of(pid) - s0
+    return len(texts) / (time.perf_counter() - t0), len(texts) / cpu
 
 
 def spread(values: list) -> str:
@@ -228,23 +253,32 @@ def main() -> None:
             print(f"{a.texts} texts (length-mixed corpus), {os.cpu_count()} cores, load "
                   f"average {os.getloadavg()[0]:.2f} at start", flush=True)
             for rnd in range(1, a.rounds + 1):
-                off = {(1, 2): offline(texts, 1, 2), (2, 1): offline(texts, 2, 1)}
-                best = max(off.values())
+                off = {(1, 2): offline(texts, 1, 2), (2, 1): offline(texts, 2, 1),
+                       "tokens": offline(texts, 2, 1, L.CPU_BATCH_TOKENS)}
+                best = max(v[0] for v in off.values())
+                best_cpu = max(v[1] for v in off.values())
+                ratios.setdefault("offline 32 (best layout) / offline best", []).append(
+                    max(off[(1, 2)][0], off[(2, 1)][0]) / best)
                 ours = {lay: embed(src, a.texts, *lay, tmp) for lay in layouts}
-                srv = client_loop(server.url, texts) if server else None
-                line = (f"round {rnd}: offline 1x2 {off[(1, 2)]:.1f}, 2x1 {off[(2, 1)]:.1f} "
-                        f"texts/s; ")
-                for lay, v in ours.items():
-                    r = v / best
-                    ratios.setdefault(f"embed {lay[0]}x{lay[1]} / offline best", []).append(r)
-                    line += f"embed {lay[0]}x{lay[1]} {v:.1f} ({r:.3f} of offline best"
+                srv = client_loop(server.url, texts, server.p.pid) if server else None
+                line = (f"round {rnd}: offline 32 1x2 {off[(1, 2)][0]:.1f}, 32 2x1 "
+                        f"{off[(2, 1)][0]:.1f}, <={L.CPU_BATCH_TOKENS} tokens 2x1 "
+                        f"{off['tokens'][0]:.1f} texts/s; ")
+                for lay, (v, c) in ours.items():
+                    name = f"embed {lay[0]}x{lay[1]}"
+                    ratios.setdefault(f"{name} / offline best", []).append(v / best)
+                    ratios.setdefault(f"{name} / offline best, per CPU-second",
+                                      []).append(c / best_cpu)
+                    line += (f"{name} {v:.1f} ({v / best:.3f} of offline best, per CPU-second "
+                             f"{c / best_cpu:.3f}")
                     if srv:
-                        ratios.setdefault(f"embed {lay[0]}x{lay[1]} / serve c={CLIENTS}",
-                                          []).append(v / srv)
-                        line += f", {v / srv:.2f}x serve"
+                        ratios.setdefault(f"{name} / serve c={CLIENTS}", []).append(v / srv[0])
+                        ratios.setdefault(f"{name} / serve c={CLIENTS}, per CPU-second",
+                                          []).append(c / srv[1])
+                        line += f"; {v / srv[0]:.2f}x serve, per CPU-second {c / srv[1]:.2f}x"
                     line += "); "
                 if srv:
-                    line += f"serve c={CLIENTS} {srv:.1f}; "
+                    line += f"serve c={CLIENTS} {srv[0]:.1f}; "
                 print(line + f"load average {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             if server:

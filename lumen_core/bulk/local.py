@@ -7,7 +7,8 @@ ONNX Runtime's float sums depend on the padded length in the last bits (measured
 quarter of MiniLM's rows differ between a batch of 32 and the text alone).  A bulk job must
 compute the same bytes when it is rerun after a kill, so it forms its batches itself, from the
 window's texts alone: sorted by token count (then input position), cut at the task's
-``max_batch_size`` and ``max_batch_tokens`` -- the offline ideal of length-sorted batches --
+``max_batch_size`` and a budget of padded tokens (``CPU_BATCH_TOKENS`` on CPU, the task's
+``max_batch_tokens`` elsewhere) -- the offline ideal of length-sorted batches --
 and runs them on the task's engine instances (``Task.runners``: each a ``BatchRunner``, the
 same assemble -> run -> postprocess the batcher's workers call), one thread each, while the
 caller reads and prepares the next window.
@@ -41,6 +42,12 @@ OPT_PROMPT_NAME = "prompt_name"
 #: texts longer than this (characters) take the backend's raw route: it tokenizes a long text
 #: by prefix (text_embedding.LONG_TEXT_CHARS), so a huge text costs what its kept tokens cost
 LONG_TEXT_CHARS = 2048
+#: padded tokens of one batch on CPU.  Measured on the 2-core box (MiniLM, length-mixed
+#: corpus, 2 x 1-thread sessions, texts per CPU-second): 256 tokens 83-84, 384 81-83, 512
+#: 79-80, 1024 72-74, and the task's 8192 with 32 rows 43 -- a batch whose attention no
+#: longer fits the caches costs more per text, whatever the padding; a GPU wants the task's
+#: (larger) budget.  ``--batch-tokens`` sets it.
+CPU_BATCH_TOKENS = 512
 #: texts of the first window whose token ids are compared with the backend's own preparation
 SELF_CHECK_TEXTS = 32
 
@@ -113,7 +120,7 @@ class LocalEmbedder:
 
     def __init__(self, rt: Any, task: str, dimensions: Optional[int] = None,
                  prompt_name: Optional[str] = None, truncate: bool = True,
-                 token_route: bool = True):
+                 token_route: bool = True, batch_tokens: Optional[int] = None):
         desc = rt.describe(task)  # TaskNotFound for an unknown task
         emb = desc.get("embedding")
         if not isinstance(emb, dict):
@@ -155,7 +162,8 @@ class LocalEmbedder:
                 raise ValueError(f"task {task!r} refuses the options: {exc.message}") from None
         self.runners = list(route.runners)
         self.max_batch = max(1, int(route.config.batching.max_batch_size))
-        self.max_tokens = int(desc.get("max_batch_tokens") or 0)
+        self.max_tokens = batch_tokens or default_batch_tokens(
+            int(desc.get("max_batch_tokens") or 0), str(route.config.device))
         self.max_seq = int(desc.get("max_seq_length") or 0)
         tok = getattr(route.backend, "tokenizer", None)
         usable = (token_route and prompt_name is None and self.max_seq > 0
@@ -323,6 +331,14 @@ class LocalEmbedder:
             self._queue.put(None)
         for t in self._threads:
             t.join(timeout)
+
+
+def default_batch_tokens(task_budget: int, device: str) -> int:
+    """Padded tokens of one bulk batch: on CPU ``CPU_BATCH_TOKENS`` (or the task's smaller
+    budget), elsewhere the task's own ``max_batch_tokens``."""
+    if device.startswith("cpu"):
+        return min(task_budget, CPU_BATCH_TOKENS) if task_budget else CPU_BATCH_TOKENS
+    return task_budget
 
 
 def work_loop(jobs: queue.Queue, run: Callable[[Pending, list, list], None]) -> None:

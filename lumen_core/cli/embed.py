@@ -35,7 +35,7 @@ def _spec(args: argparse.Namespace) -> Any:
     return InputSpec(args.field, args.id_field, keep, args.format)
 
 
-def _job_state(args: argparse.Namespace, model: dict, inputs: Any) -> dict:
+def _job_state(args: argparse.Namespace, model: dict, inputs: Any, embedder: Any) -> dict:
     """What a rerun must match to resume: the arguments that change the output, the model,
     the inputs."""
     job = {"task": args.task, "field": args.field, "id_field": args.id_field,
@@ -43,7 +43,10 @@ def _job_state(args: argparse.Namespace, model: dict, inputs: Any) -> dict:
            "dimensions": args.dimensions, "prompt_name": args.prompt_name,
            "truncate": not args.no_truncate, "row_group_size": args.row_group_size,
            "on_bad_row": args.on_bad_row, "mode": "url" if args.url else "local"}
-    return {"job": job, "model": model, "inputs": inputs.fingerprints}
+    # in process the batches decide the last bits of every vector: a resume forms the same
+    batching = ({"max_rows": embedder.max_batch, "max_tokens": embedder.max_tokens}
+                if hasattr(embedder, "max_tokens") else None)
+    return {"job": job, "batching": batching, "model": model, "inputs": inputs.fingerprints}
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -80,11 +83,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
             rt = bulk_runtime(args.task, args.config, args.instances, args.threads)
             rt.start_background()
             embedder = LocalEmbedder(rt, args.task, args.dimensions, args.prompt_name,
-                                     not args.no_truncate)
+                                     not args.no_truncate, batch_tokens=args.batch_tokens)
             model = model_fingerprint(rt, args.task)
             tc = rt.tasks[args.task].config
             layout = (f"in process, {tc.instances} x {tc.intra_op_threads or 'auto'} threads, "
-                      f"{'bulk' if embedder.token_route else 'per-text'} tokenization")
+                      f"batches of <= {embedder.max_batch} rows and {embedder.max_tokens} "
+                      f"tokens, {'bulk' if embedder.token_route else 'per-text'} tokenization")
         return _run(args, inputs, embedder, model, layout, prog)
     except KeyboardInterrupt:
         prog.finish()
@@ -105,7 +109,7 @@ def _run(args: argparse.Namespace, inputs: Any, embedder: Any, model: dict, layo
     from ..bulk.job import JobOptions, run_job
     from ..bulk.store import Store, output_schema
 
-    store = Store(args.output, _job_state(args, model, inputs), args.overwrite)
+    store = Store(args.output, _job_state(args, model, inputs, embedder), args.overwrite)
     done = store.open()
     ct = inputs.column_types or {}
     import pyarrow as pa
@@ -174,6 +178,9 @@ def add_embed(sub: argparse._SubParsersAction) -> None:
                    help="engine sessions (default: one per core, up to 8; --config: its own)")
     p.add_argument("--threads", type=at_least_one, default=None,
                    help="intra-op threads per session (default: cores / instances)")
+    p.add_argument("--batch-tokens", type=at_least_one, default=None, metavar="N",
+                   help="padded tokens of one batch (default: 512 on CPU, where smaller "
+                        "batches cost less per text; the task's max_batch_tokens on a GPU)")
     p.add_argument("--progress", choices=MODES, default="auto",
                    help="bar (a terminal), lines (a log), none; default: bar on a terminal")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress and no summary")

@@ -184,6 +184,8 @@ def test_other_arguments_are_refused_while_a_job_is_unfinished(tiny, tmp_path, c
     assert rc == 2
     rc, err = run_embed(capsys, *args, "--on-bad-row", "fail", "--dimensions", 8)
     assert rc == 2 and "the arguments differ" in err and "dimensions: None -> 8" in err
+    rc, err = run_embed(capsys, *args, "--on-bad-row", "fail", "--batch-tokens", 64)
+    assert rc == 2 and "batching.max_tokens: 512 -> 64" in err  # other batches, other bits
     rc, err = run_embed(capsys, *args, "--on-bad-row", "skip")  # finishes after the 3 parts
     assert rc == 2 and "on_bad_row" in err
 
