@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_embed, short_texts, write_jsonl
+from embed_support import home_fixture, run_embed, short_texts, tiny_fixture, write_jsonl  # noqa: F401 - the fixtures (home, tiny)
 
 import lumen_core as lc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from embed_support import home_fixture  # noqa: F401 - the fixtures (home, tiny)
 
 import lumen_core as lc
 from lumen_core.bulk.progress import Progress, Summary, clock

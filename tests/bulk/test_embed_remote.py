@@ -18,7 +18,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import serve_support as S
-from conftest import run_embed, short_texts, write_jsonl
+from embed_support import (
+    home_fixture,  # noqa: F401 - the fixtures (home, tiny)
+    run_embed,
+    short_texts,
+    write_jsonl,
+)
 
 from lumen_core.bulk import remote
 

@@ -17,7 +17,12 @@ import sys
 import time
 
 import pyarrow.parquet as pq
-from conftest import short_texts, write_jsonl
+from embed_support import (  # noqa: F401 - the fixtures (home, tiny)
+    home_fixture,
+    short_texts,
+    tiny_fixture,
+    write_jsonl,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROWS = 6000

@@ -1,4 +1,6 @@
-"""Fixtures of the ``lumen embed`` tests: the prepared models, a tiny text-embedding model
+"""Fixtures and helpers of the ``lumen embed`` tests (a module of its own, not a second
+``conftest.py``: test modules import from ``conftest`` by name, and two of them would shadow
+each other), imported by the test files: the prepared models, a tiny text-embedding model
 (the MiniLM tokenizer in front of ``onnx_models.embedding_only``: costs next to nothing, and
 its output depends on the padded length, so it shows whether batches are formed the same way
 twice), inputs in every format, and a way to run the command."""
@@ -20,14 +22,14 @@ pytest.importorskip("pyarrow", reason="the [bulk] extra (pyarrow) is not install
 DISTINCT = 100
 
 
-@pytest.fixture
-def home(prepared_home, monkeypatch) -> pathlib.Path:
+@pytest.fixture(name="home")
+def home_fixture(prepared_home, monkeypatch) -> pathlib.Path:
     monkeypatch.setenv("LUMEN_HOME", str(prepared_home))
     return prepared_home
 
 
-@pytest.fixture
-def tiny(home, tmp_path) -> pathlib.Path:
+@pytest.fixture(name="tiny")
+def tiny_fixture(home, tmp_path) -> pathlib.Path:
     """A lumen.toml with task ``tiny`` (text_embedding backend, the tiny model)."""
     model = M.embedding_only(tmp_path / "tiny.onnx")
     tok = models.require_model(models.MINILM, home=home) / minilm.TOKENIZER_FILE
