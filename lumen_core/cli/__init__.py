@@ -1,6 +1,6 @@
 """The ``lumen`` command line.
 
-One module per subcommand (``serve``, ``infer``, ``bench``, ``models``: its ``cmd_*(args) ->
+One module per subcommand (``serve``, ``infer``, ``embed``, ``bench``, ``models``: its ``cmd_*(args) ->
 int`` and the ``add_*`` that declares its arguments), what they share in ``common``, wired
 up in ``build_parser``; ``main`` turns the errors a user can fix into one message and exit status
 ``EXIT_USAGE`` instead of a traceback.  Heavy imports (onnx, onnxruntime) happen inside the
@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from .. import __version__
 from ..errors import LumenError
-from . import bench, infer, models, serve
+from . import bench, embed, infer, models, serve
 from .common import EXIT_OK, EXIT_USAGE, PROG
 
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_OK", "EXIT_USAGE", "PROG", "build_parser", "main",
@@ -25,7 +25,7 @@ EXTRA_FOR_MODULE = {
     "uvicorn": "serve", "starlette": "serve", "httptools": "serve", "grpc": "serve",
     "prometheus_client": "serve", "google": "serve", "uvloop": "serve",
     "onnxruntime": "cpu", "onnx": "cpu", "tokenizers": "cpu", "safetensors": "cpu", "PIL": "cpu",
-    "httpx": "test", "matplotlib": "bench", "ray": "ray", "cv2": "ocr", "pyclipper": "ocr",
+    "httpx": "test", "matplotlib": "bench", "ray": "ray", "pyarrow": "bulk", "cv2": "ocr", "pyclipper": "ocr",
 }
 #: exit status after stdout's reader went away (`lumen infer ... | head`): a process killed by
 #: SIGPIPE reports 128 + 13 to its shell
@@ -43,7 +43,7 @@ def missing_extra_message(exc: ModuleNotFoundError) -> str:
 
 
 _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    serve.add_serve, infer.add_infer, bench.add_bench, models.add_models)
+    serve.add_serve, infer.add_infer, embed.add_embed, bench.add_bench, models.add_models)
 
 
 def build_parser() -> argparse.ArgumentParser:
