@@ -470,7 +470,8 @@ class Runtime:
         computes the same bytes).  Raises the request's ``LumenError``."""
         dispatch = self._dispatch
         route = dispatch.routed(req)
-        desc, payload, _ = dispatch.validate(route, req)
+        payload, nbytes = dispatch.payload(req.payload, route)  # the limits every door checks
+        desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
         return route.prepare(req, desc, payload)
 
     @staticmethod

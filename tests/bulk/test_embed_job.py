@@ -257,26 +257,34 @@ def test_usage_errors_say_what_to_do(tiny, tmp_path, capsys):
     assert rc == 2 and "already has that column" in err
 
 
-def test_prompt_name_reaches_a_backend_that_reads_it(tiny, tmp_path, capsys, monkeypatch):
-    from lumen_core import tasks
+def test_prompt_name_reaches_the_model(tmp_path, capsys):
+    """``--prompt-name`` on an imported sentence-transformers folder with prompts (its default
+    is ``query``): ``passage`` gives the vectors of the texts written with the prefix by hand
+    (under the empty ``document`` prompt), through the backend's own preparation."""
+    import serve_support as S
+    from st_fixtures import ST_MODELS
 
-    monkeypatch.setitem(tasks.BACKENDS, "prompt_text", "prompt_backend:PromptBackend")
-    cfg = tiny.read_text().replace('backend = "text_embedding"', 'backend = "prompt_text"')
-    (tmp_path / "prompt.toml").write_text(cfg)
+    cfg = {"server": {}, "tasks": [{"name": "tiny", "backend": "text_embedding",
+                                    "model": str(ST_MODELS / "mpnet-mean-prompt"),
+                                    "instances": 1, "intra_op_threads": 1}]}
+    (tmp_path / "prompt.toml").write_text(S.to_toml(cfg))
     texts = short_texts(40)
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
-    pre = write_jsonl(tmp_path / "pre.jsonl", [{"text": "query: " + t} for t in texts])
+    pre = write_jsonl(tmp_path / "pre.jsonl", [{"text": "passage: " + t} for t in texts])
     args = ["--config", tmp_path / "prompt.toml", "--task", "tiny", "--row-group-size", 16]
-    rc, err = run_embed(capsys, src, "-o", tmp_path / "p.parquet", "--prompt-name", "query",
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "p.parquet", "--prompt-name", "passage",
                         *args)
     assert rc == 0, err
     assert "per-text tokenization" in err  # the backend's own preparation applies the prompt
-    rc, err = run_embed(capsys, pre, "-o", tmp_path / "q.parquet", *args)
+    rc, err = run_embed(capsys, pre, "-o", tmp_path / "q.parquet", "--prompt-name", "document",
+                        *args)
     assert rc == 0, err
-    assert pq.read_table(tmp_path / "p.parquet").equals(pq.read_table(tmp_path / "q.parquet"))
+    p, q = (np.stack(pq.read_table(tmp_path / f"{n}.parquet").column("embedding").to_pylist())
+            for n in "pq")
+    np.testing.assert_allclose(p, q, atol=1e-5)
     rc, err = run_embed(capsys, src, "-o", tmp_path / "x.parquet", "--prompt-name", "nope",
                         *args)
-    assert rc == 2 and "unknown prompt_name 'nope'; the prompts are query, passage" in err
+    assert rc == 2 and "unknown prompt_name 'nope'" in err and "passage" in err, err
 
 
 def test_a_task_with_several_versions_runs_every_item_on_its_head(tiny, tmp_path):
