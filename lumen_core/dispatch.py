@@ -44,11 +44,10 @@ log = logging.getLogger("lumen")
 #: the twin API (``lumen_core._dispatch`` exports the same names)
 __all__ = ["DenseTensor", "Dispatcher", "Route", "TextPrep", "route_of"]
 
-#: the metrics routes a request may take
-RAW, TENSOR = "raw", "tensor"
-
 #: the queue side of this module's own kind (compiled with compiled: the C types it cimports)
 _ent = native.kin(__name__, "entries")
+#: the metrics routes a request may take (defined with the entry that carries one)
+RAW, TENSOR = _ent.RAW, _ent.TENSOR
 _Prepared = _ent.Prepared
 _Rows = _ent.Rows
 _CancelledError = asyncio.CancelledError

@@ -4,7 +4,7 @@ take traffic atomically, drain the old one, unload it) behind ``rt.reload``,
 choice of a version are :mod:`lumen_core.routing`; model files on disk (states, revisions,
 waiting for a writer, the admin loads' path check) are :mod:`lumen_core.watch`.
 
-How it sits in the runtime: every loaded version is a :class:`~lumen_core.runtime.Task` of its
+How it sits in the runtime: every loaded version is a :class:`~lumen_core.loading.Task` of its
 own (own sessions, batcher, warm-up; the version is in its execution signature), and
 ``Runtime.tasks[name]`` holds the task's *head*: the version with the largest share of traffic.
 A task that serves one version has ``head.router = None``, so the request path pays one

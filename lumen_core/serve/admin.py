@@ -33,7 +33,7 @@ from ..watch import confine_model
 from . import codec
 
 PREFIX = "/v1/admin/tasks"
-JSON = "application/json"
+JSON = codec.JSON
 
 
 class AdminRoutes:

@@ -24,6 +24,11 @@ from ..errors import InvalidArgument
 
 _JSON_SEPARATORS = (",", ":")
 
+#: the media type of every JSON reply and request body (HTTP, OIP, OpenAI, admin)
+JSON = "application/json"
+#: the media type of raw tensor bodies (the tensor route, OIP's binary extension)
+OCTET_STREAM = "application/octet-stream"
+
 
 def loads(data: Any, what: str, field: str) -> Any:
     """A client's JSON (a body, a header part, a WebSocket message) as Python; bad JSON, or

@@ -71,8 +71,7 @@ TEI_HOT_ROUTES = ("/embed", "/", "/rerank", "/v1/rerank")
 #: one line per finished request when the access log is on (never a header or a body)
 access_log = logging.getLogger("lumen.access")
 
-JSON = "application/json"
-OCTET_STREAM = "application/octet-stream"
+JSON, OCTET_STREAM = codec.JSON, codec.OCTET_STREAM
 #: status reported (and counted) for a request whose client went away; nginx's convention
 CLIENT_CLOSED_STATUS = 499
 #: header that picks one output for a raw tensor reply when a task has several

@@ -34,8 +34,7 @@ from ..errors import (
 from ..request import InferRequest
 from . import codec
 
-JSON = "application/json"
-OCTET_STREAM = "application/octet-stream"
+JSON, OCTET_STREAM = codec.JSON, codec.OCTET_STREAM
 #: the binary tensor extension's header: the JSON part's length, binary tensors follow it
 HEADER_LENGTH = "inference-header-content-length"
 SERVER_NAME = "lumen-core"

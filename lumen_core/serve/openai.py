@@ -25,7 +25,7 @@ from ..request import InferRequest
 from . import codec
 from .logs import note_task
 
-JSON = "application/json"
+JSON = codec.JSON
 #: the most inputs one /v1/embeddings call may carry (OpenAI's own limit)
 MAX_EMBEDDING_INPUTS = 2048
 #: the output /v1/embeddings returns when a task has several
