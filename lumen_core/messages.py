@@ -142,8 +142,9 @@ class InferResponse:
         if self._row >= 0:  # a row of the batch's outputs, split out on first read
             self._outputs = self._outputs.row(self._row)
             self._row = -1
-        outputs: Dict[str, Any] = self._outputs  # a dict once the row is split out
-        return outputs
+        # a dict once the row is split out (typed Any for the Rows before it; no local here:
+        # this is read once per response)
+        return self._outputs  # type: ignore[no-any-return]
 
     @property
     def stats(self) -> Optional[ResponseStats]:
