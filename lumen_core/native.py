@@ -72,7 +72,7 @@ def kin(module_name: str, name: str) -> ModuleType:
                                    else pure_mod)
 
 
-def using_extensions() -> dict:
+def using_extensions() -> dict[str, bool]:
     """name -> True when the compiled module is in use.
 
     Reported by ``Runtime.extensions()``, the runtime's start-up log and the server's

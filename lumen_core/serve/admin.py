@@ -47,7 +47,7 @@ class AdminRoutes:
         self.app = app
         self.rt = app.runtime
 
-    def routes(self) -> list:
+    def routes(self) -> list[Any]:
         def ep(name: str, fn: Any) -> Any:
             return self.app.endpoint(name, fn, admin=True)
 

@@ -24,7 +24,7 @@ MAX_KEY_ECHO = 200
 
 
 def check_options(runtime: RuntimeQueries, task: str, keys: Iterable[str],
-                  route_options: Optional[Mapping] = None) -> None:
+                  route_options: Optional[Mapping[str, Any]] = None) -> None:
     """Raise :func:`unknown_option` for the first plain key of ``keys`` that ``task`` does not
     read (``runtime.request_options``, plus ``route_options``: what the door itself reads,
     e.g. a whole audio file's options).  An unknown task passes: it answers 404 later."""
