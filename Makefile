@@ -29,7 +29,7 @@ TREE_KEY = $$( { echo "$(SRC_FILES) | $(EXTRAS) | $(MODEL_PKGS)"; cat $(SRC_FILE
 # one line per step, so a long install says what it is doing
 STEP = @printf '==> %s\n'
 
-.PHONY: venv install models demo serve test test-compiled test-pure test-wheel test-types docs docs-check wheel bench gpu-check lint clean
+.PHONY: venv install models demo serve test test-compiled test-pure test-wheel test-lint test-types docs docs-check wheel bench gpu-check lint clean
 
 $(PY):
 	$(STEP) "create the virtualenv $(VENV) and upgrade pip"
@@ -67,11 +67,17 @@ demo: models
 serve:
 	$(VENV)/bin/lumen serve
 
-# the type checker and the manual's strict build (quick, so first), the whole suite twice
-# (compiled hot path, then the pure-Python twins), then the wheel test once; pytest's addopts
-# deselect the `wheel`-marked test from the first two
+# the linter, the type checker and the manual's strict build (quick, so first), the whole
+# suite twice (compiled hot path, then the pure-Python twins), then the wheel test once;
+# pytest's addopts deselect the `wheel`-marked test from the first two
 test: install
-	$(MAKE) test-types docs-check test-compiled test-pure test-wheel VENV=$(VENV)
+	$(MAKE) test-lint test-types docs-check test-compiled test-pure test-wheel VENV=$(VENV)
+
+# ruff over the package, the tests and the benchmarks ([tool.ruff] in pyproject.toml; ruff comes
+# with the [test] extra)
+test-lint:
+	$(STEP) "ruff check lumen_core tests bench: lint ([tool.ruff] in pyproject.toml)"
+	$(VENV)/bin/ruff check lumen_core tests bench
 
 # mypy over lumen_core/ ([tool.mypy] in pyproject.toml; mypy comes with the [test] extra)
 test-types:
@@ -128,9 +134,7 @@ bench: install
 gpu-check: $(PY)
 	$(PY) bench/gpu_check.py
 
-lint:
-	$(VENV)/bin/ruff check lumen_core tests bench
-	$(VENV)/bin/mypy
+lint: test-lint test-types
 
 clean:
 	rm -rf build dist *.egg-info lumen_core/*.so csrc/*.c

@@ -29,8 +29,9 @@ never served: it is dropped when looked up.  Stored outputs are private read-onl
 row of a batch output is a view that would keep the whole batch buffer alive and count wrong).
 
 Stateful tasks (sequences) cannot be cached: a response depends on the sequence's state.
-The runtime installs the cache path only when some task has a cache (``Runtime._cached``):
-a runtime without one runs exactly the uncached code.
+The cache is a stage of its task's route (``Route.cache``, answered through
+``Dispatcher.cached``): a task without one pays one ``is not None`` test and runs exactly the
+uncached code.
 """
 from __future__ import annotations
 

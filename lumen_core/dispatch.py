@@ -44,16 +44,16 @@ log = logging.getLogger("lumen")
 #: the twin API (``lumen_core._dispatch`` exports the same names)
 __all__ = ["DenseTensor", "Dispatcher", "Route", "TextPrep", "route_of"]
 
-#: the metrics routes a request may take
-RAW, TENSOR = "raw", "tensor"
-
 #: the queue side of this module's own kind (compiled with compiled: the C types it cimports)
 _ent = native.kin(__name__, "entries")
-_Prepared = _ent.Prepared
+#: the metrics routes a request may take (defined with the entry that carries one)
+RAW: str = _ent.RAW
+TENSOR: str = _ent.TENSOR
+_Prepared: type[entries.Prepared] = _ent.Prepared
 _Rows = _ent.Rows
 _CancelledError = asyncio.CancelledError
 _monotonic_ns = time.monotonic_ns
-_respond = native.kin(__name__, "messages").respond
+_respond: Callable[..., InferResponse] = native.kin(__name__, "messages").respond
 
 
 class DenseTensor:
@@ -68,7 +68,7 @@ class DenseTensor:
 
     def __init__(self, make_signature: Callable[..., Any], max_cached: int = 256):
         self.make_signature = make_signature
-        self.signatures: dict[tuple, Any] = {}
+        self.signatures: dict[tuple[Any, ...], Any] = {}
         self.max_cached = max_cached
 
     def prepare(self, desc: Any, payload: Any) -> entries.Prepared:
@@ -92,7 +92,7 @@ class TextPrep:
     __slots__ = ("encode", "signature", "max_tokens", "max_chars", "mimes")
 
     def __init__(self, encode: Callable[[str], Any], signature: Any, max_tokens: int,
-                 max_chars: int, mimes: frozenset):
+                 max_chars: int, mimes: frozenset[str]):
         self.encode = encode
         self.signature = signature
         self.max_tokens = max_tokens
@@ -165,7 +165,7 @@ class Route:
         self.off_loop = bool(backend.prepare_off_loop) and not self.stateful
         self.inline_max = -1 if self.stateful else backend.inline_prepare_max_bytes
 
-    def policy(self, desc: Any) -> tuple:
+    def policy(self, desc: Any) -> tuple[int, int]:
         """(priority, timeout_ms) of a request: its own values within the task's limits."""
         priority = desc.priority or self.default_priority
         if priority > self.priority_levels:
@@ -248,7 +248,7 @@ class Dispatcher:
             route = route.router(req.meta)
         return route
 
-    def payload(self, payload: Any, route: Route) -> tuple:
+    def payload(self, payload: Any, route: Route) -> tuple[Any, int]:
         """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
         that takes text (its size counted in code points: each is at least one byte)."""
         if type(payload) is str:
@@ -279,7 +279,7 @@ class Dispatcher:
                          e.compute_us if e is not None else 0, route.version)
 
     # -- admission: the one sequence every door runs ------------------------------------------
-    def checked(self, route: Route, desc: Any, late: bool) -> tuple:
+    def checked(self, route: Route, desc: Any, late: bool) -> tuple[int, int]:
         """(priority, timeout_ms) of a request on ``route`` whose meta parsed to ``desc``: its
         own values within the task's policy, and -- when ``late`` -- refused now if the task's
         latency budget cannot take it (before paying to prepare it).  The one policy stage of
@@ -397,7 +397,7 @@ class Dispatcher:
         return self.admitted(entry, route, kind, t0)
 
     async def prepare_off_loop(self, route: Route, req: Any, desc: Any, payload: Any,
-                               nbytes: int, timeout_ms: int) -> tuple:
+                               nbytes: int, timeout_ms: int) -> tuple[Any, int]:
         """(prepared, timeout left for the queue) for a heavy input, prepared on the bounded
         pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
         thread, the preprocessing and then the batch queue."""
@@ -427,7 +427,7 @@ class Dispatcher:
         cache = route.cache
         t0 = _monotonic_ns()
         kind = route_of(req.meta)
-        where: list = [None]
+        where: list[Any] = [None]
         try:
             payload, nbytes = self.payload(req.payload, route)
             desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
@@ -443,7 +443,7 @@ class Dispatcher:
                 run = InferRequest(req.task, req.payload, req.payload_mime,
                                    {**meta, KEY_MODEL_VERSION: route.version},
                                    req.correlation_id)
-            resp = await cache.fetch(key, req, functools.partial(self.infer, run, False),
+            resp: InferResponse = await cache.fetch(key, req, functools.partial(self.infer, run, False),
                                      timeout_ms, where)
         except LumenError as exc:
             if where[0] != MISS:  # a miss: the computation observed it
@@ -454,7 +454,7 @@ class Dispatcher:
         return resp
 
     # -- infer_many ---------------------------------------------------------------------------
-    async def infer_many(self, requests: Sequence[Any]) -> list:
+    async def infer_many(self, requests: Sequence[Any]) -> list[Any]:
         """Run many requests as one group; return, in order, each one's ``InferResponse`` or
         its ``LumenError`` (an invalid item fails alone; the others still run).
 
@@ -467,7 +467,7 @@ class Dispatcher:
         out = [None] * len(requests)
         t0 = _monotonic_ns()
         groups: dict[int, _Items] = {}  # id(route) -> _Items
-        cached: list = []
+        cached: list[int] = []
         try:
             late = self.many_prepare(requests, out, groups, cached, t0)
             for i, state in late:  # inputs prepared off the loop
@@ -488,7 +488,7 @@ class Dispatcher:
         self.many_respond(requests, submitted, out, t0)
         return out
 
-    async def many_cached(self, requests: Sequence[Any], i: int, out: list) -> None:
+    async def many_cached(self, requests: Sequence[Any], i: int, out: list[Any]) -> None:
         """Item ``i`` of ``infer_many`` through its task's response cache."""
         req = requests[i]
         try:
@@ -496,13 +496,13 @@ class Dispatcher:
         except LumenError as exc:
             out[i] = exc
 
-    def many_prepare(self, requests: Sequence[Any], out: list, groups: dict, cached: list,
-                     t0: int) -> list:
+    def many_prepare(self, requests: Sequence[Any], out: list[Any], groups: dict[Any, Any],
+                     cached: list[int], t0: int) -> list[Any]:
         """Route every item, prepare those prepared inline into their version's group (an
         item's error goes to ``out[i]``), set aside those of cached tasks in ``cached``;
         return (index, state) of those prepared off the loop."""
         late = []
-        counts: dict = {}  # task -> items of a cached task
+        counts: dict[str, int] = {}  # task -> items of a cached task
         for i in range(len(requests)):
             req = requests[i]
             if not isinstance(req, InferRequest):
@@ -529,7 +529,7 @@ class Dispatcher:
         cached[:] = [i for i in cached if out[i] is None]
         return late
 
-    def items_of(self, route: Route, groups: dict) -> _Items:
+    def items_of(self, route: Route, groups: dict[Any, Any]) -> _Items:
         """``route``'s share of an ``infer_many`` call (the route is held until it is queued)."""
         items = groups.get(id(route))
         if items is None:
@@ -537,7 +537,8 @@ class Dispatcher:
             items = groups[id(route)] = _Items(route)
         return items
 
-    def many_item(self, req: Any, i: int, out: list, groups: dict, t0: int) -> Any:
+    def many_item(self, req: Any, i: int, out: list[Any], groups: dict[Any, Any],
+                  t0: int) -> Any:
         """Item ``i`` of ``infer_many`` into its version's group, prepared inline; its error
         goes to ``out[i]``.  None when done, else (its group, payload, nbytes) for
         :meth:`many_off_loop` (an input prepared on the bounded pool)."""
@@ -560,7 +561,8 @@ class Dispatcher:
             self.observed(route, kind, exc.code, t0, None)
         return None
 
-    async def many_off_loop(self, req: Any, i: int, out: list, late: tuple, t0: int) -> None:
+    async def many_off_loop(self, req: Any, i: int, out: list[Any], late: tuple[Any, ...],
+                            t0: int) -> None:
         """Item ``i`` of ``infer_many``, prepared on the bounded pool (``late``: what
         :meth:`many_item` returned for it)."""
         items, payload, nbytes = late
@@ -578,7 +580,7 @@ class Dispatcher:
             return
         items.add(i, kind, prepared, desc, priority, timeout_ms)
 
-    def many_submit(self, groups: dict, out: list, t0: int) -> list:
+    def many_submit(self, groups: dict[Any, Any], out: list[Any], t0: int) -> list[Any]:
         """Queue each version's items of ``infer_many`` as one group."""
         submitted = []
         for items in groups.values():
@@ -597,7 +599,7 @@ class Dispatcher:
                 self.trace.admitted_group(route, items.kinds, items.entries, items.group)
         return submitted
 
-    def many_respond(self, requests: Sequence[Any], submitted: list, out: list,
+    def many_respond(self, requests: Sequence[Any], submitted: list[Any], out: list[Any],
                      t0: int) -> None:
         """The answered items of ``infer_many``: responses (or errors) into ``out``."""
         observe = self.observe
@@ -627,7 +629,7 @@ class _Items:
         self.route = route
         self.index: list[int] = []
         self.kinds: list[str] = []
-        self.specs: list[tuple] = []
+        self.specs: list[tuple[Any, ...]] = []
         self.group = None
         self.entries = None
 

@@ -47,7 +47,7 @@ class Group:
 
     __slots__ = ("future", "remaining")
 
-    def __init__(self, future: asyncio.Future, n: int):
+    def __init__(self, future: asyncio.Future[Any], n: int):
         self.future = future
         self.remaining = n
 
@@ -127,7 +127,7 @@ def answer(e: Entry, outcome: Any) -> None:
             w.set_result(outcome)
 
 
-def deliver(entries: list, results: Any, compute_us: int) -> None:
+def deliver(entries: list[Entry], results: Any, compute_us: int) -> None:
     """Answer every entry of a finished batch that is still unanswered: with its own result,
     or (``results`` a :class:`Rows`) with the batch's outputs and its row."""
     n = len(entries)
@@ -155,11 +155,11 @@ class Rows:
 
     __slots__ = ("arrays", "n")
 
-    def __init__(self, arrays: dict, n: int):
+    def __init__(self, arrays: dict[str, Any], n: int):
         self.arrays = arrays
         self.n = n
 
-    def row(self, i: int) -> dict:
+    def row(self, i: int) -> dict[str, Any]:
         # views, never copies (a batch's outputs are never recycled); 0-d for a 1-D output
         return {k: v[i, ...] for k, v in self.arrays.items()}
 
@@ -179,7 +179,8 @@ class Prepared:
 
     __slots__ = ("signature", "tensors", "item_shape", "length")
 
-    def __init__(self, signature: Any, tensors: tuple, item_shape: tuple = (), length: int = 0):
+    def __init__(self, signature: Any, tensors: tuple[Any, ...], item_shape: tuple[int, ...] = (),
+                 length: int = 0):
         self.signature = signature
         self.tensors = tensors
         self.item_shape = item_shape
@@ -195,7 +196,7 @@ class SignatureQueue:
 
     def __init__(self, signature: Any, levels: int):
         self.signature = signature
-        self.levels: list[_deque] = [_deque() for _ in range(levels)]
+        self.levels: list[_deque[Entry]] = [_deque() for _ in range(levels)]
         self.live = 0
 
     def head(self) -> Optional[Entry]:
@@ -207,7 +208,7 @@ class SignatureQueue:
                 return level[0]
         return None
 
-    def take(self, n: int, now: int, policy: Any) -> list:
+    def take(self, n: int, now: int, policy: Any) -> list[Entry]:
         """Pop up to ``n`` live entries, highest priority first, FIFO within a level, and mark
         them running; an entry past its deadline is killed instead (never run) by ``policy``
         (the batcher's ``scheduler.Admission``)."""

@@ -27,10 +27,10 @@ class LumenError(Exception):
         self.message = message
         self.field = field
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "field": self.field}
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         """Pickle with ``field`` and subclass attributes (``retry_after_s``): an error that
         crosses a process (a Ray handle call, multiprocessing) arrives whole."""
         return (type(self), (self.message, self.field), dict(self.__dict__))

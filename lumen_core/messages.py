@@ -69,7 +69,7 @@ class InferRequest:
                 f"payload_mime={self.payload_mime!r}, meta={self.meta!r}, "
                 f"correlation_id={self.correlation_id!r})")
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (InferRequest, (self.task, self.payload, self.payload_mime, self.meta, self._cid))
 
 
@@ -102,7 +102,7 @@ class ResponseStats:
                 f"compute_us={self.compute_us}, tokens={self.tokens}, "
                 f"version={self.version!r})")
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (ResponseStats, (self.batch_size, self.queue_us, self.compute_us, self.tokens,
                                 self.version))
 
@@ -142,7 +142,9 @@ class InferResponse:
         if self._row >= 0:  # a row of the batch's outputs, split out on first read
             self._outputs = self._outputs.row(self._row)
             self._row = -1
-        return self._outputs
+        # a dict once the row is split out (typed Any for the Rows before it; no local here:
+        # this is read once per response)
+        return self._outputs  # type: ignore[no-any-return]
 
     @property
     def stats(self) -> Optional[ResponseStats]:
@@ -172,7 +174,7 @@ class InferResponse:
         return (f"InferResponse(correlation_id={self.correlation_id!r}, task={self.task!r}, "
                 f"outputs={sorted(self.outputs)}, meta={self.meta!r})")
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (InferResponse, (self.correlation_id, self.task, self.outputs, self.meta,
                                 self.stats))
 

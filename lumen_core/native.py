@@ -25,17 +25,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     # the type checker reads the pure-Python twins: each is the definition its compiled module
-    # mirrors, so ``native.messages.InferRequest`` has the twin's type
-    from . import (  # noqa: F401
-        assemble,
-        descriptor,
-        dispatch,
-        entries,
-        image,
-        messages,
-        notify,
-        scheduler,
-    )
+    # mirrors, so ``native.messages.InferRequest`` has the twin's type (``x as x``: re-exported,
+    # so strict modules may name them)
+    from . import assemble as assemble
+    from . import descriptor as descriptor
+    from . import dispatch as dispatch
+    from . import entries as entries
+    from . import image as image
+    from . import messages as messages
+    from . import notify as notify
+    from . import scheduler as scheduler
 
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
@@ -73,7 +72,7 @@ def kin(module_name: str, name: str) -> ModuleType:
                                    else pure_mod)
 
 
-def using_extensions() -> dict:
+def using_extensions() -> dict[str, bool]:
     """name -> True when the compiled module is in use.
 
     Reported by ``Runtime.extensions()``, the runtime's start-up log and the server's

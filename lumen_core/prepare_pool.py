@@ -37,7 +37,7 @@ DEFAULT_MAX_PENDING = 256
 RETRY_AFTER_S = 1
 
 
-def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if fut.done():
         return
     if ok:
@@ -54,7 +54,8 @@ class PreparePool:
         self.small_bytes = small_bytes
         self.max_pending = max_pending
         self._cond = threading.Condition()
-        self._heap: list = []
+        #: (nbytes, sequence, fn, future, loop, deadline): smallest first, then oldest
+        self._heap: list[tuple[int, int, Any, Any, Any, Any]] = []
         self._seq = itertools.count()
         self._stopping = False
         self._threads = [threading.Thread(target=self._work, args=(False,), daemon=True,
@@ -112,7 +113,7 @@ class PreparePool:
             raise DeadlineExceeded(f"deadline of {timeout_ms} ms expired during preprocessing",
                                    KEY_TIMEOUT_MS) from None
 
-    def _take(self, small_only: bool) -> Optional[tuple]:
+    def _take(self, small_only: bool) -> Optional[tuple[int, int, Any, Any, Any, Any]]:
         with self._cond:
             while True:
                 if self._stopping:

@@ -24,7 +24,7 @@ MAX_STICKY_BYTES = 16 << 20
 _random = random.random
 
 
-def version_key(v: str) -> tuple:
+def version_key(v: str) -> tuple[int, int, str]:
     """Sort key of version labels: numeric labels by value, before any others by text."""
     return (0, int(v), v) if v.isdigit() else (1, 0, v)
 
@@ -36,7 +36,7 @@ def route_point(key: str) -> float:
     return int.from_bytes(d, "little") / _POINTS
 
 
-def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
+def effective_split(requested: Mapping[str, Any], serving: Iterable[str]) -> dict[str, Any]:
     """``{version: weight}`` over the serving versions: the requested weights of those that
     serve; when none of them has a positive weight (no split configured, or its versions are
     not loaded), the highest version takes everything."""
@@ -49,7 +49,7 @@ def effective_split(requested: Mapping, serving: Iterable[str]) -> dict:
     return split
 
 
-def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict:
+def check_traffic(task: str, weights: Any, serving: Iterable[str]) -> dict[str, Any]:
     """``weights`` as ``{version: float}``, or InvalidArgument (field ``traffic``) naming what
     is wrong: a version that does not serve, a weight that is not a number in
     ``0..MAX_TRAFFIC_WEIGHT``, no weight."""
@@ -85,7 +85,7 @@ class Router:
     __slots__ = ("name", "by_version", "tasks", "cum", "total", "sequences", "_sticky",
                  "sticky_bytes")
 
-    def __init__(self, name: str, serving: Mapping, split: Mapping,
+    def __init__(self, name: str, serving: Mapping[str, Any], split: Mapping[str, Any],
                  sequences: Iterable[Any] = ()):
         self.name = name
         self.by_version = dict(serving)
@@ -99,7 +99,7 @@ class Router:
         self.cum = tuple(cum)
         self.total = total
         self.sequences = tuple(sequences)
-        self._sticky: dict = {}  # route key -> its version's task, under this split
+        self._sticky: dict[Any, Any] = {}  # route key -> its version's task, under this split
         #: bytes of the remembered keys' strings (bounded by MAX_STICKY_BYTES)
         self.sticky_bytes = 0
 
@@ -152,7 +152,7 @@ class Router:
                                KEY_MODEL_VERSION)
 
 
-def head_version(split: Mapping) -> Optional[str]:
+def head_version(split: Mapping[str, Any]) -> Optional[str]:
     """The version with the largest share of ``split`` (the highest label on a tie): the
     task's head in ``Runtime.tasks``."""
     if not split:

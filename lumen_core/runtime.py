@@ -66,7 +66,7 @@ class Runtime:
 
     @property
     def tasks(self) -> dict:
-        """Task name -> the loaded head version (a :class:`Task`)."""
+        """Task name -> the loaded head version (a :class:`~lumen_core.loading.Task`)."""
         return self._dispatch.routes
 
     @property

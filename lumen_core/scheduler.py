@@ -124,10 +124,10 @@ class Admission:
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.queues: dict[Any, entry_types.SignatureQueue] = {}
         #: waiting workers: their wake locks, or a LoopTurn in a parked one's place (dynamic.py)
-        self.idle: list = []
+        self.idle: list[Any] = []
         self.delay_ns = delay_ns
         self.ready_live = ready_live  # a queue this long forms a batch without waiting
-        self.deadlines: list[tuple] = []
+        self.deadlines: list[tuple[int, int, entry_types.Entry]] = []
         self.deadline_count = 0
         self.compact_at = DEADLINE_COMPACT_MIN
         self.timer: Optional[asyncio.TimerHandle] = None
@@ -313,8 +313,8 @@ class Admission:
             raise ValueError(f"priority must be 1..{self.levels}")
         now = _monotonic_ns()
         sig = item.signature
-        e = _Entry(item, _Future(loop=self.loop), priority, now, None,
-                  now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+        e: entry_types.Entry = _Entry(item, _Future(loop=self.loop), priority, now, None,
+                                      now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
         lock = self.lock
         lock.acquire()
         try:
@@ -335,7 +335,8 @@ class Admission:
             self.arm(e)
         return e
 
-    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+    def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
+                    ) -> tuple[entry_types.Group, list[entry_types.Entry]]:
         """Admit a group ``[(item, desc, priority, timeout_ms), ...]`` as a unit (all or
         none); return ``(group, entries)``: ``group.future`` resolves once every entry is
         answered, each entry's ``outcome`` holds its result or error."""
@@ -401,7 +402,7 @@ class Admission:
         while idle:
             idle.pop().release()
 
-    def wait_for_work(self, wake: Any, timeout: float, idle: list) -> None:
+    def wait_for_work(self, wake: Any, timeout: float, idle: list[Any]) -> None:
         """Worker thread, holding the lock: wait (the lock released) until a request wakes
         this worker through its own lock ``wake`` (held by it while it is not waiting) or
         ``timeout`` seconds pass (-1: no limit); return holding the lock again.  ``idle`` is
@@ -428,7 +429,7 @@ class Admission:
             self.dequeued_tokens([e])
         self.unqueue(e)
 
-    def dequeued_tokens(self, entries: list) -> None:
+    def dequeued_tokens(self, entries: list[entry_types.Entry]) -> None:
         """Under the lock: ``entries`` left the queue (formed into a batch, or dead): their
         lengths leave ``queued_tokens`` (which an empty queue resets, so it cannot drift)."""
         if not self.pending:
@@ -532,7 +533,8 @@ class Admission:
         self.maybe_idle()
 
     # -- delivery (loop thread, one call per finished batch) ---------------------------------
-    def deliver_batch(self, entries: list, results: Any, compute_us: int) -> None:
+    def deliver_batch(self, entries: list[entry_types.Entry], results: Any,
+                      compute_us: int) -> None:
         lock = self.lock
         lock.acquire()
         self.running -= 1

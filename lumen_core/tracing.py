@@ -1,9 +1,9 @@
 """OpenTelemetry tracing (the optional ``[otel]`` extra: ``opentelemetry-api``, ``-sdk``).
 
-Off unless ``[server] tracing = true`` or ``LUMEN_TRACING=1``; then ``Runtime._trace`` holds a
-:class:`Tracing` and the rest of the package calls it at four points, each behind one
-``is not None`` check (nothing else is paid when tracing is off, and OpenTelemetry is only
-imported here, lazily, so the package works without it):
+Off unless ``[server] tracing = true`` or ``LUMEN_TRACING=1``; then the dispatcher's
+``trace`` (``Runtime.tracing``) holds a :class:`Tracing` and the rest of the package calls it
+at four points, each behind one ``is not None`` check (nothing else is paid when tracing is
+off, and OpenTelemetry is only imported here, lazily, so the package works without it):
 
 * the transports (``serve/http.py``, ``serve/grpc.py``) open a SERVER span per call, the
   parent taken from the W3C ``traceparent`` header / metadata (``server_span``);
@@ -11,9 +11,9 @@ imported here, lazily, so the package works without it):
   admitted request, a child of the current (transport) span, when it enters the queue
   (``admitted``); it ends when the request is answered, with ``lumen.dispatched`` (queue wait
   over: its batch formed) and ``lumen.computed`` events at the entry's own timestamps;
-* ``QueuePolicy._deliver`` (on the loop, once per finished batch) makes a ``lumen.batch`` span
-  from the batch's formation time and compute duration, LINKED to the request spans of the
-  entries it ran (``batch``).  Worker threads do no OpenTelemetry work at all.
+* ``Admission.deliver_batch`` (``scheduler.py``; on the loop, once per finished batch) makes a
+  ``lumen.batch`` span from the batch's formation time and compute duration, LINKED to the
+  request spans of the entries it ran (``batch``).  Worker threads do no OpenTelemetry work at all.
 
 Export: the global tracer provider when one is set; else, when tracing is switched on by
 config or environment, an SDK provider whose exporter follows the standard ``OTEL_*``
@@ -250,7 +250,7 @@ class Tracing:
             self.set_error(span, "cancelled")
         span.end()
 
-    # -- batches (loop thread, QueuePolicy._deliver) --------------------------------------------
+    # -- batches (loop thread, Admission.deliver_batch) ------------------------------------------
     def batch(self, task: str, entries: Any, compute_us: int) -> None:
         """One finished batch: a span over its compute, linked to its requests' spans."""
         if not entries:

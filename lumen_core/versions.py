@@ -4,7 +4,7 @@ take traffic atomically, drain the old one, unload it) behind ``rt.reload``,
 choice of a version are :mod:`lumen_core.routing`; model files on disk (states, revisions,
 waiting for a writer, the admin loads' path check) are :mod:`lumen_core.watch`.
 
-How it sits in the runtime: every loaded version is a :class:`~lumen_core.runtime.Task` of its
+How it sits in the runtime: every loaded version is a :class:`~lumen_core.loading.Task` of its
 own (own sessions, batcher, warm-up; the version is in its execution signature), and
 ``Runtime.tasks[name]`` holds the task's *head*: the version with the largest share of traffic.
 A task that serves one version has ``head.router = None``, so the request path pays one
@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Protocol
 
 from .config import (
     LumenConfig,
@@ -56,6 +56,10 @@ from .watch import (
     stable_revision,
     wait_stable,
 )
+
+if TYPE_CHECKING:  # typing only (the runtime builds the Lifecycle: no import at run time)
+    from .loading import Task
+    from .tracing import Tracing
 
 log = logging.getLogger("lumen.lifecycle")
 
@@ -141,12 +145,39 @@ def _same_config(a: TaskConfig, b: TaskConfig) -> bool:
         return repr(a) == repr(b)
 
 
+class VersionHost(Protocol):
+    """What the lifecycle needs of the runtime it manages (``runtime.Runtime`` is one): its
+    config, its table of task heads, and building, warming and closing one task version.
+    A Protocol, so that this module depends on the contract and not on ``runtime.py`` (which
+    imports this one)."""
+
+    config: LumenConfig
+
+    @property
+    def tasks(self) -> dict[str, Task]: ...
+
+    @property
+    def loop(self) -> Optional[asyncio.AbstractEventLoop]: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    @property
+    def tracing(self) -> Optional[Tracing]: ...
+
+    def load_task(self, tc: TaskConfig) -> Task: ...
+
+    async def warmup(self, task: Task) -> None: ...
+
+    async def close_task(self, task: Task) -> None: ...
+
+
 class Lifecycle:
     """The runtime's version manager (one per Runtime; its public face is the Runtime's
     ``reload``, ``apply_config``, ``set_traffic``, ``load_version``, ``unload_version``,
     ``lifecycle`` and ``watch``)."""
 
-    def __init__(self, rt: Any):
+    def __init__(self, rt: VersionHost):
         self.rt = rt
         self.sets: dict = {}  # task name -> TaskVersions
         self.config_error: Optional[str] = None

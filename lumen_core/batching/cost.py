@@ -18,6 +18,8 @@ per-item cost at the typical tokens per item) is written onto the admission by
 """
 from __future__ import annotations
 
+from typing import Any
+
 #: weight of the past per batch: the model's memory is about ``1 / (1 - f)`` = 100 batches
 COST_FORGETTING = 0.99
 #: ridge on each diagonal of the normal equations, relative to that diagonal (Levenberg-
@@ -31,7 +33,7 @@ COST_MIN_SAMPLES = 8
 TOKENS_EMA = 0.05
 
 def _solve3(a00: float, a01: float, a02: float, a11: float, a12: float, a22: float,
-            b0: float, b1: float, b2: float) -> tuple:
+            b0: float, b1: float, b2: float) -> tuple[float, float, float]:
     """``A x = b`` for a symmetric positive (semi)definite 3x3 ``A`` (its upper triangle), by
     an unrolled LDL^T; an unknown whose pivot vanishes (a direction no data spans) is 0."""
     d0 = a00
@@ -97,7 +99,7 @@ class CostModel:
         a, b, c = self.theta
         return max(0.0, a + b * n + c * tokens)
 
-    def linear(self) -> tuple:
+    def linear(self) -> tuple[float, float]:
         """``(fixed_us, item_us)``: a batch of ``n`` typical items costs ``fixed + n * item``
         (tokens at the running mean per item); both >= 0."""
         a, b, c = self.theta
@@ -107,7 +109,7 @@ class CostModel:
     def ready(self) -> bool:
         return self.samples >= COST_MIN_SAMPLES
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The model as ``rt.load()`` and ``/metrics`` show it (times in microseconds)."""
         a, b, c = self.theta
         fixed, item = self.linear()

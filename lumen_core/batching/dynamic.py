@@ -73,7 +73,7 @@ PAD_SLACK_TOKENS = 4
 
 
 def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePolicy,
-                   now: int) -> list:
+                   now: int) -> list[Entry]:
     """Pop up to ``n`` live entries of ``q`` (a ``SignatureQueue``) of similar length (see
     the module docstring).
 
@@ -141,7 +141,8 @@ def _elements(shape: Sequence[int]) -> int:
 def _item_length(entry: Entry) -> int:
     return max(1, getattr(entry.item, "length", 0) or 0)
 
-def _length_window(lengths: Sequence[int], p: int, n: int, max_tokens: int) -> tuple:
+def _length_window(lengths: Sequence[int], p: int, n: int,
+                   max_tokens: int) -> tuple[int, int]:
     """``(lo, hi)``: a slice of the ascending ``lengths`` around ``p`` (the oldest request).
 
     Grown greedily from ``[p, p + 1)`` by the neighbour that adds the fewest padded slots
@@ -188,7 +189,7 @@ class DynamicBatcher(QueuePolicy):
         ``config.latency_target_ms`` sizes batches to the target (``fit``) and, unless
         ``refuse`` is False (an ensemble's steps: their requests were admitted already),
         refuses at admission the requests that cannot make it (``Admission.check_latency``)."""
-        preferred = tuple(config.preferred_batch_sizes)
+        preferred: tuple[int, ...] = tuple(config.preferred_batch_sizes)
         # a queue this long forms a batch at once, whatever max_queue_delay_us says
         ready = min(config.max_batch_size, preferred[-1]) if preferred else config.max_batch_size
         super().__init__(name, config.max_queue_size, on_batch, config.priority_levels,
@@ -334,7 +335,7 @@ class DynamicBatcher(QueuePolicy):
         self.loop_wait = self.loop_backoff
         self.loop_backoff = min(LOOP_BACKOFF_MAX, 2 * self.loop_backoff)
 
-    def cost_figures(self) -> Optional[dict]:
+    def cost_figures(self) -> Optional[dict[str, Any]]:
         out = super().cost_figures()
         if out is not None:
             out["loop_execution"] = self.loop_runs
@@ -364,7 +365,7 @@ class DynamicBatcher(QueuePolicy):
             lock.acquire()
         return True
 
-    def queued(self) -> list:
+    def queued(self) -> list[Entry]:
         return [e for q in self.queues.values() for lv in q.levels for e in lv
                 if e.state == QUEUED]
 
@@ -435,7 +436,7 @@ class DynamicBatcher(QueuePolicy):
             return 0
         return head.arrival_ns + self.delay_ns
 
-    def form(self, now: int) -> tuple:
+    def form(self, now: int) -> tuple[Optional[Batch], int]:
         """(batch, 0) or (None, ns at which a queue becomes ready, 0 if none).  Under the lock."""
         while self.pending:
             best = None

@@ -70,11 +70,11 @@ class StepSpec:
 
     name: str
     model: Any
-    postprocess: Callable[[dict, Sequence[Any]], list]
+    postprocess: Callable[[dict[str, Any], Sequence[Any]], list[Any]]
     batching: Optional[BatchingConfig] = None
     instances: int = 1
     intra_op_threads: int = 0
-    batcher_options: dict = field(default_factory=dict)
+    batcher_options: dict[str, Any] = field(default_factory=dict)
 
 
 class StepStats:
@@ -86,7 +86,7 @@ class StepStats:
         self.batches = self.items = self.requests = self.queue_us = self.compute_us = 0
         self.max_batch = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """``queue_us`` sums, over the ``requests`` that ran this step, the wait of each one's
         slowest item in the step's queue (what the step added to that request's queue time)."""
         return {"batches": self.batches, "items": self.items, "requests": self.requests,
@@ -137,7 +137,7 @@ class StepContext:
                                    DEADLINE_FIELD)
         return int(left)
 
-    async def run(self, step: str, items: Sequence[Any]) -> list:
+    async def run(self, step: str, items: Sequence[Any]) -> list[Any]:
         """Run ``items`` through ``step`` (batched with every other request's items there);
         return their results in order, or raise the first item's error."""
         if not items:
@@ -184,10 +184,10 @@ class Pipeline(QueuePolicy):
         if len(self.steps) != len(steps):
             raise ValueError(f"pipeline {name!r}: step names must be unique")
         self.flow = flow
-        self._flows: dict = {}  # entry -> its flow task
+        self._flows: dict[Any, Any] = {}  # entry -> its flow task
 
     @property
-    def runners(self) -> list:
+    def runners(self) -> list[Any]:
         return [r for s in self.steps.values() for r in s.batcher.runners]
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -221,14 +221,14 @@ class Pipeline(QueuePolicy):
         """Batches running now, over every step."""
         return sum(s.batcher.in_flight for s in self.steps.values())
 
-    def step_stats(self) -> dict:
+    def step_stats(self) -> dict[str, Any]:
         return {name: s.stats.as_dict() for name, s in self.steps.items()}
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, Any]:
         """Per-step batches, items, queue and compute times (``Batcher.counters``)."""
         return {"steps": self.step_stats()}
 
-    def cost_figures(self) -> Optional[dict]:
+    def cost_figures(self) -> Optional[dict[str, Any]]:
         """None: an ensemble runs no batches itself (each step's batcher learns its own)."""
         return None
 
@@ -242,7 +242,8 @@ class Pipeline(QueuePolicy):
         self._launch(e)
         return e
 
-    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+    def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
+                    ) -> tuple[Any, list[Entry]]:
         """``[(item, desc, priority, timeout_ms), ...]`` admitted as a unit: (group, entries)."""
         if not self.started:
             self.start()
@@ -312,20 +313,20 @@ class Pipeline(QueuePolicy):
         if task is not None:
             task.cancel()
 
-    def queued(self) -> list:
+    def queued(self) -> list[Entry]:
         return []
 
 
 def build_pipeline(name: str, config: BatchingConfig, specs: Sequence[StepSpec], flow: Flow,
-                   make_runners: Callable[[StepSpec], list],
+                   make_runners: Callable[[StepSpec], list[Any]],
                    on_batch: Optional[Callable[[str, int, int], None]] = None) -> Pipeline:
     """One ``DynamicBatcher`` per step over ``make_runners(spec)``; ``on_batch(step, n,
     compute_us)`` sees every step's batches (metrics)."""
     steps = []
     for spec in specs:
-        holder: list = []
+        holder: list[Any] = []
 
-        def step_batch(n: int, us: int, _h: list = holder, _name: str = spec.name) -> None:
+        def step_batch(n: int, us: int, _h: list[Any] = holder, _name: str = spec.name) -> None:
             _h[0].on_batch(n, us)
             if on_batch is not None:
                 on_batch(_name, n, us)

@@ -108,7 +108,8 @@ class Batcher(Protocol):
     def submit(self, item: Any, desc: Any = None, priority: int = 1,
                timeout_ms: int = 0) -> Any: ...
 
-    def submit_many(self, specs: Sequence[tuple]) -> tuple: ...
+    def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
+                    ) -> tuple[Any, list[Any]]: ...
 
     def cancel(self, entry: Any) -> None: ...
 
@@ -120,12 +121,12 @@ class Batcher(Protocol):
 
     async def close(self) -> None: ...
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, Any]:
         """Load figures of this kind of batcher beyond ``pending`` / ``in_flight``: numbers
         (summed over a task's versions) or, for an ensemble, a per-step table."""
         ...
 
-    def cost_figures(self) -> Optional[dict]:
+    def cost_figures(self) -> Optional[dict[str, Any]]:
         """The learnt cost model and the latency target (``QueuePolicy.cost_figures``); None
         for a batcher that runs no batches itself (an ensemble: its steps do)."""
         ...
@@ -190,7 +191,7 @@ class QueuePolicy(_sched.Admission):
         if self.started:
             self.completions.close()
 
-    def queued(self) -> list:  # pragma: no cover - overridden
+    def queued(self) -> list[Entry]:  # pragma: no cover - overridden
         """Under the lock: every entry still queued."""
         raise NotImplementedError
 
@@ -205,7 +206,7 @@ class QueuePolicy(_sched.Admission):
         raise NotImplementedError
 
     @property
-    def runners(self) -> list:
+    def runners(self) -> list[Any]:
         """The runners (one per engine instance) the batcher's workers drive."""
         return self._runners
 
@@ -222,7 +223,7 @@ class QueuePolicy(_sched.Admission):
         stream asks before it reads on (``serve/streams.py``: paced, never refused)."""
         return ROOM if self.pending < self.max_queue_size else QUEUE_FULL
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, Any]:
         """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
         return {}
 
@@ -310,7 +311,7 @@ class QueuePolicy(_sched.Admission):
         ``budget_ns`` over ``target_ns`` (1.0 without a target, or before the budget moved)."""
         return self.budget_ns / self.target_ns if self.target_ns and self.budget_ns else 1.0
 
-    def cost_figures(self) -> Optional[dict]:
+    def cost_figures(self) -> Optional[dict[str, Any]]:
         """See :class:`Batcher`: the model's snapshot, the batch size predictions assume,
         the engine instances, the latency target (ms; 0: none)."""
         out = self.cost.snapshot()

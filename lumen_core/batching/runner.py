@@ -23,11 +23,14 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, cast
 
 from .. import native
 from ..engine.state import StatefulPlan
 from ..errors import InternalError, LumenError
+
+if TYPE_CHECKING:  # the queue entries (the twin: the compiled type mirrors it)
+    from ..entries import Entry
 
 log = logging.getLogger("lumen.batching")
 
@@ -38,7 +41,7 @@ ERROR_BACKOFF_S = 0.01
 class Runner(Protocol):
     """What a worker runs: one batch of items in, one result (or LumenError) per item out."""
 
-    def execute(self, items: Sequence[Any]) -> list:
+    def execute(self, items: Sequence[Any]) -> list[Any]:
         """Run one batch; return one result (or LumenError) per item, in order."""
 
 
@@ -57,25 +60,27 @@ class BatchRunner:
     and padded token slots) over successful runs.
     """
 
-    def __init__(self, engine: Any, postprocess: Callable[[dict, Sequence[Any]], list]):
+    def __init__(self, engine: Any,
+                 postprocess: Callable[[dict[str, Any], Sequence[Any]], list[Any]]):
         self.engine = engine
         self.spec = engine.spec
         self.postprocess = postprocess
         self._plans = tuple(self.spec.inputs)
         self._commits = tuple(p for p in self._plans if isinstance(p, StatefulPlan))
-        self.stats: dict = {}
+        self.stats: dict[str, Any] = {}
         #: called once the inputs are assembled, just before the model runs (the worker sets
         #: it to wake the loop for the previous batch's results: see the module docstring)
         self.before_run: Optional[Callable[[], None]] = None
 
     @property
     def name(self) -> str:
-        return self.engine.name
+        name: str = self.engine.name
+        return name
 
-    def execute(self, items: Sequence[Any]) -> list:
-        stats: dict = {}
+    def execute(self, items: Sequence[Any]) -> list[Any]:
+        stats: dict[str, Any] = {}
         arena = self.engine.next_arena()
-        feeds: dict = {}
+        feeds: dict[str, Any] = {}
         for plan in self._plans:
             feeds.update(plan.assemble(items, arena, stats))
         if self.before_run is not None:
@@ -97,7 +102,8 @@ class BatchRunner:
         self.engine.close()
 
 
-def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) -> list:
+def run_split(execute: Callable[[Sequence[Any]], list[Any]],
+              items: Sequence[Any]) -> list[Any]:
     """Run a batch; if the whole run fails, split it in halves and retry, so the error lands
     only on the item(s) that cause it and every other item still gets its result."""
     try:
@@ -115,7 +121,7 @@ def run_split(execute: Callable[[Sequence[Any]], list], items: Sequence[Any]) ->
             run_split(execute, items[mid:]))
 
 
-def _per_item(results: Any) -> list:
+def _per_item(results: Any) -> list[Any]:
     """A half's results as one per item (a half that ran whole may answer with its rows)."""
     if isinstance(results, list):
         return results
@@ -127,7 +133,7 @@ class Batch:
 
     __slots__ = ("entries", "items", "extra")
 
-    def __init__(self, entries: list, items: Sequence[Any], extra: Any = None):
+    def __init__(self, entries: list[Entry], items: Sequence[Any], extra: Any = None):
         self.entries = entries
         self.items = items
         self.extra = extra  # formation's own bookkeeping (e.g. the sequence batcher's lane)
@@ -206,7 +212,7 @@ class CompletionQueue:
 
     def __init__(self, deliver: Callable[..., None]):
         self._deliver = deliver
-        self._items: deque = deque()
+        self._items: deque[Any] = deque()
         self._signalled = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._r = self._w = -1

@@ -111,7 +111,7 @@ class _Sequence:
         self.corrid = corrid
         self.lane: Optional[_Lane] = None
         self.slot = -1
-        self.queue: deque = deque()
+        self.queue: deque[Entry] = deque()
         self.running = False
         self.open = True  # False once an end request was accepted
         self.fresh = True  # the next request that runs starts from the initial state
@@ -128,11 +128,11 @@ class _Lane:
         self.index = index
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self.nseq = 0
-        self.ready: dict = {}  # _Sequence -> None, in the order they became ready
+        self.ready: dict[Any, None] = {}  # _Sequence -> None, in the order they became ready
         self.busy = False
         self.free_ns = 0  # when the lane last finished a batch
         self.store = SlotStore(capacity, plans)
-        self.idle: list = []  # the wake lock of the lane's worker while it waits for work
+        self.idle: list[Any] = []  # the wake lock of the lane's worker while it waits for work
 
     def wake(self) -> None:
         """Under the lock: new work may be formable on this lane."""
@@ -171,9 +171,9 @@ class SequenceBatcher(QueuePolicy):
                                    if getattr(p, "kind", None) == "CORRID"), None)
         self._lanes = [_Lane(i, self.capacity, spec.inputs)
                        for i in range(len(runners))]
-        self._seqs: dict = {}
-        self._backlog: deque = deque()
-        self._gone: OrderedDict = OrderedDict()  # sid -> ENDED | IDLED
+        self._seqs: dict[Any, Any] = {}
+        self._backlog: deque[Any] = deque()
+        self._gone: OrderedDict[Any, Any] = OrderedDict()  # sid -> ENDED | IDLED
         self._sweep: Optional[asyncio.TimerHandle] = None
         self._idle_ns = seq.max_sequence_idle_us * 1000
         self._sweep_s = max(self._idle_ns // IDLE_SWEEPS_PER_TIMEOUT, MIN_SWEEP_INTERVAL_NS) / 1e9
@@ -188,7 +188,7 @@ class SequenceBatcher(QueuePolicy):
         for lane in self._lanes:
             lane.wake()
 
-    def queued(self) -> list:
+    def queued(self) -> list[Entry]:
         return [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
 
     def stop_timer(self) -> None:
@@ -208,7 +208,7 @@ class SequenceBatcher(QueuePolicy):
         """Sequences waiting for a free slot."""
         return len(self._backlog)
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, Any]:
         """Sequences holding a slot and those waiting for one (``Batcher.counters``)."""
         return {"active_sequences": self.active_sequences, "backlog": self.backlog}
 
@@ -244,14 +244,15 @@ class SequenceBatcher(QueuePolicy):
             self.arm(entry)
         return entry
 
-    def submit_many(self, specs: Sequence[tuple]) -> tuple:
+    def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
+                    ) -> tuple[Any, list[Entry]]:
         """Admit ``[(item, desc, priority, timeout_ms), ...]`` in order, as one group: the
         first request that cannot be accepted raises and un-admits the ones before it."""
         if not self.started:
             self.start()
         loop = self.bound_loop
         group = Group(loop.create_future(), len(specs))
-        entries: list = []
+        entries: list[Entry] = []
         if not specs:
             group.future.set_result(None)
             return group, entries
@@ -259,7 +260,7 @@ class SequenceBatcher(QueuePolicy):
         with self.lock:
             if len(specs) > self.max_queue:
                 self.admit(len(specs))  # raises: the group can never fit
-            created: list = []  # (sequence, its _gone entry) of sequences this group started
+            created: list[Any] = []  # (sequence, its _gone entry) of sequences this group started
             try:
                 for item, desc, _priority, timeout_ms in specs:
                     known = desc.sequence_id in self._seqs
@@ -497,7 +498,7 @@ class SequenceBatcher(QueuePolicy):
             worker.flush()  # results waiting for the loop must not wait for our next batch
             self.wait_for_work(worker.wake, timeout, lane.idle)
 
-    def _form(self, lane: _Lane, now: int) -> tuple:
+    def _form(self, lane: _Lane, now: int) -> tuple[Optional[Batch], int]:
         """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
         ready = lane.ready
         expired = [s for s in ready if s.queue and s.queue[0].deadline_ns
@@ -521,7 +522,7 @@ class SequenceBatcher(QueuePolicy):
             seqs = self._pick(ready)
         return self._start(lane, seqs, now), 0
 
-    def _pick(self, ready: dict) -> list:
+    def _pick(self, ready: dict[Any, None]) -> list[Any]:
         """Up to ``max_batch_size`` ready sequences of one signature, oldest request first."""
         cands = sorted(ready, key=lambda s: s.queue[0].arrival_ns)
         if self._multi_sig:
@@ -532,13 +533,13 @@ class SequenceBatcher(QueuePolicy):
             del ready[s]
         return seqs
 
-    def _start(self, lane: _Lane, seqs: list, now: int) -> Batch:
+    def _start(self, lane: _Lane, seqs: list[Any], now: int) -> Batch:
         n = len(seqs)
         entries = []
         slots = np.empty(n, dtype=np.intp)
         start = np.empty(n, dtype=bool)
         end = np.empty(n, dtype=bool)
-        corrid: Optional[list] = [] if self._corrid else None
+        corrid: Optional[list[Any]] = [] if self._corrid else None
         for i, s in enumerate(seqs):
             q = s.queue
             e = q.popleft()

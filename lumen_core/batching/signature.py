@@ -16,13 +16,13 @@ class ExecutionSignature(NamedTuple):
     model_id: str
     model_version: str
     dtype: str
-    item_shape: Optional[tuple]  # None for ragged inputs (the length is not part of it)
+    item_shape: Optional[tuple[int, ...]]  # None for ragged inputs (the length is not part of it)
     layout: str
     preprocess_id: str
 
 
 def signature(task: str, model_id: str, model_version: str, dtype: str,
-              item_shape: Optional[tuple], layout: str, preprocess_id: str) -> ExecutionSignature:
+              item_shape: Optional[tuple[int, ...]], layout: str, preprocess_id: str) -> ExecutionSignature:
     """The one constructor backends use (shapes are normalised to tuples of ints)."""
     shape = None if item_shape is None else tuple(int(d) for d in item_shape)
     return ExecutionSignature(task, model_id, str(model_version), dtype, shape, layout,

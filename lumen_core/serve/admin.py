@@ -21,7 +21,7 @@ this module only translates HTTP.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,19 +32,22 @@ from ..errors import InvalidArgument
 from ..watch import confine_model
 from . import codec
 
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
+
 PREFIX = "/v1/admin/tasks"
-JSON = "application/json"
+JSON = codec.JSON
 
 
 class AdminRoutes:
     """The ``/v1/admin`` endpoints of one :class:`~lumen_core.serve.http.HttpApp` (its API
     keys, error shape, body limit and metrics are reused)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: HttpApp):
         self.app = app
         self.rt = app.runtime
 
-    def routes(self) -> list:
+    def routes(self) -> list[Any]:
         def ep(name: str, fn: Any) -> Any:
             return self.app.endpoint(name, fn, admin=True)
 

@@ -24,7 +24,7 @@ segments use the true length.  A file longer than :data:`MAX_FILE_SECONDS`, or a
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -49,6 +49,10 @@ from ..tasks.vad_segments import (
 )
 from . import resample
 from .body import read_body
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
+    from .runtime_api import RuntimeQueries
 
 SAMPLE_RATE = 16000
 CHUNK_SAMPLES = 512
@@ -94,7 +98,7 @@ def is_audio_mime(mime: str) -> bool:
     return base in WAV_MIMES or base in (MIME_L16, MIME_PCM)
 
 
-def segment_task(runtime: Any, task: str) -> Optional[dict]:
+def segment_task(runtime: RuntimeQueries, task: str) -> Optional[dict]:
     """The task's description when it produces speech segments, else None."""
     if not runtime.has_task(task):
         return None
@@ -267,7 +271,7 @@ class SegmentStream:
     ``{"event": "prob", "ms", "p"}`` per chunk.
     """
 
-    def __init__(self, runtime: Any, task: str, options: SegmentOptions, width: int = 2,
+    def __init__(self, runtime: RuntimeQueries, task: str, options: SegmentOptions, width: int = 2,
                  probabilities: bool = False, prefix: str = "lumen-audio"):
         self.rt = runtime
         self.task = task
@@ -396,7 +400,7 @@ def check_keys(meta: dict) -> None:
                                   f"{', '.join(sorted(VAD_KEYS))}", k)
 
 
-async def run_file(runtime: Any, task: str, body: bytes, mime: str, meta: dict) -> dict:
+async def run_file(runtime: RuntimeQueries, task: str, body: bytes, mime: str, meta: dict) -> dict:
     """A whole file as one sequence: ``{"segments", "duration_ms"[, "probabilities"]}``."""
     desc = segment_task(runtime, task)
     options = segment_options(meta, task_options(desc or {}))
@@ -414,14 +418,14 @@ async def run_file(runtime: Any, task: str, body: bytes, mime: str, meta: dict) 
 
 
 # --------------------------------------------------------------------------- HTTP whole files
-def wants_file(runtime: Any, task: str, mime: str, query: Any) -> bool:
+def wants_file(runtime: RuntimeQueries, task: str, mime: str, query: Any) -> bool:
     """``POST /v1/infer/{task}`` is a whole file: audio for a segment task, no sequence id
     (a request naming ``lumen.sequence.id`` is one chunk of the caller's own stream)."""
     return (KEY_SEQUENCE_ID not in query and is_audio_mime(mime)
             and segment_task(runtime, task) is not None)
 
 
-async def file_reply(app: Any, request: Any, task: str) -> Any:
+async def file_reply(app: HttpApp, request: Any, task: str) -> Any:
     """The whole-file route of the HTTP app ``app``: ``{"segments", "duration_ms"}``."""
     from starlette.responses import Response
 
@@ -460,7 +464,7 @@ class SequenceEvents:
 
     MAX_TRACKED = 4096
 
-    def __init__(self, runtime: Any):
+    def __init__(self, runtime: RuntimeQueries):
         self.runtime = runtime
         self.tracks: dict = {}
 

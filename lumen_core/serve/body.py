@@ -43,7 +43,7 @@ async def receive_body(receive: Any, declared: Any, limit: int, field: str,
         if int(declared) > limit:
             raise PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes "
                                   f"({setting})", field)
-    chunks: list = []
+    chunks: list[bytes] = []
     total = 0
     while True:
         msg = await receive()

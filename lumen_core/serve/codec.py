@@ -24,6 +24,11 @@ from ..errors import InvalidArgument
 
 _JSON_SEPARATORS = (",", ":")
 
+#: the media type of every JSON reply and request body (HTTP, OIP, OpenAI, admin)
+JSON = "application/json"
+#: the media type of raw tensor bodies (the tensor route, OIP's binary extension)
+OCTET_STREAM = "application/octet-stream"
+
 
 def loads(data: Any, what: str, field: str) -> Any:
     """A client's JSON (a body, a header part, a WebSocket message) as Python; bad JSON, or
@@ -56,7 +61,7 @@ def oip_datatype(arr: np.ndarray) -> str:
 
 #: numpy dtype -> its lumen name, filled as dtypes are seen (``newbyteorder`` makes a new
 #: dtype object on every call: a microsecond a reply)
-_DTYPE_NAME_MEMO: dict = {}
+_DTYPE_NAME_MEMO: dict[Any, str] = {}
 
 
 def dtype_name(arr: np.ndarray) -> str:
@@ -94,12 +99,12 @@ def shape_text(shape: Any) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
 
-def tensor_json(arr: np.ndarray) -> dict:
+def tensor_json(arr: np.ndarray) -> dict[str, Any]:
     """One output as ``{"dtype", "shape", "data"}`` (``data`` flat, C order)."""
     return {"dtype": dtype_name(arr), "shape": list(arr.shape), "data": arr.reshape(-1).tolist()}
 
 
-def outputs_json(outputs: Mapping[str, np.ndarray]) -> dict:
+def outputs_json(outputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
     return {name: tensor_json(arr) for name, arr in outputs.items()
             if isinstance(arr, np.ndarray)}
 
@@ -108,13 +113,13 @@ def outputs_json(outputs: Mapping[str, np.ndarray]) -> dict:
 STRUCTURED_DTYPE = "json"
 
 
-def structured_outputs(outputs: Mapping[str, Any]) -> dict:
+def structured_outputs(outputs: Mapping[str, Any]) -> dict[str, Any]:
     """The outputs that are not tensors but JSON values (e.g. the ``ocr`` task's ``lines``:
     a list of ``{"text", "score", "box"}``)."""
     return {name: v for name, v in outputs.items() if not isinstance(v, np.ndarray)}
 
 
-def response_json(resp: Any) -> dict:
+def response_json(resp: Any) -> dict[str, Any]:
     """An :class:`~lumen_core.request.InferResponse` as the JSON object of SPEC section 6:
     ``{"correlation_id", "task", "outputs": {name: tensor_json}, "meta"}``; a structured
     output sits at the top level under its own name (``{"lines": [...], ...}``)."""

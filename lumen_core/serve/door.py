@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -35,6 +35,9 @@ from .auth import unscope_error
 from .body import ClientGone, receive_body
 from .limits import connection_of
 from .logs import CORRELATION_HEADER, CORRELATION_ID, client_correlation_id, scope_correlation_id
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
 
 log = logging.getLogger("lumen.http")
 
@@ -88,7 +91,7 @@ class HotDoor:
     """The hot routes of ``app`` (an :class:`.http.HttpApp`); :meth:`handler` says whether a
     request is one of them."""
 
-    def __init__(self, app: Any, observer: Any) -> None:
+    def __init__(self, app: HttpApp, observer: Any) -> None:
         self.app = app
         self.runtime = app.runtime
         self.keys = app.keys

@@ -26,7 +26,7 @@ across sequences.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 import numpy as np
@@ -42,6 +42,9 @@ from .oip_grpc import OipServicer
 from .options import check_options
 from .proto import lumen_pb2, lumen_pb2_grpc
 from .streams import StreamWindow, call_metadata, windowed_replies
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import RuntimeQueries
 
 log = logging.getLogger("lumen.grpc")
 
@@ -151,7 +154,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
     streams admitted and not yet answered, each stream's share bounded by ``stream_window``
     (requests) and ``stream_window_bytes``."""
 
-    def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None,
+    def __init__(self, runtime: RuntimeQueries, observer: Optional[PrometheusObserver] = None,
                  stream_window: int = STREAM_MAX_IN_FLIGHT,
                  stream_window_bytes: int = STREAM_MAX_IN_FLIGHT_BYTES,
                  keys: Optional[ApiKeys] = None):
@@ -304,7 +307,7 @@ class InferenceServicer(lumen_pb2_grpc.InferenceServicer):
 class GrpcServer:
     """A ``grpc.aio`` server for one runtime; ``port`` is the bound port (0 picks one)."""
 
-    def __init__(self, runtime: Any, observer: Optional[PrometheusObserver], host: str, port: int,
+    def __init__(self, runtime: RuntimeQueries, observer: Optional[PrometheusObserver], host: str, port: int,
                  max_payload_bytes: int, keys: Optional[ApiKeys] = None,
                  tls: Optional[tuple] = None):
         self.servicer = InferenceServicer(runtime, observer, keys=keys)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional
 
 import numpy as np
 from starlette.applications import Starlette
@@ -65,14 +65,16 @@ from .options import check_options
 from .rerank import RerankRoutes
 from .tei import TeiRoutes
 
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import ServedRuntime
+
 log = logging.getLogger("lumen.http")
 #: POST routes with a fixed path that the hot door serves beside the native, OIP and OpenAI ones
 TEI_HOT_ROUTES = ("/embed", "/", "/rerank", "/v1/rerank")
 #: one line per finished request when the access log is on (never a header or a body)
 access_log = logging.getLogger("lumen.access")
 
-JSON = "application/json"
-OCTET_STREAM = "application/octet-stream"
+JSON, OCTET_STREAM = codec.JSON, codec.OCTET_STREAM
 #: status reported (and counted) for a request whose client went away; nginx's convention
 CLIENT_CLOSED_STATUS = 499
 #: header that picks one output for a raw tensor reply when a task has several
@@ -126,7 +128,7 @@ class HttpApp:
     answer 503 while requests already admitted run to completion.
     """
 
-    def __init__(self, runtime: Any, observer: Optional[PrometheusObserver] = None,
+    def __init__(self, runtime: ServedRuntime, observer: Optional[PrometheusObserver] = None,
                  max_body_bytes: Optional[int] = None, keys: Optional[ApiKeys] = None,
                  access_log: bool = False, version: str = ""):
         self.runtime = runtime

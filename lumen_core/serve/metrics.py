@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import (
@@ -27,6 +27,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from ..runtime import Observer
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import RuntimeQueries
 
 #: seconds; spans a sub-millisecond tensor request up to a request that waited out a long queue
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -88,7 +91,7 @@ class PrometheusObserver(Observer):
     (:class:`Histogram`) and written out at scrape time (:class:`_RequestCollector`); the
     transport counter is prometheus_client's, its HTTP increments folded in at scrape time."""
 
-    def __init__(self, runtime: Any, registry: Optional[CollectorRegistry] = None):
+    def __init__(self, runtime: RuntimeQueries, registry: Optional[CollectorRegistry] = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         #: (task, route, code, version) -> finished requests
@@ -196,7 +199,7 @@ class _RequestCollector:
 class RuntimeCollector:
     """Scrape-time gauges read through the runtime's ``load()`` query."""
 
-    def __init__(self, runtime: Any):
+    def __init__(self, runtime: RuntimeQueries):
         self.runtime = runtime
 
     def describe(self) -> list:

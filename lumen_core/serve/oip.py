@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 from starlette.requests import Request
@@ -72,6 +72,9 @@ from .oip_mapping import (
     server_metadata,
 )
 
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
+
 
 # --------------------------------------------------------------------------- errors
 def error_response(exc: LumenError) -> Response:
@@ -90,7 +93,7 @@ class OipRoutes:
     """The ``/v2`` endpoints of one :class:`~lumen_core.serve.http.HttpApp` (its body limit,
     disconnect watching, API keys and draining state are reused)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: HttpApp):
         self.app = app
         self.rt = app.runtime
         self.shm = shm.registry_for(self.rt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -34,8 +34,10 @@ from ..errors import (
 from ..request import InferRequest
 from . import codec
 
-JSON = "application/json"
-OCTET_STREAM = "application/octet-stream"
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import RuntimeQueries
+
+JSON, OCTET_STREAM = codec.JSON, codec.OCTET_STREAM
 #: the binary tensor extension's header: the JSON part's length, binary tensors follow it
 HEADER_LENGTH = "inference-header-content-length"
 SERVER_NAME = "lumen-core"
@@ -84,7 +86,7 @@ def server_metadata(version: str, shared_memory: bool = False) -> dict:
     return {"name": SERVER_NAME, "version": version, "extensions": ext}
 
 
-def check_model(rt: Any, task: str, version: str = "") -> Any:
+def check_model(rt: RuntimeQueries, task: str, version: str = "") -> Any:
     """The task's contract; TaskNotFound for an unknown task or a version it does not serve
     (``/versions/{v}`` may name any loaded version of the task: ``lumen.model.version``)."""
     if not rt.has_task(task):
@@ -103,7 +105,7 @@ def _dim(lo: int, hi: int) -> int:
     return lo if lo == hi else -1
 
 
-def model_metadata(rt: Any, task: str, version: str = "") -> dict:
+def model_metadata(rt: RuntimeQueries, task: str, version: str = "") -> dict:
     """``{name, versions, platform, inputs, outputs}``: one input per tensor signature (named by
     its preprocess id), one ``BYTES`` ``[1]`` input ``raw`` for a task with a raw route; the
     outputs the task declares.  A variable dimension is -1."""
@@ -205,7 +207,7 @@ def _shape(shape: Any, name: str) -> tuple:
     return tuple(int(d) for d in shape)
 
 
-def tensor_request(rt: Any, task: str, name: str, datatype: str, shape: tuple, payload: Any,
+def tensor_request(rt: RuntimeQueries, task: str, name: str, datatype: str, shape: tuple, payload: Any,
                    meta: dict, request_id: str) -> InferRequest:
     """A tensor-route request for a numeric input: dtype and shape from the input, layout and
     preprocess id from ``meta`` or implied by the task's contract."""
@@ -241,7 +243,7 @@ def tensor_request(rt: Any, task: str, name: str, datatype: str, shape: tuple, p
 _DEFAULT_MIMES: dict = {}
 
 
-def _default_mime(rt: Any, task: str) -> str:
+def _default_mime(rt: RuntimeQueries, task: str) -> str:
     contract = rt.contract(task)
     hit = _DEFAULT_MIMES.get((id(rt), task))
     if hit is None or hit[0] is not contract:
@@ -259,7 +261,7 @@ def _default_mime(rt: Any, task: str) -> str:
     return hit[1]
 
 
-def raw_request(rt: Any, task: str, name: str, element: Any, mime: Optional[str], meta: dict,
+def raw_request(rt: RuntimeQueries, task: str, name: str, element: Any, mime: Optional[str], meta: dict,
                 request_id: str) -> InferRequest:
     """A raw-route request for a one-element BYTES input."""
     if not mime:
@@ -298,7 +300,7 @@ def bytes_elements(buf: Any, name: str, limit: int = MAX_BYTES_ELEMENTS) -> list
     return out
 
 
-def build_request(rt: Any, task: str, name: str, datatype: str, shape: tuple, data: Any,
+def build_request(rt: RuntimeQueries, task: str, name: str, datatype: str, shape: tuple, data: Any,
                   params: Optional[dict], inp_params: Optional[dict],
                   request_id: str, scoped: Callable[[dict], dict]) -> InferRequest:
     """The runtime request for one OIP input.  ``data`` is the tensor's bytes (a buffer) for a

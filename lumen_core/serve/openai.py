@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from starlette.requests import Request
@@ -25,7 +25,10 @@ from ..request import InferRequest
 from . import codec
 from .logs import note_task
 
-JSON = "application/json"
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
+
+JSON = codec.JSON
 #: the most inputs one /v1/embeddings call may carry (OpenAI's own limit)
 MAX_EMBEDDING_INPUTS = 2048
 #: the output /v1/embeddings returns when a task has several
@@ -52,7 +55,7 @@ class OpenAiRoutes:
     """``/v1/embeddings``, ``/v1/tokenize`` (each also without ``/v1``, as OpenAI and TEI
     clients call them) and ``/v1/models`` of one :class:`~lumen_core.serve.http.HttpApp`."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: HttpApp):
         self.app = app
         self.runtime = app.runtime
 

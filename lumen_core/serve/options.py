@@ -9,10 +9,13 @@ checked where the request is parsed (``request.py``).
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from ..contract import RESERVED_PREFIX
 from ..errors import InvalidArgument
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import RuntimeQueries
 
 #: how alike an unknown key and a task's option must be to be suggested (difflib ratio)
 OPTION_MATCH_CUTOFF = 0.75
@@ -20,8 +23,8 @@ OPTION_MATCH_CUTOFF = 0.75
 MAX_KEY_ECHO = 200
 
 
-def check_options(runtime: Any, task: str, keys: Iterable[str],
-                  route_options: Optional[Mapping] = None) -> None:
+def check_options(runtime: RuntimeQueries, task: str, keys: Iterable[str],
+                  route_options: Optional[Mapping[str, Any]] = None) -> None:
     """Raise :func:`unknown_option` for the first plain key of ``keys`` that ``task`` does not
     read (``runtime.request_options``, plus ``route_options``: what the door itself reads,
     e.g. a whole audio file's options).  An unknown task passes: it answers 404 later."""

@@ -18,7 +18,7 @@ that they batch together, and bounded like ``/v1/embeddings``: at most
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -31,6 +31,9 @@ from ..tasks.rerank import OPT_QUERY, OPT_TRUNCATE, TEXT_MIME
 from .logs import note_task
 from .openai import MAX_EMBEDDING_INPUTS, MAX_NAME_ECHO, check_text, reply, reranks
 from .tei import TRUNCATION_DIRECTIONS, first_task
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
 
 #: the most documents one call may score (as /v1/embeddings' inputs)
 MAX_RERANK_DOCUMENTS = MAX_EMBEDDING_INPUTS
@@ -48,7 +51,7 @@ class RerankRoutes:
     """``/rerank`` (TEI) and ``/v1/rerank`` (Cohere, Jina) of one
     :class:`~lumen_core.serve.http.HttpApp`."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: HttpApp):
         self.app = app
         self.runtime = app.runtime
 

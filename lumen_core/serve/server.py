@@ -23,7 +23,7 @@ import errno
 import logging
 import signal
 import socket
-from typing import Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import uvicorn
 
@@ -35,6 +35,9 @@ from .limits import HttpLimits, protocol_class
 from .logs import guard_uvicorn_logs
 from .metrics import PrometheusObserver
 from .shm import is_loopback
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import ServedRuntime
 
 log = logging.getLogger("lumen.serve")
 
@@ -127,7 +130,7 @@ class LumenServer:
     :func:`.logs.configure`); uvicorn's own lines go through the standard loggers too.
     """
 
-    def __init__(self, runtime: Any, host: Optional[str] = None, http_port: Optional[int] = None,
+    def __init__(self, runtime: ServedRuntime, host: Optional[str] = None, http_port: Optional[int] = None,
                  grpc_port: Optional[int] = -1, grace_s: float = SHUTDOWN_GRACE_S,
                  log_level: str = "warning", api_keys: Iterable[str] = (),
                  tls_cert: Optional[str] = None, tls_key: Optional[str] = None,

@@ -52,10 +52,13 @@ import resource
 import stat
 import threading
 import weakref
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional
 
 from ..config import DEFAULT_SHM_MAX_REGIONS
 from ..errors import InvalidArgument, PermissionDenied
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import RuntimeQueries
 
 log = logging.getLogger("lumen.shm")
 
@@ -317,7 +320,7 @@ class ShmRegistry:
         return n
 
 
-def registry_for(runtime: Any) -> ShmRegistry:
+def registry_for(runtime: RuntimeQueries) -> ShmRegistry:
     """The registry of the server running ``runtime`` (one per runtime, so the HTTP and gRPC
     front doors see the same regions); enabled by ``[server] system_shared_memory``."""
     with _LOCK:

@@ -14,7 +14,7 @@ model is cut at the end), ``encoding_format`` (``float`` only).  Reply: a list o
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,6 +34,10 @@ from .openai import (
     text_inputs,
 )
 
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .http import HttpApp
+    from .runtime_api import RuntimeQueries
+
 #: the most inputs one /embed call may carry (as /v1/embeddings)
 MAX_CLIENT_BATCH_SIZE = MAX_EMBEDDING_INPUTS
 #: TEI's truncation directions; only the end of a text is ever cut here
@@ -42,7 +46,7 @@ TRUNCATION_DIRECTIONS = ("right", "Right")
 MODEL_DTYPE = "float32"
 
 
-def first_task(runtime: Any, configured: str, fits: Any, what: str, route: str) -> str:
+def first_task(runtime: RuntimeQueries, configured: str, fits: Any, what: str, route: str) -> str:
     """The task a one-model route serves: ``configured`` when set, else the only one that
     ``fits`` (by description), else the first in config order; 404 when none fits."""
     described = runtime.describe()
@@ -63,7 +67,7 @@ def first_task(runtime: Any, configured: str, fits: Any, what: str, route: str) 
 class TeiRoutes:
     """``/embed``, ``/`` and ``/info`` of one :class:`~lumen_core.serve.http.HttpApp`."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: HttpApp):
         self.app = app
         self.runtime = app.runtime
         self.openai = OpenAiRoutes(app)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -47,6 +47,9 @@ from ..errors import (
 )
 from . import audio, codec
 from .auth import ApiKeys, unscope_error
+
+if TYPE_CHECKING:  # typing only: the runtime as the doors use it
+    from .runtime_api import RuntimeQueries
 
 log = logging.getLogger("lumen.ws")
 
@@ -98,7 +101,7 @@ class StreamEndpoint:
     sockets cannot hold the server's connections; a socket is authenticated before anything
     else is looked at (an unknown task is 4401 for a caller without a key, not 4404)."""
 
-    def __init__(self, runtime: Any, keys: ApiKeys, draining: Callable[[], bool],
+    def __init__(self, runtime: RuntimeQueries, keys: ApiKeys, draining: Callable[[], bool],
                  auth_timeout_s: float = DEFAULT_READ_TIMEOUT_MS / 1000.0):
         self.runtime = runtime
         self.keys = keys
