@@ -84,10 +84,7 @@ def main() -> None:
     except ImportError as exc:
         harness.skip(f"the reference package cannot load ({exc}): install the faces extra")
     if harness.quick(args):  # the suite does not build models; it says what is missing
-        try:
-            models.require_model(models.FACES)
-        except models.ModelMissingError as exc:
-            harness.skip(str(exc))
+        harness.require_model(models.FACES)
     models.prepare([models.FACES])
     package_loop(det, images[:1], 1)  # load + warm its sessions
     setups = {}

@@ -96,10 +96,7 @@ def main() -> None:
             pkg = pathlib.Path(next(iter(spec.submodule_search_locations)))
             folder = str(pkg / minilm.MODEL_SUBDIR)
         imported = {"name": "imported", "model": folder, **common}
-    try:
-        models.require_model(models.MINILM)
-    except models.ModelMissingError as exc:
-        harness.skip(f"{models.MINILM} is not prepared ({exc}); set LUMEN_HOME or prepare it")
+    harness.require_model(models.MINILM)
     rt = lc.Runtime.from_dict({"tasks": [
         {"name": "builtin", "model_id": models.MINILM, **common}, imported]})
     rt.start_background()

@@ -72,10 +72,7 @@ def main() -> None:
     images = load_images()
     model_dir = models.model_dir(models.OCR)
     if harness.quick(args):  # the suite does not build models; it says what is missing
-        try:
-            models.require_model(models.OCR)
-        except models.ModelMissingError as exc:
-            harness.skip(str(exc))
+        harness.require_model(models.OCR)
     models.prepare([models.OCR])
     engine = RapidOCR(params={"EngineConfig.onnxruntime.intra_op_num_threads": cores,
                               "EngineConfig.onnxruntime.inter_op_num_threads": 1,

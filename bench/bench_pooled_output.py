@@ -50,10 +50,7 @@ def main() -> None:
     texts = sorted(make_corpus()[:32], key=len)
     figures = {}
     for name in (models.MINILM, models.MINILM_INT8):
-        try:
-            directory = models.require_model(name, args.home)
-        except models.ModelMissingError as exc:
-            harness.skip(str(exc))
+        directory = harness.require_model(name, args.home)
         path = str(directory / models.MODEL_FILE)
         tok = minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
         one, both = engine(path, (minilm.OUTPUT,)), engine(path, (minilm.OUTPUT, minilm.POOLED))

@@ -146,10 +146,7 @@ def main() -> None:
     args = harness.parse(ap)
     if args.home:
         os.environ["LUMEN_HOME"] = args.home
-    try:
-        directory = models.require_model(models.MINILM)
-    except models.ModelMissingError as exc:
-        harness.skip(str(exc))
+    directory = harness.require_model(models.MINILM)
     path = directory / models.MODEL_FILE
     tok = minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
     texts = make_corpus(args.texts, args.seed)

@@ -25,7 +25,7 @@ import numpy as np
 import lumen_core as lc
 from lumen_core import native
 from lumen_core.engine.session import session_options
-from lumen_core.models import MODEL_FILE, SILERO_VAD, ModelMissingError, require_model, silero
+from lumen_core.models import MODEL_FILE, SILERO_VAD, silero
 from lumen_core.tasks import vad as vad_task
 
 CHUNK = silero.CHUNK_SAMPLES
@@ -133,10 +133,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="repeat ours (and the ideal after it)")
     harness.add_quick(ap, streams=64, chunks=50, rounds=3, threads=1)
     args = harness.parse(ap)
-    try:
-        path = str(require_model(SILERO_VAD) / MODEL_FILE)
-    except ModelMissingError as exc:
-        harness.skip(str(exc))
+    path = str(harness.require_model(SILERO_VAD) / MODEL_FILE)
     audio = make_audio(args.streams, args.chunks)
     if args.threads:
         threads = args.threads

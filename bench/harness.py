@@ -16,7 +16,8 @@ This module holds those rules once, so a script only says what it measures:
   file the runner names in ``LUMEN_BENCH_RESULT``; :func:`skip` records why a benchmark could
   not run (no ``wrk``, no GPU, a model not prepared) instead of failing or staying silent.
 
-It imports nothing from ``lumen_core`` or ``tests/``, so it works against any tree.
+It imports nothing from ``tests/`` and ``lumen_core`` only inside :func:`require_model`, so
+it works against any tree.
 """
 from __future__ import annotations
 
@@ -256,6 +257,21 @@ def emit(figures: Mapping[str, Mapping[str, Any]], *, params: Optional[Mapping[s
               f"[{fig['min']:.4g}-{fig['max']:.4g}]")
     _write(doc)
     return doc
+
+
+def require_model(name: str, home: Optional[os.PathLike] = None) -> pathlib.Path:
+    """The prepared model's directory, or a skip naming ``lumen models prepare``.
+
+    The suite never builds models (that takes minutes and writes the model store); a benchmark
+    whose model is not prepared says so and is skipped.
+    """
+    from lumen_core import models
+
+    try:
+        return models.require_model(name, home)
+    except models.ModelMissingError as exc:
+        skip(f"{exc} (or set LUMEN_HOME)")
+        raise  # unreachable: skip exits
 
 
 def skip(reason: str, name: Optional[str] = None) -> None:

@@ -176,3 +176,16 @@ def test_python_m_bench_lists_every_script():
     bad = subprocess.run([sys.executable, "-m", "bench", "--only", "bench_nothing"], cwd=ROOT,
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert bad.returncode == 2 and "bench_nothing" in bad.stderr
+
+
+def test_require_model_skips_with_the_prepare_command(tmp_path, monkeypatch):
+    from lumen_core import models
+
+    out = tmp_path / "result.json"
+    monkeypatch.setenv(harness.RESULT_ENV, str(out))
+    with pytest.raises(SystemExit) as exc:
+        harness.require_model(models.MINILM, tmp_path / "empty-home")
+    assert exc.value.code == 0
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "skipped" and "lumen models prepare" in doc["reason"]
+    assert harness.validate(doc) == []
