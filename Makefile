@@ -122,7 +122,7 @@ wheel: $(PY)
 # `$(PY) -m bench --full` runs the full workloads, `--only bench_null,...` a few of them
 BENCH_JSON ?= build/bench.json
 bench: install
-	PYTHONPATH=$(CURDIR) $(PY) -m bench --out $(BENCH_JSON)
+	$(PY) -m bench --out $(BENCH_JSON)
 
 # on a CUDA machine with CuPy (cupy-cuda13x): build in place, the cuda-marked tests, pinned
 # staging + host-to-device copy against cupy.asarray; without a GPU it says so and exits 0

@@ -27,16 +27,12 @@ import argparse
 import asyncio
 import io
 import os
-import sys
 import tempfile
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
 from PIL import Image
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tree, when run without PYTHONPATH
-
-import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402

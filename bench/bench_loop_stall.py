@@ -17,14 +17,10 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))  # the tree, when run without PYTHONPATH
 
 
 async def one_round(path: str, long_len: int, n_long: int, threshold_us: int) -> tuple:

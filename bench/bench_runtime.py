@@ -18,16 +18,12 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 
-import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tree, when run without PYTHONPATH
-
 import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
+import numpy as np
 
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402

@@ -2,7 +2,8 @@
 
 ``python -m bench`` (``make bench``) finds the scripts by their name, so a new
 ``bench_<thing>.py`` joins the suite without an edit here.  Each runs in its own process
-(``python bench/bench_<thing>.py --quick``) with a time limit, writing its result document
+(``python bench/bench_<thing>.py --quick``, lumen_core as installed or as ``PYTHONPATH``
+names it) with a time limit, writing its result document
 (``harness.SCHEMA``) to a file the runner names in ``LUMEN_BENCH_RESULT``; a script that cannot
 run here (no ``wrk``, no GPU, a model not prepared) records a skip with its reason, which the
 runner prints.  A script that exits non-zero, runs past its limit or writes no valid result is
@@ -64,7 +65,8 @@ def run_one(script: pathlib.Path, quick: bool = True, timeout_s: float = DEFAULT
         env = dict(os.environ, **(extra_env or {}))
         env[harness.RESULT_ENV] = str(out)
         env[harness.QUICK_ENV] = "1" if quick else "0"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        # no source tree added to the path: lumen_core is the installed one (make bench), or
+        # whatever PYTHONPATH names (a checkout with its extensions built in place)
         argv = [sys.executable, str(script)] + (["--quick"] if quick else [])
         t0 = time.perf_counter()
         try:
