@@ -45,7 +45,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--home", default=None)
     ap.add_argument("--rounds", type=int, default=5)
-    harness.add_quick(ap, rounds=3)
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="scale the calls per measurement (300 one-text, 8 32-text calls)")
+    harness.add_quick(ap, rounds=3, scale=0.25)
     args = harness.parse(ap)
     texts = sorted(make_corpus()[:32], key=len)
     figures = {}
@@ -59,6 +61,7 @@ def main() -> None:
             ids, mask = minilm.pad_batch([e.ids for e in tok.encode_batch(batch)])
             feeds = {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: mask}
             ratios = []
+            reps = max(2, int(reps * args.scale))
             for r in range(args.rounds):
                 order = (one, both) if r % 2 == 0 else (both, one)
                 t = {id(e): cpu_seconds(e, feeds, len(batch), reps) for e in order}
