@@ -125,9 +125,11 @@ wheel: $(PY)
 	$(STEP) "built:"
 	@ls -l $(DIST)/lumen_core-*
 
+# every bench/bench_*.py in its quick mode (python -m bench; skips say why), one JSON file;
+# `$(PY) -m bench --full` runs the full workloads, `--only bench_null,...` a few of them
+BENCH_JSON ?= build/bench.json
 bench: install
-	$(VENV)/bin/pytest -q bench --benchmark-only
-	$(PY) bench/bench_runtime.py
+	$(PY) -m bench --out $(BENCH_JSON)
 
 # on a CUDA machine with CuPy (cupy-cuda13x): build in place, the cuda-marked tests, pinned
 # staging + host-to-device copy against cupy.asarray; without a GPU it says so and exits 0

@@ -22,6 +22,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402
 from corpus import make_corpus  # noqa: E402
 
 from lumen_core import loadgen  # noqa: E402
@@ -43,7 +44,7 @@ def stream(distinct: int) -> list:
 async def run(args) -> None:
     base = default_task_table()
     if base is None:
-        sys.exit("text_embed is not prepared: run `lumen models prepare`")
+        harness.skip("text_embed is not prepared: run `lumen models prepare` (or set LUMEN_HOME)")
     tasks = [{**base, "name": "embed_nocache"},
              {**base, "name": "embed_cache", "cache": {"max_bytes": CACHE_BYTES}}]
     texts = stream(args.distinct)
@@ -73,6 +74,9 @@ async def run(args) -> None:
           f"off median {statistics.median(x[0] for x in ratios):.1f} texts/s, on median "
           f"{statistics.median(x[1] for x in ratios):.1f}, ratio median {statistics.median(rs):.2f} "
           f"(min {min(rs):.2f}, max {max(rs):.2f})")
+    harness.emit({"cache off": harness.stat([x[0] for x in ratios], "texts/s"),
+                  "cache on": harness.stat([x[1] for x in ratios], "texts/s"),
+                  "on / off": harness.stat(rs, "x")}, args=args)
 
 
 def main() -> None:
@@ -80,7 +84,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--distinct", type=int, default=256)
     ap.add_argument("--home", default=None)
-    args = ap.parse_args()
+    harness.add_quick(ap, distinct=96)
+    args = harness.parse(ap)
     if args.home:
         os.environ["LUMEN_HOME"] = args.home
     print(f"load average before: {os.getloadavg()}")

@@ -51,6 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_null  # noqa: E402 - bench/: the null model (a DxD MatMul)
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 
 D = bench_null.D
 BATCH = bench_null.BATCH
@@ -64,7 +65,6 @@ TEXT = "a short sentence for the door"
 TENSOR_QUERY = ("lumen.input.kind=tensor&lumen.tensor.dtype=fp32&lumen.tensor.shape=[1,16]"
                 "&lumen.tensor.layout=NC&lumen.preprocess.id=none")
 START_TIMEOUT_S = 120.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def weights() -> np.ndarray:
@@ -80,7 +80,7 @@ def tokenizer_path() -> str:
 
     path = models.model_dir(models.MINILM) / minilm.TOKENIZER_FILE
     if not path.exists():
-        raise SystemExit(f"{path} is missing: run `lumen models prepare` (or set LUMEN_HOME)")
+        harness.skip(f"{path} is missing: run `lumen models prepare` (or set LUMEN_HOME)")
     return str(path)
 
 
@@ -263,13 +263,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of every thread of ``pid`` so far, in seconds."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def wait_http(port: int, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -333,11 +326,11 @@ def floor_path_of(route: str) -> str:
 
 def run_wrk(pid: int, url: str, script: str, seconds: float, conns: int) -> dict:
     """Server CPU per answered request (us) and requests/s of one wrk run."""
-    c0 = cpu_s(pid)
+    c0 = harness.proc_cpu_seconds(pid)
     out = subprocess.run(["wrk", "-t", "2", "-c", str(conns), "-d", f"{seconds:g}s",
                           "--latency", "-s", script, url],
                          capture_output=True, text=True, check=True).stdout
-    c1 = cpu_s(pid)
+    c1 = harness.proc_cpu_seconds(pid)
     m = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
     if m is None:
         raise SystemExit(f"cannot read wrk's output:\n{out}")
@@ -387,13 +380,13 @@ def grpc_client(port: int, seconds: float, conns: int) -> None:
 
 
 def run_grpc(pid: int, port: int, seconds: float, conns: int) -> dict:
-    c0 = cpu_s(pid)
+    c0 = harness.proc_cpu_seconds(pid)
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, "--grpc-client", "--port", str(port),
                           "--seconds", str(seconds), "--connections", str(conns)],
                          capture_output=True, text=True, check=True).stdout
     dt = time.perf_counter() - t0
-    c1 = cpu_s(pid)
+    c1 = harness.proc_cpu_seconds(pid)
     n = int(out.split()[-1])
     return {"us": (c1 - c0) * 1e6 / n, "rps": n / dt, "bad": 0, "errors": ""}
 
@@ -441,7 +434,8 @@ def main() -> None:
     ap.add_argument("--grpc-client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    harness.add_quick(ap, seconds=1.0)
+    a = harness.parse(ap)
     if a.serve:
         serve_floor(a.serve, a.port, a.tokenizer)
         return
@@ -449,7 +443,7 @@ def main() -> None:
         grpc_client(a.port, a.seconds, a.connections)
         return
     if shutil.which("wrk") is None:
-        raise SystemExit("wrk is not on PATH (apt-get install wrk)")
+        harness.skip("wrk is not on PATH (apt-get install wrk)")
     routes = [r for r in a.routes.split(",") if r]
     unknown = set(routes) - set(ROUTES)
     if unknown:
@@ -504,6 +498,8 @@ def main() -> None:
     for (route, floor), xs in ratios.items():
         print(f"  {route:6s} lumen/{floor:9s} {spread(xs)}")
     print(f"load average after: {load_avg()}")
+    harness.emit({f"{route} lumen / {floor} (server CPU per request)": harness.stat(xs, "x")
+                  for (route, floor), xs in ratios.items()}, args=a)
 
 
 if __name__ == "__main__":

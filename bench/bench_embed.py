@@ -45,8 +45,9 @@ import threading
 import time
 import urllib.request
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 from lumen_core import models  # noqa: E402
 from lumen_core.bulk import job as J  # noqa: E402
@@ -191,23 +192,21 @@ def spread(values: list) -> str:
 
 
 def rss(sizes: list) -> None:
-    import onnx_models as M
-    import serve_support as S
-
     from lumen_core.corpus import make_corpus as mc
+    from lumen_core.toy_graphs import embedding_only
 
     short = [t for t in mc(400) if len(t.split()) <= 20][:100]
     probe = ("import json, resource, sys\nfrom lumen_core import cli\nrc = cli.main(sys.argv[1:])"
              "\nprint(json.dumps({'rc': rc, 'kb': resource.getrusage(resource.RUSAGE_SELF)"
              ".ru_maxrss}))")
     with tempfile.TemporaryDirectory() as tmp:
-        model = M.embedding_only(os.path.join(tmp, "tiny.onnx"))
+        model = embedding_only(os.path.join(tmp, "tiny.onnx"))
         tok = models.require_model(models.MINILM) / minilm.TOKENIZER_FILE
         cfg = os.path.join(tmp, "tiny.toml")
         with open(cfg, "w") as f:
-            f.write(S.to_toml({"server": {}, "tasks": [
-                {"name": "tiny", "backend": "text_embedding", "model": model,
-                 "options": {"tokenizer": str(tok)}}]}))
+            f.write(f'[server]\n\n[[tasks]]\nname = "tiny"\nbackend = "text_embedding"\n'
+                    f'model = {json.dumps(str(model))}\n[tasks.options]\n'
+                    f'tokenizer = {json.dumps(str(tok))}\n')
         got = {}
         for n in sizes:
             src = os.path.join(tmp, f"{n}.txt")
@@ -236,7 +235,10 @@ def main() -> None:
     ap.add_argument("--layouts", default="2x1,1x2", help="the job's instances x threads")
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--rss", default=None, metavar="N,M")
-    a = ap.parse_args()
+    harness.add_quick(ap, texts=64, rounds=1, layouts="2x1", no_serve=True)
+    a = harness.parse(ap)
+    if harness.quick(a):  # the suite does not build models; it says what is missing
+        harness.require_model(models.MINILM)
     if a.rss:
         rss([int(v) for v in a.rss.split(",")])
         return
@@ -286,6 +288,7 @@ def main() -> None:
     print(f"targets: embed / offline best >= {TARGET_OFFLINE}, embed / serve >= {TARGET_SERVE}")
     for k, v in ratios.items():
         print(f"  {k}: {spread(v)}")
+    harness.emit({k: harness.stat(v, "x") for k, v in ratios.items()}, args=a)
 
 
 def S_port() -> int:  # noqa: N802 - a free port for the server

@@ -31,6 +31,7 @@ import pathlib
 import sys
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from ensemble_compare import common_args, compare, lumen_run  # noqa: E402  (bench/)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -68,7 +69,8 @@ def main() -> None:
     ap = common_args(__doc__, 3)
     ap.add_argument("--setups", default="default",
                     help="comma-separated 'default' or P:R:O instance counts")
-    args = ap.parse_args()
+    harness.add_quick(ap, runs=3, rounds=1)
+    args = harness.parse(ap)
 
     sys.path.insert(0, str(ROOT))
 
@@ -77,8 +79,13 @@ def main() -> None:
     from lumen_core.tasks.face_detection import default_task_table
 
     images = load_images()
+    try:
+        det = package_detector()
+    except ImportError as exc:
+        harness.skip(f"the reference package cannot load ({exc}): install the faces extra")
+    if harness.quick(args):  # the suite does not build models; it says what is missing
+        harness.require_model(models.FACES)
     models.prepare([models.FACES])
-    det = package_detector()
     package_loop(det, images[:1], 1)  # load + warm its sessions
     setups = {}
     for name in args.setups.split(","):
@@ -95,14 +102,14 @@ def main() -> None:
           + f"; package: ORT defaults on {os.cpu_count()} cores; load "
           f"{os.getloadavg()[0]:.2f}")
 
-    async def go() -> None:
+    async def go() -> dict:
         rt = lc.Runtime.from_dict({"tasks": list(setups.values())})
         async with rt:
-            await compare(rt, setups, lambda: package_loop(det, images, args.rounds),
+            return await compare(rt, setups, lambda: package_loop(det, images, args.rounds),
                           lambda task: lumen_run(rt, images, args.rounds, args.callers, task),
                           args.runs, "package")
 
-    asyncio.run(go())
+    harness.emit(asyncio.run(go()), args=args)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import statistics
 import threading
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
 from bench_null import (  # the same null model, timed the same way
     BATCH,
@@ -81,7 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0)
-    a = ap.parse_args()
+    harness.add_quick(ap, seconds=0.3)
+    a = harness.parse(ap)
     import onnxruntime as ort
 
     from lumen_core.engine.session import session_options
@@ -136,6 +138,10 @@ def main() -> None:
                                 got["execute alone (us CPU/batch)"], strict=True)]
     print(f"  execute beside a busy main thread / alone: {statistics.median(ex):.1f}x "
           f"[{min(ex):.1f}-{max(ex):.1f}]")
+    figures = {k.split(" (")[0]: harness.stat(v, "us") for k, v in got.items()}
+    figures["IO binding / session.run"] = harness.stat(ratio, "x")
+    figures["execute beside busy main / alone"] = harness.stat(ex, "x")
+    harness.emit(figures, args=a)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import tempfile
 import time
 import urllib.request
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
+
 from lumen_core import loadgen, models
 from lumen_core.engine.session import cpu_session  # noqa: E402
 from lumen_core.models import minilm
@@ -150,12 +152,24 @@ def main() -> None:
     ap.add_argument("--home", default=None, help="LUMEN_HOME (default: $LUMEN_HOME or ~/.cache/lumen)")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="throughput/latency vs concurrency PNG (matplotlib)")
-    args = ap.parse_args()
+    harness.add_quick(ap, count=256, warmup=32, concurrency=[16])
+    args = harness.parse(ap)
     home = pathlib.Path(args.home) if args.home else models.lumen_home()
-    models.prepare(home=home)
+    if harness.quick(args):  # the suite does not build models; it says what is missing
+        harness.require_model(models.MINILM, home)
+    else:
+        models.prepare(home=home)
+    if not pathlib.Path(args.peer_venv).is_dir():
+        peers = [s for s in args.only.split(",") if s and s != "lumen"]
+        if peers:
+            print(f"the peers' virtualenv {args.peer_venv} is absent (bench/peers/README.md): "
+                  f"left out {', '.join(peers)}", flush=True)
+        args.only = "lumen" if "lumen" in args.only.split(",") else ""
     texts = loadgen.make_corpus()
     print(f"load average before: {load_avg()}", flush=True)
-    offline = offline_best(home, texts, args.threads)
+    # quick mode: the offline best over the texts the quick run sends (the first --count)
+    offline = offline_best(home, texts[:args.count] if harness.quick(args) else texts,
+                           args.threads)
     for k, v in offline.items():
         print(f"offline ORT, {k}: {v:.1f} texts/s", flush=True)
     best = max(offline.values())
@@ -193,6 +207,15 @@ def main() -> None:
             peer = {r["concurrency"]: r for r in rows}.get(top)
             if system != "lumen" and peer and peer["rps"]:
                 print(f"at c={top}: lumen / {system} = {ours['rps'] / peer['rps']:.2f}")
+    figures = {f"offline ORT, {k}": harness.value(v, "texts/s") for k, v in offline.items()}
+    for system, rows in results.items():
+        for r in rows:
+            figures[f"{system} c={r['concurrency']}"] = harness.value(r["rps"], "req/s")
+            figures[f"{system} c={r['concurrency']} p99"] = harness.value(
+                r["latency_ms"]["p99"], "ms")
+    if ours:
+        figures[f"lumen / offline best at c={top}"] = harness.value(ours["rps"] / best, "x")
+    harness.emit(figures, args=args)
     if args.plot:
         loadgen.plot([loadgen.BenchResult(**r) for rows in results.values() for r in rows], args.plot)
     if args.json:

@@ -17,6 +17,7 @@ import io
 import time
 from collections.abc import Callable
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
 from PIL import Image
 
@@ -78,7 +79,7 @@ def jpeg(w: int, h: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def bench_normalise(repeat: int) -> None:
+def bench_normalise(repeat: int) -> dict:
     hwc = np.random.default_rng(0).integers(0, 256, (CLIP_SIZE, CLIP_SIZE, 3), dtype=np.uint8)
     dest = np.empty((3, CLIP_SIZE, CLIP_SIZE), np.float32)
     floor_src = np.empty_like(dest)
@@ -104,12 +105,14 @@ def bench_normalise(repeat: int) -> None:
         print(f"  compiled / copyto floor     : {fused / times['floor: np.copyto fp32 CHW']:6.2f}x")
     print(f"  pure twin vs numpy reference: "
           f"{times['numpy reference'] / times['pure twin']:6.1f}x faster")
+    return {f"normalise {name} (best)": harness.value(us, "us") for name, us in times.items()}
 
 
-def bench_end_to_end(repeat: int) -> None:
+def bench_end_to_end(repeat: int) -> dict:
     print(f"full preprocess: decode JPEG q{JPEG_QUALITY} + resize + crop + normalise "
           f"(best of {repeat}; native.image = {native.image.__name__})")
     dest = np.empty((3, CLIP_SIZE, CLIP_SIZE), np.float32)
+    figures = {}
     for w, h in E2E_SIZES:
         data = jpeg(w, h, seed=w)
         ours = imaging.preprocess_clip(data, "image/jpeg", MAX_PIXELS, dest=dest)
@@ -123,14 +126,19 @@ def bench_end_to_end(repeat: int) -> None:
         t_ref, t_ours = times["ref"], times["ours"]
         print(f"  {w}x{h}: reference {t_ref / 1e3:7.2f} ms  ours {t_ours / 1e3:7.2f} ms  "
               f"ours is {t_ref / t_ours:4.2f}x the reference speed  (max |diff| {diff:.1e})")
+        figures[f"preprocess {w}x{h} ours (best)"] = harness.value(t_ours / 1e3, "ms")
+        figures[f"preprocess {w}x{h} reference / ours"] = harness.value(t_ref / t_ours, "x")
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
-    args = parser.parse_args()
-    bench_normalise(args.repeat)
-    bench_end_to_end(args.repeat)
+    harness.add_quick(parser, repeat=3)
+    args = harness.parse(parser)
+    figures = bench_normalise(args.repeat)
+    figures.update(bench_end_to_end(args.repeat))
+    harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":

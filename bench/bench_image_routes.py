@@ -27,19 +27,16 @@ import argparse
 import asyncio
 import io
 import os
-import sys
 import tempfile
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-import onnx_models as M  # noqa: E402
-
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402
+from lumen_core import toy_graphs as M  # noqa: E402
 from lumen_core.engine.session import session_options  # noqa: E402
 from lumen_core.tasks import imaging  # noqa: E402
 from lumen_core.tasks.imaging import CLIP_PREPROCESS_ID, CLIP_UINT8_PREPROCESS_ID  # noqa: E402
@@ -168,6 +165,11 @@ async def main(args) -> None:
     print(f"uint8 / fp32: {best['uint8'][0] / best['fp32'][0]:.2f}x   "
           f"fp32 on loop / off loop: {best['fp32 on loop'][0] / best['fp32'][0]:.2f}x   "
           f"uint8 on loop / off loop: {best['uint8 on loop'][0] / best['uint8'][0]:.2f}x")
+    figures = {"encoder alone (best)": harness.value(top, "img/s")}
+    for name, (rate, _mean_batch, _us) in best.items():
+        figures[f"{name} (best round)"] = harness.value(rate, "img/s")
+        figures[f"{name} / encoder alone"] = harness.value(rate / top, "x")
+    harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":
@@ -176,4 +178,5 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=768)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    asyncio.run(main(p.parse_args()))
+    harness.add_quick(p, requests=192)
+    asyncio.run(main(harness.parse(p)))

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from corpus import DEFAULT_SEED, make_corpus  # noqa: E402
 
 import lumen_core as lc  # noqa: E402
@@ -75,7 +76,8 @@ def main() -> None:
     ap.add_argument("--home", default=None, help="LUMEN_HOME with the prepared models")
     ap.add_argument("--folder", default=None, help="the sentence-transformers folder to serve")
     ap.add_argument("--imported", default=None, help="a model `lumen models import` prepared")
-    args = ap.parse_args()
+    harness.add_quick(ap, texts=256, callers=32)
+    args = harness.parse(ap)
     if args.home:
         os.environ["LUMEN_HOME"] = args.home
     if args.rounds < 3:
@@ -90,11 +92,11 @@ def main() -> None:
         if folder is None:
             spec = importlib.util.find_spec(minilm.MODULE)  # found, not imported
             if spec is None or not spec.submodule_search_locations:
-                ap.error(f"no --folder and the {minilm.DIST} package is not installed")
+                harness.skip(f"no --folder and the {minilm.DIST} package is not installed")
             pkg = pathlib.Path(next(iter(spec.submodule_search_locations)))
             folder = str(pkg / minilm.MODEL_SUBDIR)
         imported = {"name": "imported", "model": folder, **common}
-    models.require_model(models.MINILM)
+    harness.require_model(models.MINILM)
     rt = lc.Runtime.from_dict({"tasks": [
         {"name": "builtin", "model_id": models.MINILM, **common}, imported]})
     rt.start_background()
@@ -121,6 +123,9 @@ def main() -> None:
               f"{min(ratios):.3f}..{max(ratios):.3f}, {args.rounds} interleaved rounds; target "
               f">= 0.95); max |imported - builtin| = {diff:.1e}, min cosine {cos:.6f}; load "
               f"average at end {os.getloadavg()[0]:.2f}")
+        harness.emit({"imported / builtin texts/s": harness.stat(ratios, "x"),
+                      "max |imported - builtin|": harness.value(diff, "abs"),
+                      "min cosine": harness.value(cos, "cos")}, args=args)
     finally:
         rt.stop_background()
 

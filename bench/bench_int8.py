@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from corpus import make_corpus  # noqa: E402
 
 from lumen_core import loadgen, models  # noqa: E402
@@ -117,7 +118,7 @@ def accuracy(prep: Prepared, texts: list) -> None:
     print(f"int8 alone vs batched: max |difference| {gap:.2e}")
 
 
-def offline_speed(prep: Prepared, texts: list, count: int, rounds: int) -> None:
+def offline_speed(prep: Prepared, texts: list, count: int, rounds: int) -> dict:
     rng = np.random.default_rng(0)
     chosen = [texts[i] for i in sorted(rng.choice(len(texts), count, replace=False))]
     ids = sorted(prep.ids(chosen), key=len)
@@ -143,6 +144,9 @@ def offline_speed(prep: Prepared, texts: list, count: int, rounds: int) -> None:
           f"{statistics.median(per[models.MINILM_INT8]):.1f} texts/CPU-s; ratio median "
           f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) over "
           f"{rounds} rounds, target {TARGET}x")
+    return {"offline fp32": harness.stat(per[models.MINILM], "texts/CPU-s"),
+            "offline int8": harness.stat(per[models.MINILM_INT8], "texts/CPU-s"),
+            "offline int8 / fp32": harness.stat(ratios, "x")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +159,8 @@ class Served:
     def __init__(self) -> None:
         self.runtime = Runtime.default()
         if INT8_TASK_NAME not in [t.name for t in self.runtime.config.tasks]:
-            sys.exit(f"{INT8_TASK_NAME} is not prepared: run `lumen models prepare`")
+            harness.skip(f"{INT8_TASK_NAME} is not prepared: run `lumen models prepare` "
+                         "(or set LUMEN_HOME)")
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -175,7 +180,7 @@ class Served:
         self.thread.join(10)
 
 
-def served(texts: list, count: int, rounds: int) -> None:
+def served(texts: list, count: int, rounds: int) -> dict:
     print(f"load average before: {os.getloadavg()}")
     srv = Served()
     rows = {"in-process texts/s": [], "in-process texts/CPU-s": [], "HTTP c=64 req/s": []}
@@ -212,6 +217,12 @@ def served(texts: list, count: int, rounds: int) -> None:
         print(f"{what:<20} {statistics.median(x[0] for x in rs):12.1f} "
               f"{statistics.median(x[1] for x in rs):12.1f} {statistics.median(ratios):13.2f} "
               f"{min(ratios):6.2f}-{max(ratios):.2f}")
+    figures = {}
+    for what, rs in rows.items():
+        figures[f"{what} fp32"] = harness.stat([x[0] for x in rs], what.split()[-1])
+        figures[f"{what} int8"] = harness.stat([x[1] for x in rs], what.split()[-1])
+        figures[f"{what} int8 / fp32"] = harness.stat([x[2] for x in rs], "x")
+    return figures
 
 
 def main() -> None:
@@ -223,18 +234,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--count", type=int, default=384, help="texts / requests per measurement")
     ap.add_argument("--home", default=None)
-    args = ap.parse_args()
+    harness.add_quick(ap, count=128)
+    args = harness.parse(ap)
     if args.home:
         os.environ["LUMEN_HOME"] = args.home
     texts = make_corpus()
+    figures: dict = {}
     if args.accuracy or args.offline:
         prep = Prepared()
         if args.accuracy:
             accuracy(prep, texts)
         if args.offline:
-            offline_speed(prep, texts, args.count, args.rounds)
+            figures.update(offline_speed(prep, texts, args.count, args.rounds))
     if args.served or not (args.accuracy or args.offline):
-        served(texts, args.count, args.rounds)
+        figures.update(served(texts, args.count, args.rounds))
+    if figures:
+        harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
+
 LONG = " ".join(["word"] * 240)  # about 242 tokens
 SHORT = "a short text"
 
@@ -33,7 +35,7 @@ def table(target_ms: int) -> dict:
     return {"tasks": [t]}
 
 
-async def recovery(contention_s: float) -> None:
+async def recovery(contention_s: float) -> dict:
     import lumen_core as lc
     from lumen_core.errors import Overloaded
 
@@ -79,9 +81,13 @@ async def recovery(contention_s: float) -> None:
                                    for t, o, ms in outcome))
         print(f"refused {sum(o == '429' for _, o, _ in outcome)} of {len(outcome)}; first "
               f"admitted at {'never' if first is None else f'{first:.2f} s'} after the contention")
+    return {"recovery: refused when idle": harness.value(
+                sum(o == "429" for _, o, _ in outcome), "requests"),
+            "recovery: first admitted after contention": harness.value(
+                -1.0 if first is None else first, "s (-1: never)")}
 
 
-async def group() -> None:
+async def group() -> dict:
     import lumen_core as lc
     from lumen_core.errors import Overloaded
 
@@ -110,18 +116,32 @@ async def group() -> None:
                        else f"items refused: {sum(isinstance(r, Exception) for r in res)}")
         except Overloaded:
             verdict = "refused (429)"
-        print(f"group of 40 long texts: {verdict}, {(time.monotonic() - t0) * 1000:.0f} ms; "
+        took_ms = (time.monotonic() - t0) * 1000
+        print(f"group of 40 long texts: {verdict}, {took_ms:.0f} ms; "
               f"short requests after it: {', '.join(shorts)}")
+    return {"group: admitted": harness.value(float(verdict == "admitted"), "bool"),
+            "group: took": harness.value(took_ms, "ms"),
+            "group: short requests refused": harness.value(shorts.count("429"), "requests")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("scenario", choices=("recovery", "group"))
+    ap.add_argument("scenario", nargs="?", choices=("recovery", "group"),
+                    help="one scenario (default: both)")
     ap.add_argument("--contention-s", type=float, default=4.0)
-    args = ap.parse_args()
+    harness.add_quick(ap, contention_s=2.0)
+    args = harness.parse(ap)
+    from lumen_core.tasks import default_task_table
+
+    if default_task_table("text_embed") is None:
+        harness.skip("text_embed is not prepared: run `lumen models prepare` (or set LUMEN_HOME)")
     print(f"load average: {os.getloadavg()}")
-    asyncio.run(recovery(args.contention_s) if args.scenario == "recovery" else group())
-    print(f"load average: {os.getloadavg()}")
+    figures: dict = {}
+    if args.scenario in (None, "recovery"):
+        figures.update(asyncio.run(recovery(args.contention_s)))
+    if args.scenario in (None, "group"):
+        figures.update(asyncio.run(group()))
+    harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":

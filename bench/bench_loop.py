@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from bench_null import (  # the same null model, driven the same way
     BATCH,
     drive,
@@ -86,7 +87,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32768)
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"))
-    a = ap.parse_args()
+    harness.add_quick(ap, requests=8192)
+    a = harness.parse(ap)
     if a.child:
         print(json.dumps(child(a.child[0], a.child[1], a.requests)))
         return
@@ -106,6 +108,7 @@ def main() -> None:
                       f"(on the loop at the end: {res['on_loop']}); {threads}", flush=True)
     print(f"\nnull model, {a.requests} requests, {a.rounds} rounds; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    figures: dict = {}
     for path in PATHS:
         for mode in MODES:
             v = [x["cpu_us"] for x in runs[(mode, path)]]
@@ -115,6 +118,11 @@ def main() -> None:
                  zip(runs[("loop", path)], runs[("worker", path)], strict=True)]
         print(f"  {path:10s} loop / worker per round: median {statistics.median(ratio):.2f} "
               f"[{min(ratio):.2f}-{max(ratio):.2f}]")
+        for mode in MODES:
+            figures[f"{path} {mode} CPU per item"] = harness.stat(
+                [x["cpu_us"] for x in runs[(mode, path)]], "us")
+        figures[f"{path} loop / worker"] = harness.stat(ratio, "x")
+    harness.emit(figures, args=a)
 
 
 if __name__ == "__main__":

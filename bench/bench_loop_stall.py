@@ -17,12 +17,10 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 
 
 async def one_round(path: str, long_len: int, n_long: int, threshold_us: int) -> tuple:
@@ -76,8 +74,9 @@ def main() -> None:
     ap.add_argument("--long-requests", type=int, default=4)
     ap.add_argument("--threshold-us", type=int, default=100, help="loop_execution_us")
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-    import onnx_models as M
+    harness.add_quick(ap, long=1024)
+    args = harness.parse(ap)
+    from lumen_core import toy_graphs as M
 
     print(f"load average: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +91,8 @@ def main() -> None:
                   f"stall {stall:.1f} ms; the {args.long_requests} long rows took {took:.0f} ms")
     print(f"stall ms: median {statistics.median(stalls):.1f} (min {min(stalls):.1f}, "
           f"max {max(stalls):.1f}); long rows ms: median {statistics.median(tooks):.0f}")
-    print(f"load average: {os.getloadavg()}")
+    harness.emit({"longest loop stall": harness.stat(stalls, "ms"),
+                  "long rows took": harness.stat(tooks, "ms")}, args=args)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
+
 from lumen_core import models  # noqa: E402
 from lumen_core.engine.session import cpu_session  # noqa: E402
 from lumen_core.models import minilm  # noqa: E402
@@ -162,11 +164,16 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="fewest timed calls per graph and shape")
     ap.add_argument("--workdir", type=pathlib.Path, default=None, help="keep the models here")
-    args = ap.parse_args(argv)
+    harness.add_quick(ap, shapes="8x64")
+    args = harness.parse(ap, argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 
     import onnxruntime as ort
-    import torch
+    try:
+        import torch
+    except ImportError:
+        harness.skip("torch is not installed (it exports the graphs compared here; the "
+                     "project installs no torch: install it in a separate venv to run this)")
 
     torch.set_num_threads(args.threads)
     work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="lumen-bench-minilm-"))
@@ -193,6 +200,7 @@ def main(argv=None) -> int:
     print(f"per graph: its time / ours as median wall / p{LOW_PERCENTILE} wall / median cpu (> 1: ours faster)")
 
     rng = np.random.default_rng(SEED)
+    figures = {}
     for n, length in shapes:
         feed = make_batch(rng, n, length)
         outs = {label: s.run(None, feed)[0] for label, s in sessions.items()}
@@ -217,6 +225,12 @@ def main(argv=None) -> int:
                             f" / {cpu[label] / cpu['ours']:.2f}x")
         diffs = ", ".join(f"{k} {float(np.abs(v - eager).max()):.1e}" for k, v in outs.items())
         print("; ".join(line) + f"  | max |onnx - eager torch|: {diffs}")
+        figures[f"{n}x{length} ours"] = harness.stat([n / w for w in wall["ours"]], "seq/s")
+        for label in sessions:
+            if label != "ours":
+                figures[f"{n}x{length} {label} / ours (median wall)"] = harness.value(
+                    med[label] / med["ours"], "x")
+    harness.emit(figures, args=args)
     return 0
 
 

@@ -42,7 +42,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import harness  # noqa: E402  (bench/, beside this script)
 
 D = 16
 BATCH = 32
@@ -51,7 +52,7 @@ PATHS = ("floor", "infer", "infer_many")
 
 def null_model() -> str:
     """The null model's file (a DxD MatMul, made in a fresh temporary directory)."""
-    import onnx_models as M
+    from lumen_core import toy_graphs as M
 
     return M.matmul(os.path.join(tempfile.mkdtemp(), "null.onnx"), D)
 
@@ -179,7 +180,8 @@ def _ran(res: dict) -> str:
 def child(a: argparse.Namespace) -> dict:
     from lumen_core import native
 
-    path = null_model()
+    # the parent builds the model with its own tree, so an older tree (--baseline) needs none
+    path = a.model or null_model()
     reqs = null_requests(a.requests)
     run = asyncio.run
     if a.uvloop:
@@ -252,7 +254,9 @@ def main() -> None:
                     help="another checkout (its extensions built in place): compiled twins of "
                          "both trees in alternating order each round, and the ratio per round")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    harness.add_quick(ap, rounds=3, requests=8192, callers=64)
+    a = harness.parse(ap)
     if a.baseline:
         ab(a)
         return
@@ -260,9 +264,8 @@ def main() -> None:
         print(json.dumps(child(a)))
         return
     if a.stages:
-        import onnx_models as M
-
         from lumen_core import native
+        from lumen_core import toy_graphs as M
 
         path = M.matmul(os.path.join(tempfile.mkdtemp(), "null.onnx"), D)
         print(f"extensions {native.using_extensions()}")
@@ -270,6 +273,7 @@ def main() -> None:
             print(f"  {k:34s} {v:7.3f} us")
         return
     impls = a.impls.split(",")
+    model = null_model()
     runs: dict = {impl: [] for impl in impls}
     for r in range(a.rounds):
         for impl in impls:
@@ -278,7 +282,7 @@ def main() -> None:
             if impl == "py":
                 env["LUMEN_NO_EXTENSIONS"] = "1"
             cmd = [sys.executable, __file__, "--child", "--requests", str(a.requests),
-                   "--callers", str(a.callers)] + (["--uvloop"] if a.uvloop else [])
+                   "--callers", str(a.callers), "--model", model] + (["--uvloop"] if a.uvloop else [])
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             res = json.loads(out.stdout.strip().splitlines()[-1])
             if impl == "c" and not res["compiled"]:
@@ -293,6 +297,7 @@ def main() -> None:
           f"{'uvloop' if a.uvloop else 'asyncio'}, {a.rounds} rounds; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("process CPU per request, median [min-max] over rounds; items/s median")
+    figures: dict = {}
     for impl in impls:
         for p in PATHS:
             cpu = [x[p]["cpu_us"] for x in runs[impl]]
@@ -301,6 +306,10 @@ def main() -> None:
             print(f"  {impl:2s} {p:10s} {statistics.median(cpu):6.2f} us "
                   f"[{min(cpu):.2f}-{max(cpu):.2f}]  {statistics.median(ips) / 1000:7.1f}k/s  "
                   f"x floor {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]")
+            figures[f"{impl} {p} CPU per request"] = harness.stat(cpu, "us")
+            if p != "floor":
+                figures[f"{impl} {p} / floor"] = harness.stat(ratio, "x")
+    harness.emit(figures, args=a)
 
 
 def ab(a: argparse.Namespace) -> None:
@@ -308,6 +317,7 @@ def ab(a: argparse.Namespace) -> None:
     round (the machine drifts between rounds; within one the ratio holds better)."""
     here = os.path.abspath(os.path.join(HERE, ".."))
     trees = {"this": here, "baseline": os.path.abspath(a.baseline)}
+    model = null_model()
     runs: dict = {k: [] for k in trees}
     for r in range(a.rounds):
         order = list(trees) if r % 2 == 0 else list(reversed(trees))
@@ -315,7 +325,7 @@ def ab(a: argparse.Namespace) -> None:
             env = dict(os.environ, PYTHONPATH=trees[name])
             env.pop("LUMEN_NO_EXTENSIONS", None)
             cmd = [sys.executable, __file__, "--child", "--requests", str(a.requests),
-                   "--callers", str(a.callers)] + (["--uvloop"] if a.uvloop else [])
+                   "--callers", str(a.callers), "--model", model] + (["--uvloop"] if a.uvloop else [])
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             res = json.loads(out.stdout.strip().splitlines()[-1])
             if not res["compiled"]:

@@ -28,6 +28,7 @@ import pathlib
 import sys
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from ensemble_compare import common_args, compare, lumen_run  # noqa: E402  (bench/)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -55,10 +56,14 @@ def main() -> None:
     ap.add_argument("--rec-instances", type=int, default=2)
     ap.add_argument("--setups", default="",
                     help="comma-separated DET:REC or 'default' (replaces --det/--rec-instances)")
-    args = ap.parse_args()
+    harness.add_quick(ap, runs=3, rounds=1)
+    args = harness.parse(ap)
 
     sys.path.insert(0, str(ROOT))
-    from rapidocr import RapidOCR
+    try:
+        from rapidocr import RapidOCR
+    except ImportError as exc:
+        harness.skip(f"the reference package cannot load ({exc}): install the ocr extra")
 
     import lumen_core as lc
     from lumen_core import models
@@ -66,6 +71,8 @@ def main() -> None:
     cores = os.cpu_count() or 1
     images = load_images()
     model_dir = models.model_dir(models.OCR)
+    if harness.quick(args):  # the suite does not build models; it says what is missing
+        harness.require_model(models.OCR)
     models.prepare([models.OCR])
     engine = RapidOCR(params={"EngineConfig.onnxruntime.intra_op_num_threads": cores,
                               "EngineConfig.onnxruntime.inter_op_num_threads": 1,
@@ -91,14 +98,14 @@ def main() -> None:
                       f"{t.get('intra_op_threads')}" for n, t in setups.items())
           + f"; rapidocr: {cores} intra-op threads; load {os.getloadavg()[0]:.2f}")
 
-    async def go() -> None:
+    async def go() -> dict:
         rt = lc.Runtime.from_dict({"tasks": list(setups.values())})
         async with rt:
-            await compare(rt, setups, lambda: rapidocr_loop(engine, images, args.rounds),
+            return await compare(rt, setups, lambda: rapidocr_loop(engine, images, args.rounds),
                           lambda task: lumen_run(rt, images, args.rounds, args.callers, task),
                           args.runs, "rapidocr")
 
-    asyncio.run(go())
+    harness.emit(asyncio.run(go()), args=args)
 
 
 if __name__ == "__main__":

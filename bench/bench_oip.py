@@ -33,6 +33,7 @@ import time
 import urllib.request
 
 import grpc
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
 
 from lumen_core import loadgen, models
@@ -158,9 +159,19 @@ def main() -> None:
     ap.add_argument("--no-tritonclient", action="store_true")
     ap.add_argument("--rounds", type=int, default=2,
                     help="alternate the routes this many times; each route's best round counts")
-    args = ap.parse_args()
+    harness.add_quick(ap, count=300, concurrency=[16])
+    args = harness.parse(ap)
     home = pathlib.Path(args.home) if args.home else models.lumen_home()
-    models.prepare(home=home)
+    if harness.quick(args):  # the suite does not build models; it says what is missing
+        harness.require_model(models.MINILM, home)
+    else:
+        models.prepare(home=home)
+    if not args.no_tritonclient:
+        try:
+            import tritonclient.http.aio  # noqa: F401 - only whether it is there
+        except ImportError:
+            print("tritonclient is not installed: its rows are left out (--no-tritonclient)")
+            args.no_tritonclient = True
     texts = loadgen.make_corpus()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     proc, http_port, grpc_port = start(home)
@@ -187,6 +198,8 @@ def main() -> None:
                  for c in args.concurrency]
         print(f"| {label} | " + " | ".join(cells) + " |")
     print()
+    figures = {f"{label} c={c} (best round)": harness.value(r.rps, "req/s")
+               for (label, c), r in by.items()}
     for oip, native in (("oip http /v2 (json)", "native http /v1/embeddings"),
                         ("oip grpc ModelInfer", "native grpc lumen.v1 Infer")):
         for c in args.concurrency:
@@ -194,6 +207,8 @@ def main() -> None:
             if a and b and b.rps:
                 print(f"c={c}: {oip} / {native} = {a.rps / b.rps:.3f} "
                       f"(protocol cost {100 * (1 - a.rps / b.rps):+.1f}%)")
+                figures[f"c={c}: {oip} / {native}"] = harness.value(a.rps / b.rps, "x")
+    harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":

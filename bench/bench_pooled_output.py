@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from corpus import make_corpus  # noqa: E402
 
 from lumen_core import models  # noqa: E402
@@ -44,10 +45,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--home", default=None)
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="scale the calls per measurement (300 one-text, 8 32-text calls)")
+    harness.add_quick(ap, rounds=3, scale=0.25)
+    args = harness.parse(ap)
     texts = sorted(make_corpus()[:32], key=len)
+    figures = {}
     for name in (models.MINILM, models.MINILM_INT8):
-        directory = models.require_model(name, args.home)
+        directory = harness.require_model(name, args.home)
         path = str(directory / models.MODEL_FILE)
         tok = minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
         one, both = engine(path, (minilm.OUTPUT,)), engine(path, (minilm.OUTPUT, minilm.POOLED))
@@ -56,12 +61,15 @@ def main() -> None:
             ids, mask = minilm.pad_batch([e.ids for e in tok.encode_batch(batch)])
             feeds = {minilm.INPUT_IDS: ids, minilm.ATTENTION_MASK: mask}
             ratios = []
+            reps = max(2, int(reps * args.scale))
             for r in range(args.rounds):
                 order = (one, both) if r % 2 == 0 else (both, one)
                 t = {id(e): cpu_seconds(e, feeds, len(batch), reps) for e in order}
                 ratios.append(t[id(both)] / t[id(one)])
             print(f"{name:24s} {label:16s} both/one per round "
                   f"{' '.join(f'{x:.3f}' for x in ratios)}  median {statistics.median(ratios):.3f}")
+            figures[f"{name} {label}: both outputs / one (CPU)"] = harness.stat(ratios, "x")
+    harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import ray
 from ray import serve
 
@@ -94,11 +95,13 @@ def main() -> int:
     ap.add_argument("--json", help="write every result here")
     ap.add_argument("--ingress", choices=RI.INGRESSES, default=RI.DEFAULT_INGRESS,
                     help="Ray Serve's ingress (default: lumen serve --ray's, HAProxy)")
-    args = ap.parse_args()
+    harness.add_quick(ap, count=128, warmup=16, concurrency=[16])
+    args = harness.parse(ap)
 
     table = default_task_table()
     if table is None:
-        sys.exit("the prepared MiniLM is missing: run `lumen models prepare`")
+        harness.skip("the prepared MiniLM is missing: run `lumen models prepare` "
+                     "(or set LUMEN_HOME)")
     model_dir = str(models.model_dir(models.MINILM))
     texts = loadgen.make_corpus(args.corpus_size, loadgen.DEFAULT_SEED)
     port = free_port()
@@ -137,6 +140,7 @@ def main() -> int:
         ray.shutdown()
     print(f"load average after: {load_avg()}")
     print(f"\nratios lumen-ray / ray-batch per round (req/s; p99 latency; ingress: {ingress}):")
+    figures = {}
     for c in args.concurrency:
         ratios, p99s = [], []
         for rnd in range(args.rounds):
@@ -152,12 +156,17 @@ def main() -> int:
               f"ratio median {statistics.median(ratios):.2f}x [{min(ratios):.2f}-"
               f"{max(ratios):.2f}]; p99 ms (lumen, batch) "
               + ", ".join(f"({a:.0f}, {b:.0f})" for a, b in p99s))
+        figures[f"c={c} lumen-ray"] = harness.stat(lum_rps, "req/s")
+        figures[f"c={c} ray-batch"] = harness.stat(bat_rps, "req/s")
+        figures[f"c={c} lumen-ray / ray-batch"] = harness.stat(ratios, "x")
     errors = sum(r.errors for r in results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(r.to_dict(), round=r.round) for r in results], f, indent=1)
     if errors:
         print(f"{errors} failed requests", file=sys.stderr)
+    else:
+        harness.emit(figures, args=args)
     return 0 if errors == 0 else 1
 
 

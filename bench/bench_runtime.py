@@ -18,19 +18,16 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-import onnx_models as M  # noqa: E402
 
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402
+from lumen_core import toy_graphs as M  # noqa: E402
 from lumen_core.engine.session import cpu_session  # noqa: E402
 
 D_IN, D_HIDDEN, D_OUT = 768, 1536, 384  # ~0.1 ms per single call on this machine class
@@ -133,7 +130,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="1x2,2x1",
                     help="runtime layouts instances x intra-op threads, comma-separated")
     ap.add_argument("--no-uvloop", action="store_true")
-    a = ap.parse_args()
+    harness.add_quick(ap, requests=4096, callers=64, layouts="1x2")
+    a = harness.parse(ap)
     layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",")]
     runners = [("asyncio", asyncio.run)]
     if not a.no_uvloop:
@@ -181,11 +179,16 @@ def main() -> None:
                       f"{inst * th * 1e6 / ideals[(inst, th)] if (inst, th) in ideals else float('nan'):.1f} core-us); "
                       f"cores not used by this process {diag['idle']:.0%}; mean batch {diag['mean_batch']:.1f}")
     print(f"over {a.rounds} rounds, ours / best ideal:")
+    figures = {}
     for key, vals in ratios.items():
         if len(key) == 3:
             inst, th, name = key
             print(f"  {inst}x{th} {name:7s} {spread(vals)}; vs the single-session ideal "
                   f"{spread(ratios[key + ('one',)])}")
+            figures[f"runtime {inst}x{th} {name} / best ideal"] = harness.stat(vals, "x")
+            figures[f"runtime {inst}x{th} {name} / single-session ideal"] = harness.stat(
+                ratios[key + ("one",)], "x")
+    harness.emit(figures, args=a)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 from corpus import DEFAULT_SEED, describe, make_corpus  # noqa: E402
 
 import lumen_core as lc  # noqa: E402
@@ -141,10 +142,11 @@ def main() -> None:
     ap.add_argument("--policies", default="",
                     help="extra in-process modes with other padding tolerances, e.g. '0.1:8,0:4' "
                          "(PAD_TOLERANCE:PAD_SLACK_TOKENS of batching/dynamic.py)")
-    args = ap.parse_args()
+    harness.add_quick(ap, texts=256, no_blind=True)
+    args = harness.parse(ap)
     if args.home:
         os.environ["LUMEN_HOME"] = args.home
-    directory = models.require_model(models.MINILM)
+    directory = harness.require_model(models.MINILM)
     path = directory / models.MODEL_FILE
     tok = minilm.load_tokenizer(directory / minilm.TOKENIZER_FILE)
     texts = make_corpus(args.texts, args.seed)
@@ -209,6 +211,10 @@ def main() -> None:
     print(f"\nin process / offline best = {ratio:.3f} (target >= {TARGET_RATIO}); "
           f"task padding_ratio over the run {in_pad:.3f}; max |in process - offline| = {diff:.1e}; "
           f"load average at end {os.getloadavg()[0]:.2f}")
+    figures = {f"{name} (best round)": harness.value(best[name], "texts/s") for name in modes}
+    figures["in process / offline best"] = harness.value(ratio, "x")
+    figures["max |in process - offline|"] = harness.value(diff, "abs")
+    harness.emit(figures, args=args)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ import os
 import statistics
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
 
 import lumen_core as lc
 from lumen_core import native
 from lumen_core.engine.session import session_options
-from lumen_core.models import MODEL_FILE, SILERO_VAD, require_model, silero
+from lumen_core.models import MODEL_FILE, SILERO_VAD, silero
 from lumen_core.tasks import vad as vad_task
 
 CHUNK = silero.CHUNK_SAMPLES
@@ -130,8 +131,9 @@ def main() -> None:
                     help="batching.max_batch_size (0: streams per instance)")
     ap.add_argument("--uvloop", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="repeat ours (and the ideal after it)")
-    args = ap.parse_args()
-    path = str(require_model(SILERO_VAD) / MODEL_FILE)
+    harness.add_quick(ap, streams=64, chunks=50, rounds=3, threads=1)
+    args = harness.parse(ap)
+    path = str(harness.require_model(SILERO_VAD) / MODEL_FILE)
     audio = make_audio(args.streams, args.chunks)
     if args.threads:
         threads = args.threads
@@ -149,7 +151,7 @@ def main() -> None:
         import uvloop
 
         uvloop.install()
-    ratios = []
+    ratios, rates = [], []
     for rnd in range(1, args.rounds + 1):
         cps, probs, mean_batch = asyncio.run(ours(audio, threads, args))
         err = float(np.abs(probs - ref).max())
@@ -158,6 +160,7 @@ def main() -> None:
         again, _ = ideal(path, audio, threads)
         ideal_cps = max(ideal_cps, again)
         ratios.append(cps / ideal_cps)
+        rates.append(cps)
         print(f"round {rnd}: ours ({args.route}, {args.strategy}, {args.instances} instance(s) x "
               f"{threads} thread(s), max batch {args.max_batch or 'all'}, delay {args.delay_us} us, "
               f"util {args.util}, extensions {all(native.using_extensions().values())}): "
@@ -167,6 +170,8 @@ def main() -> None:
     if len(ratios) > 1:
         print(f"over {len(ratios)} rounds: median {statistics.median(ratios):.3f} "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    harness.emit({"ours": harness.stat(rates, "chunks/s"),
+                  "ours / ideal": harness.stat(ratios, "x")}, args=args)
 
 
 if __name__ == "__main__":

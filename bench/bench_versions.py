@@ -10,18 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 
+import harness  # noqa: E402  (bench/: quick mode, rounds, the result format)
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-import onnx_models as M  # noqa: E402
 
 import lumen_core as lc  # noqa: E402
 from lumen_core import native  # noqa: E402
+from lumen_core import toy_graphs as M  # noqa: E402
 
 D = 8
 ROUTER_REPS = 200_000
@@ -75,7 +72,8 @@ def main() -> None:
     ap.add_argument("--callers", type=int, default=256)
     ap.add_argument("--requests", type=int, default=20480)
     ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+    harness.add_quick(ap, requests=4096, callers=64)
+    a = harness.parse(ap)
     with tempfile.TemporaryDirectory() as d:
         path = M.mlp(os.path.join(d, "tiny.onnx"), D, 16, D)
         xs = np.random.default_rng(0).standard_normal((a.requests, D)).astype(np.float32)
@@ -102,12 +100,18 @@ def main() -> None:
         rows, pick = asyncio.run(go())
     print(f"extensions {native.using_extensions()}, {a.callers} callers, {a.requests} requests "
           f"x {a.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
+    figures = {}
     for name, us in rows.items():
         ratios = [u / o for u, o in zip(us, rows["one"], strict=True)]
         print(f"  {name:16s} loop CPU/request {min(us):6.2f}..{max(us):6.2f} us   "
               f"vs one version {min(ratios):.3f}..{max(ratios):.3f}")
+        figures[f"{name}: loop CPU per request"] = harness.stat(us, "us")
+        if name != "one":
+            figures[f"{name} / one version"] = harness.stat(ratios, "x")
     for name, us in pick.items():
         print(f"  version choice alone, {name:16s} {us:.3f} us")
+        figures[f"version choice alone, {name}"] = harness.value(us, "us")
+    harness.emit(figures, args=a)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import statistics
 import time
 from typing import Awaitable, Callable
 
+import harness
+
 MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
 
 
@@ -44,9 +46,10 @@ async def lumen_run(rt, images: list, rounds: int, callers: int, task: str) -> t
 
 
 async def compare(rt, setups: dict, reference: Callable[[], tuple],
-                  lumen: Callable[[str], Awaitable[tuple]], runs: int, ref_name: str) -> None:
+                  lumen: Callable[[str], Awaitable[tuple]], runs: int, ref_name: str) -> dict:
     """``setups``: name -> task table (its ``name`` is the task to call); ``reference()`` and
-    ``await lumen(task)`` each return (images/s, CPU seconds per image)."""
+    ``await lumen(task)`` each return (images/s, CPU seconds per image).  Returns the per-run
+    ratios as harness figures."""
     ratios: dict = {n: [] for n in setups}
     cpu_ratios: dict = {n: [] for n in setups}
     for run in range(runs):
@@ -59,11 +62,14 @@ async def compare(rt, setups: dict, reference: Callable[[], tuple],
             line.append(f"{n}: {ours:.2f} img/s ({our_cpu:.3f} CPU-s/img) "
                         f"{ours / ref:.2f}x wall, {ref_cpu / our_cpu:.2f}x per CPU-s")
         print("; ".join(line) + f" (load {os.getloadavg()[0]:.2f})", flush=True)
+    figures = {}
     for n, t in setups.items():
         for what, rs in (("wall", ratios[n]), ("per CPU-second", cpu_ratios[n])):
             print(f"{n}: ratio ({what}) median {statistics.median(rs):.2f}x, "
                   f"min {min(rs):.2f}x, max {max(rs):.2f}x over {runs} runs")
+            figures[f"{n} / {ref_name} ({what})"] = harness.stat(rs, "x")
         for step, st in rt.load()[t["name"]]["steps"].items():
             print(f"  step {step}: {st['items']} items in {st['batches']} batches "
                   f"(mean {st['mean_batch_size']:.1f}, max {st['max_batch_size']}), "
                   f"compute {st['compute_us'] / 1e6:.1f} s, queue {st['queue_us'] / 1e6:.1f} s")
+    return figures

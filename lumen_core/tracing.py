@@ -236,7 +236,8 @@ class Tracing:
         # few attributes: cleaning them is most of an SDK span's cost (compute time: the event)
         attrs = {"lumen.batch_size": entry.batch_size}
         if entry.dispatch_ns:
-            # events, not child spans: an SDK span costs ~3x an event on the loop thread
+            # events, not child spans: an SDK span costs several events on the loop thread
+            # (bench/HISTORY.md, "Tracing")
             t_disp = entry.dispatch_ns + _wall_offset()
             span.add_event("lumen.dispatched", timestamp=t_disp)  # queue wait over
             if entry.batch_size:

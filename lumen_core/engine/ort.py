@@ -5,8 +5,8 @@ place (a C-contiguous numpy input of the model's dtype is wrapped, not copied); 
 comes back as a fresh array, so callers may keep views of it (a batch's outputs are never
 recycled).  The run is ``InferenceSession.run``, not IO binding: on the CPU, binding buys
 nothing a run does not already do (ORT allocates an output either way) and costs four Python
-wrapper calls a batch; measured on a 16x16 MatMul at a batch of 32, 7.2 us a run with
-binding against 4.4 us (``bench/bench_handover.py``, 3 rounds).  The CUDA instance binds (``cuda.py``):
+wrapper calls a batch, which makes a small model's run slower with binding than without
+(``bench/bench_handover.py`` measures both on the null model).  The CUDA instance binds (``cuda.py``):
 there the binding is what keeps inputs and outputs on the device.
 """
 from __future__ import annotations

@@ -16,10 +16,10 @@ Settings (:func:`deployment_options`, from the Lumen config, so the two never di
   oversubscribe it.
 - ``max_ongoing_requests`` = ``max_batch_size x (instances + 1)`` of the largest task (64
   for the defaults).  Ray never lets more requests than this into a replica, so it caps every
-  batch: with Ray's default of 5, a batch can never hold more than 5 requests (measured on
-  this box: 512 concurrent calls took 52.0 s at 5 against 2.23 s at 64).  One
-  ``max_batch_size`` per instance fills the batch that runs; one more lets the next batch
-  form meanwhile.  More would only move Ray's queue into Lumen's, where Ray's router cannot
+  batch: with Ray's default of 5, a batch can never hold more than 5 requests (many times
+  slower under load: bench/HISTORY.md, "Ray Serve"; ``bench/bench_ray.py`` measures the
+  deployment).  One ``max_batch_size`` per instance fills the batch that runs; one more lets
+  the next batch form meanwhile.  More would only move Ray's queue into Lumen's, where Ray's router cannot
   see it when it picks a replica.
 - ``max_queued_requests`` = the smallest ``max_queue_size`` of the tasks: the requests that
   wait for a replica wait in Ray's router (each proxy or handle), and that queue is bounded by

@@ -19,7 +19,8 @@ from ray import serve
 #: unanswered for good (seen when the replica-kill test kills one mid-load)
 REQUEST_TIMEOUT_S = 60.0
 #: Ray Serve's ingress choices (``--ray-ingress``): its HAProxy (the default, where Ray finds an
-#: HAProxy binary: 2.2-2.7x Lumen's throughput behind the Python proxy here) or its Python proxy
+#: HAProxy binary: several times Lumen's throughput behind the Python proxy, ``bench/bench_ray.py
+#: --ingress``) or its Python proxy
 INGRESSES = ("haproxy", "proxy")
 DEFAULT_INGRESS = "haproxy"
 #: what HAProxy resends to another replica (``RAY_SERVE_HAPROXY_RETRY_ON``): a connection
@@ -31,8 +32,8 @@ HAPROXY_RETRY_ON = "conn-failure empty-response response-timeout 502 503 504"
 HAPROXY_RETRIES = 3
 #: HAProxy replays only a request it holds whole: without this it forwards the headers as
 #: they come and the body after them, and a request whose replica dies mid-request ends in a
-#: connection closed without a reply however ``retry-on`` reads (measured, docs/ray.md: 23-32
-#: of ~700 dropped with a backend killed under 64 clients; 0 with it).  It also keeps a client
+#: connection closed without a reply however ``retry-on`` reads (measured with a backend
+#: killed under load, docs/ray.md: requests dropped without it, none with it).  It also keeps a client
 #: that sends its body slowly off the replicas.  Ray's template has no setting for it; its
 #: ``retry-on`` line takes ``RAY_SERVE_HAPROXY_RETRY_ON`` as written, in the ``defaults``
 #: section, so :func:`haproxy_retry_on` adds this as the next line of that section
@@ -42,7 +43,7 @@ HAPROXY_BUFFER_REQUEST = "option http-buffer-request"
 #: out of its servers first (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, set in the
 #: replicas' and the controller's environment).  Ray's default of 30 s, meant for an external
 #: load balancer, holds every replica stop (a SIGTERM of ``lumen serve --ray``, a scale-down, a
-#: redeploy) for half a minute: measured 31.9 s from SIGTERM to exit.  HAProxy runs in the
+#: redeploy) for half a minute (measured from SIGTERM to exit: docs/ray.md).  HAProxy runs in the
 #: cluster and reloads within a second of Serve's broadcast, and it resends a refused request.
 HAPROXY_DEREGISTER_S = 2.0
 DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"

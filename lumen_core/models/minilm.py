@@ -86,7 +86,7 @@ NORMALIZE_EPS = _heads.NORMALIZE_EPS
 FUSED_TOLERANCE = 1e-5
 # Whether prepare keeps the transformer optimizer's fully fused graph.  The fused graph matches
 # the plain one but was slower on CPU (the Attention / EmbedLayerNormalization kernels lose to
-# MLAS FusedMatMul + Softmax; bench/README.md, "MiniLM graph").  bench/bench_minilm_graph.py
+# MLAS FusedMatMul + Softmax; bench/HISTORY.md, "MiniLM graph").  bench/bench_minilm_graph.py
 # prints both against the torch exports; flip this if a later ONNX Runtime turns that around.
 FUSE = False
 #: what the model is (``models.model_card``; the int8 model's card compares itself with this one)

@@ -35,16 +35,14 @@ being present).  Revision 4's recipe, in order (the int8 building blocks live in
 The graph's I/O is the fp32 model's (``embedding`` and the mean-pooled ``pooled``), so the
 ``text_embedding`` backend serves it unchanged.
 
-Measured (bench/bench_int8.py; figures and the variants tried in bench/README.md, "int8
-MiniLM, revision 4"), cosine to the fp32 model over all 2,000 texts of the seeded 5-200-word
-corpus, alone and batched alike: **min 0.9981, p1 0.9986, mean 0.9993**, 0.9991 for the 94
-texts of 150+ words (revision 3: min 0.9908 on the AVX-512 VNNI box, 0.9811 on an AVX2 one,
-the worst the longest texts).  Against sentence-transformers' 15 reference texts: min 0.9974,
-the hardest input found being one word repeated to 256 tokens (every token's error points the
-same way, so mean pooling does not average it out).  Speed: 1.95x fp32's texts per
-CPU-second (one thread, sorted batches of 32, median of 5 interleaved rounds, 1.92-2.19) on
-the AVX-512 VNNI box, where the integer GEMMs are ~4x fp32's; on AVX2 without VNNI they are
-~1.9x, which bounds any int8 graph of this model near 1.55x (about 1.3x expected for this one).
+Measured by ``bench/bench_int8.py``: ``--accuracy`` gives the cosine to the fp32 model over
+all 2,000 texts of the seeded 5-200-word corpus, alone and batched alike (the longest texts
+are the worst; the hardest input found is one word repeated to 256 tokens, since every
+token's error points the same way and mean pooling does not average it out), ``--offline``
+the texts per CPU-second against fp32.  The speed-up depends on the CPU's integer GEMMs (VNNI
+or not).  The figures, the variants tried and the machines are in bench/README.md
+("bench_int8") and bench/HISTORY.md ("int8 MiniLM, revision 4"); the model card below
+states them for users.
 
 Deterministic: numpy float64 for everything but the calibration run, whose fp32 arithmetic is
 ORT's on this machine (one thread, fixed batches): the same machine and versions give the same
@@ -92,7 +90,7 @@ REVISION = 5
 GRAPH = "int8-row-smooth-gptq"
 #: weight MatMuls in the encoder: 6 layers x (Q, K, V, attention output, FFN in, FFN out)
 EXPECTED_MATMULS = 36
-#: what the model is and what it measured (``bench/bench_int8.py``; bench/README.md has the
+#: what the model is and what it measured (``bench/bench_int8.py``; bench/HISTORY.md has the
 #: runs): ``models.model_card``, shown by the text_embedding backend in /v1/tasks and
 #: /v1/models so a user can choose between this and the fp32 model
 CARD = {

@@ -168,7 +168,8 @@ def split_outputs(outputs: dict, n: int, rename: Optional[dict] = None) -> Any:
             continue
         # one pass, rows only on a miss; a float32 output is checked by the compiled scan,
         # which keeps the GIL (numpy's isfinite gives it up past 500 elements, and the
-        # worker then waits for the loop to hand it back: bench/README.md, round 3)
+        # worker then waits for the loop to hand it back: bench/bench_handover.py measures that
+        # hand-over; bench/HISTORY.md, round 3)
         if arr.dtype == _F32 and arr.flags.c_contiguous:
             if native.assemble.first_non_finite(arr) < 0:
                 continue

@@ -309,9 +309,9 @@ def _metadata(path: str) -> dict:
 def default_instances(cores: Optional[int] = None) -> int:
     """Detector and recogniser instances of the default task: one per core, at most
     ``MAX_DEFAULT_INSTANCES``.  One 1-thread instance per core, not one session with a thread
-    per core: on the 2-core AVX-512 box a 2-thread detector session spends 25% more CPU per
-    image than a 1-thread one (bench/README.md, issue 39), and a single detector instance,
-    70% of the model time, caps the whole task at one core."""
+    per core: a 2-thread detector session spends more CPU per image than a 1-thread one, and a
+    single detector instance, most of the model time, caps the whole task at one core
+    (``bench/bench_ocr.py --setups``; the runs of issue 39 in bench/HISTORY.md)."""
     return max(1, min(cores or os.cpu_count() or 1, MAX_DEFAULT_INSTANCES))
 
 

@@ -15,9 +15,10 @@ before L2 normalisation: it is always fetched (384 floats a row that ORT compute
 binding it cost nothing measurable, see ``normalize`` below) and read only for the rows that
 ask ``normalize=false``.
 
-Where tokenization runs: on the event loop.  A typical text (5-200 words) tokenizes in about
-10-500 us, less than a worker-thread hand-off plus the GIL ping-pong it causes, and the CPU it
-uses is the same wherever it runs.  ``Tokenizer.encode`` holds the GIL, so a huge payload would
+Where tokenization runs: on the event loop.  A typical text (5-200 words) tokenizes in less
+time than a worker-thread hand-off plus the GIL ping-pong it causes (``bench/bench_handover.py``
+measures the hand-over, ``bench/bench_text_embed.py`` the whole path), and the CPU it uses is
+the same wherever it runs.  ``Tokenizer.encode`` holds the GIL, so a huge payload would
 stall the loop: payloads above ``INLINE_PREPARE_MAX_BYTES`` go to a worker thread (the runtime
 honours ``inline_prepare_max_bytes``) and use ``encode_batch``, which releases the GIL.  Long
 texts are never tokenized in full when a prefix proves enough (see :meth:`_count_ids`).
@@ -544,8 +545,8 @@ def default_task_table() -> dict:
     (naming ``lumen models prepare``) when it is not prepared."""
     require_model(MINILM)
     # Two instances (threads per instance default to cores // instances): two single-thread
-    # sessions beat one 2-thread session on the in-process corpus (bench/README.md,
-    # "text_embed (in process)").
+    # sessions beat one 2-thread session on the in-process corpus (bench/bench_text_embed.py;
+    # runs in bench/HISTORY.md, "text_embed (in process)").
     return {"name": TASK_NAME, "backend": BACKEND_NAME, "model_id": MINILM,
             "model_version": "1", "instances": DEFAULT_INSTANCES}
 

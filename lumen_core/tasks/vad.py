@@ -91,8 +91,8 @@ DEFAULT_IDLE_US = 10_000_000
 #: a free lane forms its next batch at once from whatever is ready: the lane's worker forms it
 #: itself the moment a run ends, so the streams answered from one batch send their next chunk
 #: while the model computes the other group, and two groups alternate without waiting
-#: (delay 0 beat 2000 us once formation moved into the worker: bench/README.md,
-#: "vad (in process)")
+#: (a zero delay beat a 2 ms one once formation moved into the worker: ``bench/bench_vad.py
+#: --delay-us``, runs in bench/HISTORY.md, "vad (in process)")
 DEFAULT_QUEUE_DELAY_US = 0
 DEFAULT_SLOT_UTILIZATION = 0.5
 ITEM_SHAPE = (CHUNK_SAMPLES,)
@@ -228,7 +228,8 @@ class VadBackend(TaskBackend):
     @staticmethod
     def _finite(payload: memoryview) -> memoryview:
         """Refuse NaN / inf samples: Silero answers them with a finite probability and keeps a
-        corrupted state, so every later chunk of the stream would silently be wrong (~2 us)."""
+        corrupted state, so every later chunk of the stream would silently be wrong (one compiled
+        scan of the chunk: its cost is inside ``bench/bench_vad.py``'s figures)."""
         pos = native.assemble.first_non_finite(payload)  # the GIL stays with the loop
         if pos >= 0:
             raise InvalidArgument(f"sample {pos} is not finite (NaN or inf); audio samples must "
@@ -269,8 +270,8 @@ def default_task_table() -> dict:
         "name": "vad",
         "backend": "vad",
         # Silero VAD does not scale past one intra-op thread, so two single-thread instances,
-        # each with its own lane of slots, use the cores better than one wide one (the figures:
-        # bench/README.md, "vad (in process)").
+        # each with its own lane of slots, use the cores better than one wide one
+        # (``bench/bench_vad.py --instances``; runs in bench/HISTORY.md, "vad (in process)").
         "instances": DEFAULT_INSTANCES,
         "intra_op_threads": 1,
         "batching": {"max_batch_size": DEFAULT_MAX_BATCH_SIZE,
