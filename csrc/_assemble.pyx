@@ -8,7 +8,7 @@ does the copies (and, for ragged batches, the padding and the mask in the same p
 Python threads -- the event loop, the next batch's preprocessing -- keep running.  Only when
 the copy is large enough to be worth it (``NOGIL_MIN_BYTES``): a thread that gives up the GIL
 has to get it back, and while the event loop is busy that costs the worker far more than a
-small copy (bench/README.md, round 3: tens of microseconds of CPU per hand-over).
+small copy (bench/HISTORY.md, round 3: tens of microseconds of CPU per hand-over).
 
 Shape of the code follows uvloop's ``_StreamWriteContext``: a ``bytes`` fast path
 (``PyBytes_AS_STRING``, no buffer acquisition), ``PyObject_GetBuffer`` for everything else, a

@@ -64,7 +64,7 @@ LENGTH_WINDOW_FACTOR = 4
 UNITS_EMA = 0.05
 #: a request joins a length-aware batch while the padded slots it adds beyond its own length
 #: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS``.  On CPU a batch costs about its
-#: padded slots and batching buys little beyond that (bench/README.md, text_embed: 0/4 beat
+#: padded slots and batching buys little beyond that (bench/HISTORY.md, text_embed: 0/4 beat
 #: 0.1/8 and 0.25/16 on the length-mixed corpus), so only near-equal lengths share a batch; a
 #: GPU, where rows are nearly free, would want a larger tolerance.
 PAD_TOLERANCE = 0.0

@@ -13,7 +13,7 @@
   burst of batches costs one loop wake-up.  The byte is written by ``native.notify.wake``
   and read back by ``native.notify.drain``: the compiled twins hold the GIL for the syscall
   (a microsecond; releasing the GIL for it would hand it to the other thread, and getting it
-  back costs the thread that let go far more: bench/README.md, round 3).
+  back costs the thread that let go far more: bench/HISTORY.md, round 3).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ all 2,000 texts of the seeded 5-200-word corpus, alone and batched alike (the lo
 are the worst; the hardest input found is one word repeated to 256 tokens, since every
 token's error points the same way and mean pooling does not average it out), ``--offline``
 the texts per CPU-second against fp32.  The speed-up depends on the CPU's integer GEMMs (VNNI
-or not).  The figures, the variants tried and the machines are in bench/README.md
+or not).  The figures, the variants tried and the machines are in bench/HISTORY.md
 ("bench_int8") and bench/HISTORY.md ("int8 MiniLM, revision 4"); the model card below
 states them for users.
 
