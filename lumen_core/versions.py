@@ -27,17 +27,9 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Protocol
 
-from .config import (
-    LumenConfig,
-    TaskConfig,
-    VersionConfig,
-    load_config,
-    parse_config,
-    task_versions,
-)
+from .config import LumenConfig, TaskConfig, load_config, parse_config, task_versions
 from .errors import (
     ConfigError,
     InvalidArgument,
@@ -45,7 +37,18 @@ from .errors import (
     TaskNotFound,
     Unavailable,
 )
-from .routing import Router, check_traffic, effective_split, head_version, version_key
+from .routing import Router, check_traffic, head_version, version_key
+from .version_records import (  # the records and their states are importable from here too
+    DRAINING,
+    FAILED,
+    LOADING,  # noqa: F401 - re-exported: the admin states are importable from here
+    READY,
+    Instance,
+    TaskVersions,
+    config_labels,
+    same_config,
+    with_version,
+)
 from .watch import (
     STABLE_QUIET_S,
     WATCH_INTERVAL_S,
@@ -63,86 +66,8 @@ if TYPE_CHECKING:  # typing only (the runtime builds the Lifecycle: no import at
 
 log = logging.getLogger("lumen.lifecycle")
 
-#: states of a version instance (the admin API shows them)
-LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 #: seconds between two checks while a retired version drains
 DRAIN_POLL_S = 0.005
-#: lifecycle events kept per task for the admin API
-MAX_EVENTS = 64
-class Instance:
-    """One load of one version: what it was loaded from, its state, its Task once ready."""
-
-    __slots__ = ("version", "config", "model", "revision", "stat", "state", "task", "error",
-                 "since")
-
-    def __init__(self, config: TaskConfig, revision: str, stat: Optional[tuple]):
-        self.version = config.model_version
-        self.config = config
-        self.model = config.model
-        self.revision = revision
-        self.stat = stat
-        self.state = LOADING
-        self.task: Any = None
-        self.error = ""
-        self.since = time.time()
-
-    def describe(self) -> dict:
-        return {"version": self.version, "state": self.state, "model": self.model,
-                "revision": self.revision, "error": self.error or None,
-                "since": round(self.since, 3)}
-
-
-class TaskVersions:
-    """The versions of one task: serving, loading, draining and failed instances, the
-    requested split, the failure counts and a short event log."""
-
-    def __init__(self, name: str, config: TaskConfig):
-        self.name = name
-        self.config = config
-        self.serving: dict = {}  # version -> Instance (ready)
-        self.loading: list = []
-        self.draining: list = []
-        self.failed: dict = {}  # version -> its last failed Instance (until one loads)
-        self.failures: dict = {}  # version -> failed loads so far
-        self.traffic: dict = dict(config.traffic)  # requested weights
-        self.config_traffic: dict = dict(config.traffic)
-        self.lock = asyncio.Lock()
-        self.events: deque = deque(maxlen=MAX_EVENTS)
-
-    def event(self, what: str, inst: Instance) -> None:
-        self.events.append({"t_ns": time.monotonic_ns(), "time": round(time.time(), 3),
-                            "event": what, "version": inst.version, "revision": inst.revision,
-                            "task": inst.task})
-
-    def split(self) -> dict:
-        return effective_split(self.traffic, self.serving)
-
-    def describe(self) -> dict:
-        split = self.split()
-        insts = (list(self.serving.values()) + self.loading + self.draining
-                 + [i for v, i in self.failed.items()])
-        insts.sort(key=lambda i: (version_key(i.version), i.since))
-        return {"name": self.name,
-                "versions": [i.describe() for i in insts],
-                "traffic": split,
-                "default_version": head_version(split),
-                "load_failures": dict(self.failures),
-                "last_error": next((e["error"] for e in reversed(self._errors())), None),
-                "events": [{k: v for k, v in e.items() if k not in ("task", "t_ns")}
-                           for e in self.events]}
-
-    def _errors(self) -> list:
-        return [{"error": i.error} for i in sorted(self.failed.values(), key=lambda i: i.since)]
-
-
-def _same_config(a: TaskConfig, b: TaskConfig) -> bool:
-    """Equal but for where they were declared (numpy constants compare by content)."""
-    a = dataclasses.replace(a, source="", key="")
-    b = dataclasses.replace(b, source="", key="")
-    try:
-        return bool(a == b)
-    except ValueError:  # numpy arrays in sequence constants
-        return repr(a) == repr(b)
 
 
 class VersionHost(Protocol):
@@ -345,7 +270,7 @@ class Lifecycle:
         stat = file_state(vtc.model) if vtc.model else None
         if not force:
             for known in (cur, failed):
-                if known is not None and known.stat == stat and _same_config(known.config, vtc):
+                if known is not None and known.stat == stat and same_config(known.config, vtc):
                     return None  # nothing changed since it loaded (or since it failed)
         rev = ""
         if stat is not None:
@@ -353,7 +278,7 @@ class Lifecycle:
         if not force:
             for known in (cur, failed):
                 if known is not None and known.revision == rev \
-                        and _same_config(known.config, vtc):
+                        and same_config(known.config, vtc):
                     known.stat = stat  # touched, same content
                     return None
         inst = await self._bring_up(tv, vtc, rev, stat)
@@ -452,10 +377,10 @@ class Lifecycle:
                 vtc = dataclasses.replace(base, model=model, model_version=version,
                                           source=f"load of task {name!r} version {version!r}",
                                           key="request")
-                tv.config = _with_version(tv.config, version, model)
+                tv.config = with_version(tv.config, version, model)
             if vtc is None:
                 raise InvalidArgument(f"task {name!r} has no version {version!r} in its config "
-                                      f"(versions: {', '.join(_labels(tv.config))}); give its "
+                                      f"(versions: {', '.join(config_labels(tv.config))}); give its "
                                       f"model", "version")
             old = await self._update(tv, vtc, force=True)
             await self._swap(tv, [old] if old is not None else [])
@@ -571,14 +496,3 @@ class Lifecycle:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
             self._watch = None
-
-
-def _labels(tc: TaskConfig) -> list:
-    return [v.model_version for v in task_versions(tc)]
-
-
-def _with_version(tc: TaskConfig, version: str, model: str) -> TaskConfig:
-    """``tc`` listing ``version`` with ``model`` (added or replaced)."""
-    versions = list(tc.versions) or [VersionConfig(tc.model_version, tc.model)]
-    versions = [v for v in versions if v.version != version] + [VersionConfig(version, model)]
-    return dataclasses.replace(tc, versions=tuple(versions), model="")
