@@ -50,7 +50,9 @@ Semantics chosen where Triton leaves room (documented for callers):
 Threads: as in the dynamic batcher, each lane's worker forms its own next batch as soon as it
 finishes one (under the batcher's lock, shared with the policy in ``policy.py``), and finished
 batches reach the event loop through one wake-up per batch.  Slots, the backlog and sequence
-flags are only touched under that lock; a lane's state store only by its worker.
+flags are only touched under that lock; a lane's state store only by its worker.  The records
+of sequences and lanes, and the sequence-id rules (CORRID value, unknown-id errors), are in
+``lanes.py``.
 """
 from __future__ import annotations
 
@@ -63,8 +65,17 @@ import numpy as np
 
 from ..config import BatchingConfig, SequenceConfig
 from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
-from ..engine.state import SequenceBatch, SlotStore, corrid_kind
+from ..engine.state import SequenceBatch, corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
+from .lanes import (
+    ENDED,
+    IDLED,
+    Lane,
+    LiveSequence,
+    corrid_value,
+    seq_entry,
+    unknown_sequence,
+)
 from .policy import (
     AWAITING_SLOT,
     OVERLOAD_RETRY_AFTER_S,
@@ -84,60 +95,6 @@ MAX_REMEMBERED_IDS = 4096
 IDLE_SWEEPS_PER_TIMEOUT = 4
 #: but not more often than this (ns)
 MIN_SWEEP_INTERVAL_NS = 1_000_000
-UINT64_MAX = (1 << 64) - 1
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-ENDED, IDLED = "ended", "idled"
-
-
-def seq_entry(item: Any, waiter: Any, arrival_ns: int, seq: "_Sequence", start: bool,
-              end: bool) -> Entry:
-    """A queued request of a sequence (``Entry.seq/start/end``; ``was_open`` is the
-    sequence's ``open`` flag before this request was accepted)."""
-    e = Entry(item, waiter, 1, arrival_ns)
-    e.seq = seq
-    e.start = start
-    e.end = end
-    return e
-
-
-class _Sequence:
-    """One live sequence: its slot (once placed), its queued requests, its flags."""
-
-    __slots__ = ("sid", "corrid", "lane", "slot", "queue", "running", "open", "fresh",
-                 "last_ns", "ready_ns")
-
-    def __init__(self, sid: str, corrid: Any, now: int):
-        self.sid = sid
-        self.corrid = corrid
-        self.lane: Optional[_Lane] = None
-        self.slot = -1
-        self.queue: deque[Entry] = deque()
-        self.running = False
-        self.open = True  # False once an end request was accepted
-        self.fresh = True  # the next request that runs starts from the initial state
-        self.last_ns = now
-        self.ready_ns = now
-
-
-class _Lane:
-    """One engine instance: its slots, the sequences it holds and which of them are ready."""
-
-    __slots__ = ("index", "free", "nseq", "ready", "busy", "free_ns", "store", "idle")
-
-    def __init__(self, index: int, capacity: int, plans: Sequence[Any]):
-        self.index = index
-        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
-        self.nseq = 0
-        self.ready: dict[Any, None] = {}  # _Sequence -> None, in the order they became ready
-        self.busy = False
-        self.free_ns = 0  # when the lane last finished a batch
-        self.store = SlotStore(capacity, plans)
-        self.idle: list[Any] = []  # the wake lock of the lane's worker while it waits for work
-
-    def wake(self) -> None:
-        """Under the lock: new work may be formable on this lane."""
-        if self.idle:
-            self.idle.pop().release()
 
 
 class SequenceBatcher(QueuePolicy):
@@ -169,7 +126,7 @@ class SequenceBatcher(QueuePolicy):
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
                                    if getattr(p, "kind", None) == "CORRID"), None)
-        self._lanes = [_Lane(i, self.capacity, spec.inputs)
+        self._lanes = [Lane(i, self.capacity, spec.inputs)
                        for i in range(len(runners))]
         self._seqs: dict[Any, Any] = {}
         self._backlog: deque[Any] = deque()
@@ -309,10 +266,12 @@ class SequenceBatcher(QueuePolicy):
         start = desc.sequence_start
         if seq is None:
             if not start:
-                raise self._unknown(sid)
+                raise unknown_sequence(sid, self._gone.get(sid),
+                                       self.seq_config.max_sequence_idle_us)
             if self.target_ns and self.cost_ready:  # only a new sequence may be refused
                 self.check_latency(1, timeout_ms * 1_000_000)
-            seq = _Sequence(sid, self._corrid_value(sid), now)
+            seq = LiveSequence(sid, corrid_value(self.name, sid, self._corrid, self._corrid_dtype),
+                               now)
             self._seqs[sid] = seq
             self._gone.pop(sid, None)
             self._place(seq)
@@ -348,38 +307,7 @@ class SequenceBatcher(QueuePolicy):
             self._sweep = None
 
     # -- sequences ------------------------------------------------------------------------
-    def _unknown(self, sid: str) -> InvalidArgument:
-        why = self._gone.get(sid)
-        if why == IDLED:
-            return InvalidArgument(
-                f"sequence {sid!r} was released after idling longer than max_sequence_idle_us "
-                f"({self.seq_config.max_sequence_idle_us} us) and its state is gone; begin it "
-                f"again with {KEY_SEQUENCE_START}=true", KEY_SEQUENCE_ID)
-        if why == ENDED:
-            return InvalidArgument(f"sequence {sid!r} has ended; begin a new one with "
-                                   f"{KEY_SEQUENCE_START}=true", KEY_SEQUENCE_START)
-        return InvalidArgument(f"unknown sequence {sid!r}: the first request of a sequence must "
-                               f"carry {KEY_SEQUENCE_START}=true", KEY_SEQUENCE_START)
-
-    def _corrid_value(self, sid: str) -> Any:
-        """The CORRID control value of a new sequence (its id, as the declared dtype)."""
-        if self._corrid != "int":
-            return sid
-        dtype = self._corrid_dtype
-        assert dtype is not None  # an integer CORRID control declares its dtype
-        kind = dtype.kind
-        lo, hi = (0, UINT64_MAX) if kind == "u" else (INT64_MIN, INT64_MAX)
-        try:
-            value = int(sid, 10)
-        except ValueError:
-            value = None
-        if value is None or not lo <= value <= hi:
-            raise InvalidArgument(f"task {self.name!r} passes the sequence id to its model as a "
-                                  f"{dtype.name} CORRID: {KEY_SEQUENCE_ID} must be an "
-                                  f"integer in {lo}..{hi}, got {sid[:40]!r}", KEY_SEQUENCE_ID)
-        return value
-
-    def _place(self, seq: _Sequence) -> None:
+    def _place(self, seq: LiveSequence) -> None:
         """Give ``seq`` a slot on the lane with the most free slots, or queue it in the backlog."""
         lane = max(self._lanes, key=lambda ln: len(ln.free))
         if not lane.free:
@@ -387,13 +315,13 @@ class SequenceBatcher(QueuePolicy):
             return
         self._assign(seq, lane)
 
-    def _assign(self, seq: _Sequence, lane: _Lane) -> None:
+    def _assign(self, seq: LiveSequence, lane: Lane) -> None:
         seq.lane = lane
         seq.slot = lane.free.pop()
         seq.fresh = True
         lane.nseq += 1
 
-    def _release(self, seq: _Sequence, why: str) -> None:
+    def _release(self, seq: LiveSequence, why: str) -> None:
         """Free ``seq``'s slot (its state is reset when the slot's next sequence starts)."""
         del self._seqs[seq.sid]
         self._gone[seq.sid] = why
@@ -462,7 +390,7 @@ class SequenceBatcher(QueuePolicy):
             self._settle(lane, batch, results)
             return self._next_locked(worker, lane)
 
-    def _settle(self, lane: _Lane, batch: Batch, results: Any) -> None:
+    def _settle(self, lane: Lane, batch: Batch, results: Any) -> None:
         """After a run: sequences become ready again or end; the lane is free."""
         lane.busy = False
         now = lane.free_ns = time.monotonic_ns()
@@ -483,7 +411,7 @@ class SequenceBatcher(QueuePolicy):
             elif e.end and not s.open and s.sid in self._seqs:
                 self._release(s, ENDED)
 
-    def _next_locked(self, worker: Worker, lane: _Lane) -> Optional[Batch]:
+    def _next_locked(self, worker: Worker, lane: Lane) -> Optional[Batch]:
         while True:
             timeout = -1.0
             if lane.ready:
@@ -498,7 +426,7 @@ class SequenceBatcher(QueuePolicy):
             worker.flush()  # results waiting for the loop must not wait for our next batch
             self.wait_for_work(worker.wake, timeout, lane.idle)
 
-    def _form(self, lane: _Lane, now: int) -> tuple[Optional[Batch], int]:
+    def _form(self, lane: Lane, now: int) -> tuple[Optional[Batch], int]:
         """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
         ready = lane.ready
         expired = [s for s in ready if s.queue and s.queue[0].deadline_ns
@@ -533,7 +461,7 @@ class SequenceBatcher(QueuePolicy):
             del ready[s]
         return seqs
 
-    def _start(self, lane: _Lane, seqs: list[Any], now: int) -> Batch:
+    def _start(self, lane: Lane, seqs: list[Any], now: int) -> Batch:
         n = len(seqs)
         entries = []
         slots = np.empty(n, dtype=np.intp)

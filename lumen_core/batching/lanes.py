@@ -1,0 +1,110 @@
+"""The sequence batcher's records (:mod:`lumen_core.batching.sequence`): one
+:class:`LiveSequence` per open sequence (its slot, queued requests and flags), one
+:class:`Lane` per engine instance (its free slots, the sequences it holds, which are ready, and
+the instance's :class:`~lumen_core.engine.state.SlotStore`), the queued request of a sequence
+(:func:`seq_entry`), and the rules for sequence ids: what the model's CORRID control receives
+and the error for an id that holds no sequence.  The batcher's logic (admission, slot
+assignment, formation) stays in ``sequence.py``; these are only touched under its lock.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
+from ..engine.state import SlotStore
+from ..errors import InvalidArgument
+from .policy import Entry
+
+UINT64_MAX = (1 << 64) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: what became of a released sequence id (``unknown_sequence`` names it)
+ENDED, IDLED = "ended", "idled"
+
+
+def seq_entry(item: Any, waiter: Any, arrival_ns: int, seq: "LiveSequence", start: bool,
+              end: bool) -> Entry:
+    """A queued request of a sequence (``Entry.seq/start/end``; ``was_open`` is the
+    sequence's ``open`` flag before this request was accepted)."""
+    e = Entry(item, waiter, 1, arrival_ns)
+    e.seq = seq
+    e.start = start
+    e.end = end
+    return e
+
+
+class LiveSequence:
+    """One live sequence: its slot (once placed), its queued requests, its flags."""
+
+    __slots__ = ("sid", "corrid", "lane", "slot", "queue", "running", "open", "fresh",
+                 "last_ns", "ready_ns")
+
+    def __init__(self, sid: str, corrid: Any, now: int):
+        self.sid = sid
+        self.corrid = corrid
+        self.lane: Optional[Lane] = None
+        self.slot = -1
+        self.queue: deque[Entry] = deque()
+        self.running = False
+        self.open = True  # False once an end request was accepted
+        self.fresh = True  # the next request that runs starts from the initial state
+        self.last_ns = now
+        self.ready_ns = now
+
+
+class Lane:
+    """One engine instance: its slots, the sequences it holds and which of them are ready."""
+
+    __slots__ = ("index", "free", "nseq", "ready", "busy", "free_ns", "store", "idle")
+
+    def __init__(self, index: int, capacity: int, plans: Sequence[Any]):
+        self.index = index
+        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        self.nseq = 0
+        self.ready: dict[Any, None] = {}  # LiveSequence -> None, in the order they became ready
+        self.busy = False
+        self.free_ns = 0  # when the lane last finished a batch
+        self.store = SlotStore(capacity, plans)
+        self.idle: list[Any] = []  # the wake lock of the lane's worker while it waits for work
+
+    def wake(self) -> None:
+        """Under the lock: new work may be formable on this lane."""
+        if self.idle:
+            self.idle.pop().release()
+
+
+def unknown_sequence(sid: str, why: Optional[str], idle_us: int) -> InvalidArgument:
+    """The error for a request without ``start`` whose id holds no sequence: ``why`` is what
+    became of the id (``ENDED``, ``IDLED`` or None: never seen or forgotten), ``idle_us`` the
+    task's ``max_sequence_idle_us`` (the idle case names it)."""
+    if why == IDLED:
+        return InvalidArgument(
+            f"sequence {sid!r} was released after idling longer than max_sequence_idle_us "
+            f"({idle_us} us) and its state is gone; begin it "
+            f"again with {KEY_SEQUENCE_START}=true", KEY_SEQUENCE_ID)
+    if why == ENDED:
+        return InvalidArgument(f"sequence {sid!r} has ended; begin a new one with "
+                               f"{KEY_SEQUENCE_START}=true", KEY_SEQUENCE_START)
+    return InvalidArgument(f"unknown sequence {sid!r}: the first request of a sequence must "
+                           f"carry {KEY_SEQUENCE_START}=true", KEY_SEQUENCE_START)
+
+
+def corrid_value(task: str, sid: str, kind: Optional[str], dtype: Optional[np.dtype]) -> Any:
+    """The CORRID control value of a new sequence of ``task`` (its id, as the declared dtype):
+    ``kind`` is ``engine.state.corrid_kind`` of the model's inputs, ``dtype`` the CORRID
+    control's dtype (declared when ``kind`` is 'int')."""
+    if kind != "int":
+        return sid
+    assert dtype is not None  # an integer CORRID control declares its dtype
+    lo, hi = (0, UINT64_MAX) if dtype.kind == "u" else (INT64_MIN, INT64_MAX)
+    try:
+        value = int(sid, 10)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise InvalidArgument(f"task {task!r} passes the sequence id to its model as a "
+                              f"{dtype.name} CORRID: {KEY_SEQUENCE_ID} must be an "
+                              f"integer in {lo}..{hi}, got {sid[:40]!r}", KEY_SEQUENCE_ID)
+    return value
