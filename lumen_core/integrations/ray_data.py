@@ -131,8 +131,8 @@ def cmd_ray(args: argparse.Namespace, spec: Any) -> int:
         actors = args.ray_actors or max(1, int(ray.cluster_resources().get("CPU", 1)
                                                // args.ray_cpus))
         # a block per actor and more (the reader may hand over one block for many files)
-        ds = ray.data.read_parquet([os.path.abspath(p) for p in args.inputs],
-                                   columns=cols).repartition(4 * actors)
+        ds = ray.data.read_parquet([os.path.abspath(p) for p in args.inputs]) \
+            .select_columns(cols).repartition(4 * actors)
         out = embed_dataset(ds, spec.field, args.task, config, args.dimensions,
                             args.prompt_name, not args.no_truncate, actors, args.ray_cpus,
                             min(args.row_group_size, DEFAULT_BATCH_ROWS), args.threads)
