@@ -37,6 +37,19 @@ def tensor_meta(shape: tuple, dtype: str = "fp32", layout: str = "NC") -> dict:
             "lumen.tensor.layout": layout, "lumen.preprocess.id": "none"}
 
 
+def guard_server(tmp: pathlib.Path, wait_delay_us: int, **server: Any) -> "ServerThread":
+    """The hostile-client suites' server: :func:`onnx_config`'s fast tasks under ``server``'s
+    limits, plus ``wait`` (``mlp`` whose lone request sits in its queue ``wait_delay_us``: a
+    request that is still running when a client misbehaves)."""
+    from lumen_core.runtime import Runtime
+
+    cfg = onnx_config(tmp, slow=False, **server)
+    cfg["tasks"].append(dict(cfg["tasks"][0], name="wait",
+                             batching={"max_queue_delay_us": wait_delay_us,
+                                       "max_batch_size": 8}))
+    return ServerThread(Runtime.from_dict(cfg))
+
+
 def onnx_config(tmp: pathlib.Path, slow: bool = True, **server: Any) -> dict:
     """Three generic tasks on generated models: ``mlp`` (no queue delay), ``slow`` (a lone
     request waits SLOW_DELAY_US, queue of SLOW_QUEUE_SIZE; its warm-up waits that long too, so

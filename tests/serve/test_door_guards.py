@@ -15,7 +15,6 @@ import httpx
 import pytest
 import serve_support as S
 
-from lumen_core.runtime import Runtime
 from lumen_core.serve import logs
 from lumen_core.serve.proto import lumen_pb2 as pb
 from lumen_core.serve.proto import lumen_pb2_grpc as pb_grpc
@@ -31,14 +30,9 @@ WAIT_DELAY_US = 3_000_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("door")
-    cfg = S.onnx_config(tmp, slow=False, read_timeout_ms=READ_TIMEOUT_MS,
-                        max_connections=MAX_CONNECTIONS, body_timeout_ms=BODY_TIMEOUT_MS,
-                        body_min_rate=500)
-    wait = dict(cfg["tasks"][0], name="wait",
-                batching={"max_queue_delay_us": WAIT_DELAY_US, "max_batch_size": 8})
-    cfg["tasks"].append(wait)
-    srv = S.ServerThread(Runtime.from_dict(cfg))
+    srv = S.guard_server(tmp_path_factory.mktemp("door"), WAIT_DELAY_US,
+                         read_timeout_ms=READ_TIMEOUT_MS, max_connections=MAX_CONNECTIONS,
+                         body_timeout_ms=BODY_TIMEOUT_MS, body_min_rate=500)
     yield srv
     srv.stop()
 

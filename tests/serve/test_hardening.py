@@ -27,13 +27,8 @@ WAIT_DELAY_US = 700_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hardening")
-    cfg = S.onnx_config(tmp, slow=False, read_timeout_ms=READ_TIMEOUT_MS,
-                        max_connections=MAX_CONNECTIONS)
-    wait = dict(cfg["tasks"][0], name="wait",
-                batching={"max_queue_delay_us": WAIT_DELAY_US, "max_batch_size": 8})
-    cfg["tasks"].append(wait)
-    srv = S.ServerThread(Runtime.from_dict(cfg))
+    srv = S.guard_server(tmp_path_factory.mktemp("hardening"), WAIT_DELAY_US,
+                         read_timeout_ms=READ_TIMEOUT_MS, max_connections=MAX_CONNECTIONS)
     yield srv
     srv.stop()
 
