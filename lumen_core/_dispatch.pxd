@@ -50,6 +50,8 @@ cdef class Dispatcher:
                    timeout_ms="long long", t0="long long")
     cpdef Entry admit(self, object req, bint cached=*)
     cpdef Entry admitted(self, Entry entry, Route route, object kind, long long t0)
+    cpdef settle(self, object req, Entry entry)
+    cpdef failed(self, Entry entry, object exc)
     cpdef cancelled(self, Entry entry)
     cpdef finish(self, object req, Entry entry)
     @cython.locals(late=list, i=Py_ssize_t, head=Route)

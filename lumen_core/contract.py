@@ -185,6 +185,10 @@ class TensorSpec:
                 "preprocess_ids": sorted(self.preprocess_ids)}
 
 
+#: the most distinct (dtype, rank, layout, preprocess id) keys a contract remembers
+MAX_IMPLIED_MEMO = 256
+
+
 @dataclass(frozen=True)
 class TensorContract:
     """What a task accepts on the tensor route, plus its effective model identity."""
@@ -199,6 +203,9 @@ class TensorContract:
     layouts: frozenset = field(init=False, repr=False)
     preprocess_ids: frozenset = field(init=False, repr=False)
     index: dict = field(init=False, repr=False, compare=False)
+    #: (dtype, rank, layout, preprocess id) -> what :meth:`implied` found (the contract is
+    #: immutable; a client sends a handful of distinct keys)
+    implied_memo: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         specs = tuple(self.specs)
@@ -214,13 +221,21 @@ class TensorContract:
             for p in s.preprocess_ids:
                 index.setdefault((s.dtype, s.layout, p), i)
         object.__setattr__(self, "index", index)
+        object.__setattr__(self, "implied_memo", {})
 
     def implied(self, dtype: str, rank: int, layout: Optional[str] = None,
                 preprocess_id: Optional[str] = None) -> tuple:
         """``(layout, preprocess id)`` for a tensor of ``dtype`` and ``rank`` that leaves them
         out: see :func:`implied_signature`."""
-        return implied_signature(((s.dtype, s.layout, len(s.dims), s.preprocess_ids)
-                                  for s in self.specs), dtype, rank, layout, preprocess_id)
+        key = (dtype, rank, layout, preprocess_id)
+        memo = self.implied_memo
+        found = memo.get(key)
+        if found is None:
+            found = implied_signature(((s.dtype, s.layout, len(s.dims), s.preprocess_ids)
+                                       for s in self.specs), dtype, rank, layout, preprocess_id)
+            if len(memo) < MAX_IMPLIED_MEMO:
+                memo[key] = found
+        return found
 
     def describe(self) -> dict:
         return {"model_id": self.model_id, "model_version": self.model_version,

@@ -309,7 +309,7 @@ class Dispatcher:
             self.cancelled(entry)
             raise
         except LumenError as exc:
-            self.observed(entry.route, entry.kind, exc.code, entry.t0, None)
+            self.failed(entry, exc)
             raise
         return self.finish(req, entry)
 
@@ -362,6 +362,27 @@ class Dispatcher:
         if self.trace is not None:  # the one tracing check a request pays (tracing.py)
             self.trace.admitted(route, kind, entry)
         return entry
+
+    def settle(self, req: Any, entry: entries.Entry) -> InferResponse:
+        """The answer of ``entry`` (admitted by :meth:`admit`) once its future is done, for a
+        door that waits by a callback on ``entry.waiter`` instead of an await (the HTTP door on
+        Lumen's own connections: no task per request): the response, or the error raised,
+        observed as :meth:`infer` observes them; a cancelled future is :meth:`cancelled` and
+        raises CancelledError."""
+        w = entry.waiter
+        if w.cancelled():
+            self.cancelled(entry)
+            raise _CancelledError()
+        exc = w.exception()
+        if exc is not None:
+            if isinstance(exc, LumenError):
+                self.failed(entry, exc)
+            raise exc
+        return self.finish(req, entry)
+
+    def failed(self, entry: entries.Entry, exc: LumenError) -> None:
+        """``entry`` was answered with an error: observed under its code."""
+        self.observed(entry.route, entry.kind, exc.code, entry.t0, None)
 
     def cancelled(self, entry: entries.Entry) -> None:
         """The caller of ``entry`` went away (its task was cancelled)."""

@@ -63,6 +63,9 @@ class Runtime:
         # (a task's response cache is a stage of its route there, dispatch.Dispatcher.cached)
         self.infer = self._dispatch.infer  # type: ignore[method-assign]
         self.infer_many = self._dispatch.infer_many  # type: ignore[method-assign]
+        self.admit = self._dispatch.admit  # type: ignore[method-assign]
+        self.settle = self._dispatch.settle  # type: ignore[method-assign]
+        self.cancelled = self._dispatch.cancelled  # type: ignore[method-assign]
 
     @property
     def tasks(self) -> dict:
@@ -212,6 +215,26 @@ class Runtime:
         (Instances call the compiled ``dispatch.Dispatcher.infer`` directly: ``rt.infer`` is
         an instance attribute bound in ``__init__``; this method documents it.)"""
         return await self._dispatch.infer(req)
+
+    def admit(self, req: InferRequest) -> Any:  # type: ignore[no-redef]
+        """:meth:`infer` without the await, for a door that waits by callback (the HTTP door on
+        Lumen's own connections): route, validate, prepare and queue ``req``, returning its
+        entry, whose ``waiter`` future is done when the batch answered it; then
+        :meth:`settle` gives the response (or raises its error), and :meth:`cancelled` gives
+        up on it (the caller left).  None when the request needs more than the loop may do
+        inline -- it is prepared on the preprocessing pool or answered through the task's
+        response cache --: then call :meth:`infer`.  A refused request raises here."""
+        return self._dispatch.admit(req)
+
+    def settle(self, req: InferRequest, entry: Any) -> InferResponse:  # type: ignore[no-redef]
+        """The response of an :meth:`admit`-ted request whose ``entry.waiter`` is done, or
+        its error raised (observed as :meth:`infer` observes it)."""
+        return self._dispatch.settle(req, entry)
+
+    def cancelled(self, entry: Any) -> None:  # type: ignore[no-redef]
+        """Give up on an :meth:`admit`-ted request (cancel its future first): it leaves its
+        queue, or its batch's answer is dropped, and is counted ``cancelled``."""
+        self._dispatch.cancelled(entry)
 
     async def infer_many(self, requests: Sequence[InferRequest]) -> list:  # type: ignore[no-redef]
         """Run many requests as one group; return, in order, each one's ``InferResponse`` or

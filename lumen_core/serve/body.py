@@ -32,17 +32,24 @@ def read_body(request: Any, limit: int, field: str, what: str = REQUEST_BODY,
                         field, what, setting)
 
 
+def check_declared(declared: str, limit: int, field: str, what: str = REQUEST_BODY,
+                   setting: str = PAYLOAD_SETTING) -> None:
+    """A Content-Length value that is not a number is a 400; one past ``limit`` a 413, before
+    a byte of the body is read."""
+    if not (declared.isascii() and declared.isdigit()):  # isdigit alone takes '\u00b2'
+        raise InvalidArgument(f"bad Content-Length header {declared[:MAX_HEADER_ECHO]!r}",
+                              "Content-Length")
+    if int(declared) > limit:
+        raise PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes "
+                              f"({setting})", field)
+
+
 async def receive_body(receive: Any, declared: Any, limit: int, field: str,
                        what: str = REQUEST_BODY, setting: str = PAYLOAD_SETTING) -> bytes:
     """:func:`read_body` from an ASGI ``receive`` and the Content-Length value ``declared``
     (None when absent), for a caller that has read the headers itself."""
     if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):  # isdigit alone takes '\u00b2'
-            raise InvalidArgument(f"bad Content-Length header {declared[:MAX_HEADER_ECHO]!r}",
-                                  "Content-Length")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes "
-                                  f"({setting})", field)
+        check_declared(declared, limit, field, what, setting)
     chunks: list[bytes] = []
     total = 0
     while True:

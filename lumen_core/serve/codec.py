@@ -56,7 +56,9 @@ def oip_datatype(arr: np.ndarray) -> str:
     """The OIP datatype of ``arr`` (``BYTES`` for object / string arrays)."""
     if arr.dtype.kind in "OSU":
         return OIP_BYTES
-    return OIP_DATATYPES.get(dtype_name(arr), str(arr.dtype).upper())
+    name = dtype_name(arr)
+    found = OIP_DATATYPES.get(name)
+    return found if found is not None else str(arr.dtype).upper()
 
 
 #: numpy dtype -> its lumen name, filled as dtypes are seen (``newbyteorder`` makes a new
@@ -96,7 +98,19 @@ def tensor_bytes(arr: np.ndarray) -> bytes:
 
 def shape_text(shape: Any) -> str:
     """A shape as the compact JSON array the tensor route's shape key takes: ``[1,384]``."""
+    if type(shape) is tuple:
+        text = _SHAPE_TEXTS.get(shape)
+        if text is None:
+            text = "[" + ",".join(str(int(d)) for d in shape) + "]"
+            if len(_SHAPE_TEXTS) < MAX_SHAPE_TEXTS:
+                _SHAPE_TEXTS[shape] = text
+        return text
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+#: the most shapes whose text is remembered (clients send a handful of distinct shapes)
+MAX_SHAPE_TEXTS = 1024
+_SHAPE_TEXTS: dict[tuple[int, ...], str] = {}
 
 
 def tensor_json(arr: np.ndarray) -> dict[str, Any]:

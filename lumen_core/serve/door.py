@@ -1,22 +1,34 @@
-"""The front door's hot path: the inference routes as plain ASGI, in front of the Starlette app.
+"""The front door's hot routes: the inference routes' steps, whoever carries the request.
 
-A request to ``POST /v1/infer/{task}``, ``POST /v2/models/{task}[/versions/{v}]/infer`` or
-``POST /v1/embeddings`` (``/embeddings``) costs the server what it must, once: one match of the
-path (no middleware stack, no router), one pass over the raw headers for the few the route
-reads, the query string parsed only on the native route (which reads it: it is the request's
-meta) and remembered per distinct string, no correlation id unless the client sends one (the
-native JSON reply's ``correlation_id`` is the runtime's, made when read), a disconnect noticed by
-the connection (:mod:`.limits`) instead of a watcher task per request, tensor reply headers
-built once per (task, output, dtype, shape) as bytes, and the transport counter a dict
-increment folded into Prometheus at scrape time (:mod:`.metrics`).
+``POST /v1/infer/{task}`` and ``POST /v2/models/{task}[/versions/{v}]/infer`` are served by
+four steps on a :class:`Call` (what the route read of the request line and headers):
+:meth:`HotDoor.begin` once the headers are in (the API key, before any body is read; the
+draining state; the native route's query meta, or the OIP model), :meth:`HotDoor.request` once
+the body is in (the ``InferRequest``), then :meth:`HotDoor.reply` or :meth:`HotDoor.error`
+(status, header pairs, body).  Three carriers run them, so each route is written once:
 
-Every guard still applies: the header-size, read-timeout, body-deadline and connection limits
-are the connection's (:mod:`.limits`), the body limit is :func:`.body.read_body`'s, the API key
-is checked before the body is read, a draining server answers 503, and errors keep their JSON
-shapes (Lumen's, or the Open Inference Protocol's on ``/v2``).  What is not here runs the
-Starlette app (:class:`.http.HttpApp`), unchanged: every other route, and the hot routes too
-when the access log or tracing is on (both are per-request work by nature: the access line and
-the span are made where they always were), or when a proxy root path is set.
+- Lumen's own HTTP connections (:mod:`.door_protocol`): no ASGI scope, cycle or task per
+  request; the runtime's compiled ``admit`` queues the request from the parser's callback and
+  the batch's answer writes the reply from the future's callback;
+- :meth:`HotDoor.serve`: the same routes as plain ASGI in front of the Starlette app, for a
+  request that reaches the ASGI app (another server, an in-process test client, a pipelined
+  request) -- no middleware stack, no router, no watcher task per request;
+- :meth:`HotDoor.answer`: the Starlette endpoints of these routes (taken when the access log or
+  tracing is on, each a per-request record by nature, or under a proxy root path).
+
+On every carrier: one pass over the raw headers for the few a route reads, the query string
+parsed only on the native route (it is the request's meta) and remembered per distinct string,
+no correlation id unless the client sends one (the native JSON reply's ``correlation_id`` is
+the runtime's, made when read), tensor reply headers built once per (task, output, dtype,
+shape) as bytes, and the transport counter a dict increment folded into Prometheus at scrape
+time (:mod:`.metrics`).  Every guard still applies: the header-size, read-timeout,
+body-deadline and connection limits are the connection's (:mod:`.limits`), the body limit is
+checked from Content-Length and while the body arrives, the API key before the body is read, a
+draining server answers 503, and errors keep their JSON shapes (Lumen's, or the Open Inference
+Protocol's on ``/v2``).
+
+The embeddings and TEI routes (:meth:`HotDoor.add_route`) run their app handler under its guard
+on the ASGI carrier, without the stack and the router.
 """
 from __future__ import annotations
 
@@ -27,14 +39,17 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 from starlette.requests import Request
+from starlette.responses import Response
 
-from ..errors import InternalError, LumenError
+from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge
 from ..request import InferRequest
 from . import audio, codec
 from .auth import unscope_error
-from .body import ClientGone, receive_body
+from .body import ClientGone, check_declared, receive_body
 from .limits import connection_of
 from .logs import CORRELATION_HEADER, CORRELATION_ID, client_correlation_id, scope_correlation_id
+from .oip_mapping import check_model
+from .shm import FORWARDING_HEADERS, is_loopback
 
 if TYPE_CHECKING:  # typing only: the runtime as the doors use it
     from .http import HttpApp
@@ -57,10 +72,88 @@ INFER_ROUTE = "/v1/infer/{task}"
 OIP_ROUTE = "/v2/models/{task}/infer"
 OIP_VERSION_ROUTE = "/v2/models/{task}/versions/{version}/infer"
 EMBEDDINGS_ROUTE = "/v1/embeddings"
-
-
+#: the status a request whose client went away is counted under (nginx's convention)
+CLIENT_CLOSED_STATUS = 499
+#: header pairs and their lines, when a reply has no fixed part
+NO_FIXED: tuple = ((), b"")
+#: forwarding headers: a request that carries one came through a proxy (not local for shm)
+_FORWARDING = frozenset(h.encode() for h in FORWARDING_HEADERS)
 #: what the query memo holds for a whole audio file (its own route)
 _AUDIO_FILE: dict = {}
+
+
+class Call:
+    """One request on a hot route: the route template, the task (and version) from its path,
+    its query string, the headers the routes read, and what the steps found (key scope, meta,
+    the OIP model's contract, ``state`` for the reply)."""
+
+    __slots__ = ("route", "task", "version", "query", "ctype", "length", "accept", "auth",
+                 "cid", "output", "encoding", "binlen", "proxied", "client", "key_scope",
+                 "meta", "contract", "state")
+
+    def __init__(self, route: str, task: str, version: str, query: bytes) -> None:
+        self.route = route
+        self.task = task
+        self.version = version
+        self.query = query
+        self.ctype: Optional[bytes] = None
+        self.length: Optional[bytes] = None
+        self.accept: Optional[bytes] = None
+        self.auth: Optional[bytes] = None
+        self.output: Optional[bytes] = None
+        self.encoding: Optional[bytes] = None
+        self.binlen: Optional[bytes] = None
+        self.cid = ""
+        self.proxied = False
+        self.client: Optional[str] = None
+        self.key_scope: Optional[str] = None
+        self.meta: Any = None
+        self.contract: Any = None
+        self.state: Any = None
+
+    def read_headers(self, headers: Any) -> None:
+        """One pass over the raw (lower-case name, value) pairs for the ones a route reads."""
+        for name, value in headers:
+            if name == b"content-type":
+                self.ctype = value
+            elif name == b"content-length":
+                self.length = value
+            elif name == b"accept":
+                self.accept = value
+            elif name == b"authorization":
+                self.auth = value
+            elif name == CORRELATION_HEADER:
+                self.cid = client_correlation_id(value)
+            elif name == b"lumen-output":
+                self.output = value
+            elif name == b"content-encoding":
+                self.encoding = value
+            elif name == b"inference-header-content-length":
+                self.binlen = value
+            elif name in _FORWARDING:
+                self.proxied = True
+
+    @property
+    def mime(self) -> str:
+        return self.ctype.decode("latin-1") if self.ctype is not None else ""
+
+    def local(self) -> bool:
+        """Whether the caller is on this machine and came through no proxy (shared memory)."""
+        return is_loopback(self.client) and not self.proxied
+
+
+def call_of(path: str, query: bytes) -> Optional[Call]:
+    """The :class:`Call` of a POST to ``path`` when it is a hot inference route, else None."""
+    if path.startswith(_INFER_PREFIX):
+        task = path[len(_INFER_PREFIX):]
+        if task and "/" not in task:
+            return Call(INFER_ROUTE, task, "", query)
+    elif path.startswith(_OIP_PREFIX) and path.endswith(_OIP_SUFFIX):
+        rest = path[len(_OIP_PREFIX):-len(_OIP_SUFFIX)]
+        task, sep, version = rest.partition(_VERSIONS)
+        if task and "/" not in task and (not sep or (version and "/" not in version)):
+            return Call(OIP_VERSION_ROUTE if sep else OIP_ROUTE, task, version, query)
+    return None
 
 
 def _json_head(n: int, cid: str) -> list:
@@ -71,7 +164,7 @@ def _json_head(n: int, cid: str) -> list:
 
 
 async def respond(scope: dict, send: Callable, status: int, headers: Any, body: Any,
-                  fixed: Any = ((), b"")) -> None:
+                  fixed: Any = NO_FIXED) -> None:
     """Send a whole response: in one write on Lumen's own connections (``reply`` of
     :mod:`.limits`), else as the two ASGI messages.  ``fixed``: header pairs and the same
     headers formatted as lines, made once by the caller."""
@@ -88,8 +181,8 @@ def header_lines(headers: Any) -> bytes:
 
 
 class HotDoor:
-    """The hot routes of ``app`` (an :class:`.http.HttpApp`); :meth:`handler` says whether a
-    request is one of them."""
+    """The hot routes of ``app`` (an :class:`.http.HttpApp`): the steps of a :class:`Call`,
+    and the ASGI carriers (:meth:`asgi`, :meth:`answer`)."""
 
     def __init__(self, app: HttpApp, observer: Any) -> None:
         self.app = app
@@ -116,88 +209,66 @@ class HotDoor:
 
         self.exact[path] = serve
 
-    def handler(self, scope: dict) -> Optional[Callable]:
-        """The coroutine function serving ``scope`` on the hot path, or None (the app's)."""
-        if scope["method"] != "POST" or scope.get("root_path"):
-            return None
-        path = scope["path"]
-        if path.startswith(_INFER_PREFIX):
-            task = path[len(_INFER_PREFIX):]
-            if task and "/" not in task:
-                scope["path_params"] = {"task": task}
-                return self.infer
-        elif path.startswith(_OIP_PREFIX) and path.endswith(_OIP_SUFFIX):
-            rest = path[len(_OIP_PREFIX):-len(_OIP_SUFFIX)]
-            task, sep, version = rest.partition(_VERSIONS)
-            if task and "/" not in task and (not sep or (version and "/" not in version)):
-                scope["path_params"] = {"task": task, "version": version} if sep else \
-                    {"task": task}
-                return self.oip_versioned if sep else self.oip
+    # -- the steps ------------------------------------------------------------------------
+    def begin(self, call: Call, keyed: bool = False) -> bool:
+        """The request line and headers are in: check the API key (unless the caller did:
+        ``keyed``), the draining state, the body's declared length, and the native route's
+        query meta or the OIP route's model.  False: a native request for a whole audio file
+        (its own route: the app's).  Raises the LumenError to answer."""
+        if self.needs_key and not keyed:
+            auth = call.auth
+            call.key_scope = self.keys.check(auth.decode("latin-1") if auth is not None
+                                             else None)
+        self.app.check_open()
+        if call.length is not None:
+            check_declared(call.length.decode("latin-1"), self.app.max_body, "payload")
+        if call.route is INFER_ROUTE:
+            meta = self.meta(call.task, call.query, call.mime)
+            if meta is None:
+                return False
+            if call.key_scope is not None:
+                meta = self.keys.scoped_meta(meta, call.key_scope)
+            call.meta = meta
         else:
-            serve = self.exact.get(path)
-            if serve is not None:
-                scope["path_params"] = {}
-                return serve
-        return None
+            call.contract = check_model(self.runtime, call.task, call.version)
+        return True
 
-    # -- the native route ---------------------------------------------------------------------
-    async def infer(self, scope: dict, receive: Callable, send: Callable) -> None:
-        ctype = accept = auth = output = length = None
-        cid = ""
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                ctype = value
-            elif name == b"content-length":
-                length = value
-            elif name == b"accept":
-                accept = value
-            elif name == b"authorization":
-                auth = value
-            elif name == CORRELATION_HEADER:
-                cid = client_correlation_id(value)
-                CORRELATION_ID.set(cid)
-            elif name == b"lumen-output":
-                output = value
-        app = self.app
-        task = scope["path_params"]["task"]
-        key_scope = None
-        try:
-            if self.needs_key:
-                key_scope = self.keys.check(auth.decode("latin-1") if auth is not None else None)
-            app.check_open()
-            mime = ctype.decode("latin-1") if ctype is not None else ""
-            meta = self.meta(task, scope["query_string"], mime)
-            if meta is None:  # a whole audio file: its own route (audio.py)
-                await self.cold(scope, receive, send)
-                return
-            body = await receive_body(receive, length.decode("latin-1") if length is not None
-                                      else None, app.max_body, "payload")
-            if key_scope is not None:
-                meta = self.keys.scoped_meta(meta, key_scope)
-            resp = await until_done_or_gone(
-                scope, receive, self.runtime.infer(InferRequest(task, body, mime, meta, cid)))
+    def request(self, call: Call, body: bytes) -> InferRequest:
+        """The body is in: the runtime request."""
+        if call.route is INFER_ROUTE:
+            return InferRequest(call.task, body, call.mime, call.meta, call.cid)
+        return self.app.oip.call_request(call, body)
+
+    def reply(self, call: Call, resp: Any) -> tuple:
+        """(status, fixed headers, header pairs, body) of the answer ``resp``."""
+        if call.route is INFER_ROUTE:
             extra = getattr(resp.outputs, "meta", None)
             if extra:
                 resp.meta.update(extra)
+            accept = call.accept
             if accept is not None and _OCTET in accept and _JSON not in accept:
-                status = await self.tensor_reply(scope, send, resp, task, output, cid)
-            else:
-                out = codec.dumps(codec.response_json(resp))
-                await respond(scope, send, 200, _json_head(len(out), resp.correlation_id), out)
-                status = 200
-        except LumenError as exc:
-            status = await self.error(scope, receive, send, exc, key_scope, cid,
-                                      app.errors_of(INFER_ROUTE))
-        except ClientGone:
-            status = app.client_closed_status
-        except Exception as exc:  # noqa: BLE001 - a bug must answer 500, not drop the socket
-            log.exception("unhandled error on %s", INFER_ROUTE)
-            status = await self.error(scope, receive, send,
-                                      InternalError(f"internal server error: {exc}"), None, cid,
-                                      app.errors_of(INFER_ROUTE))
-        if self.count is not None:
-            self.count(INFER_ROUTE, status)
+                return self.tensor_reply(call, resp)
+            out = codec.dumps(codec.response_json(resp))
+            return 200, NO_FIXED, _json_head(len(out), resp.correlation_id), out
+        ctype, out, headers = self.app.oip.call_reply(call, resp)
+        pairs = [(b"content-type", ctype), (b"content-length", b"%d" % len(out)), *headers]
+        if call.cid:
+            pairs.append((CORRELATION_HEADER, call.cid.encode("latin-1")))
+        return 200, NO_FIXED, pairs, out
 
+    def error(self, call: Call, exc: LumenError) -> tuple:
+        """(status, header pairs, body) of the error ``exc`` in the route's shape."""
+        resp = self.app.errors_of(call.route)(unscope_error(exc, call.key_scope))
+        if call.cid:
+            resp.headers[CORRELATION_HEADER.decode()] = call.cid
+        return resp.status_code, resp.raw_headers, resp.body
+
+    def failure(self, call: Call, exc: BaseException) -> tuple:
+        """:meth:`error` of an unexpected exception: logged, answered 500."""
+        log.error("unhandled error on %s", call.route, exc_info=exc)
+        return self.error(call, InternalError(f"internal server error: {exc}"))
+
+    # -- the native route's meta and tensor replies -----------------------------------------
     def meta(self, task: str, query: bytes, mime: str) -> Optional[dict]:
         """The request meta of ``query`` (a fresh dict: the runtime may add to it), its plain
         keys checked against ``task``'s options; None for a whole audio file.  Remembered per
@@ -233,36 +304,92 @@ class HotDoor:
             self.queries.clear()
         self.queries[key] = (head, meta)
 
-    async def tensor_reply(self, scope: dict, send: Callable, resp: Any, task: str,
-                           output: Optional[bytes], cid: str) -> int:
+    def tensor_reply(self, call: Call, resp: Any) -> tuple:
         """The raw tensor reply: its fixed headers made once per (task, output, dtype, shape),
         the response meta (batch figures) added as ``lumen-meta-*`` headers."""
+        output = call.output
         wanted = output.decode("latin-1") if output is not None else None
         outs = resp.outputs
         head = None
         if wanted is None and len(outs) == 1:
             name, arr = next(iter(outs.items()))
-            key = (task, name, arr.dtype, arr.shape) if type(arr) is np.ndarray else None
+            key = (call.task, name, arr.dtype, arr.shape) if type(arr) is np.ndarray else None
             head = self.tensor_heads.get(key)
         if head is None:
-            name, arr, pairs = self.app.tensor_head(resp, wanted)
+            name, arr, pairs = tensor_head(resp, wanted)
             head = (pairs, header_lines(pairs))
             if wanted is None:
                 if len(self.tensor_heads) >= MAX_MEMO:
                     self.tensor_heads.clear()
-                self.tensor_heads[(task, name, arr.dtype, arr.shape)] = head
+                self.tensor_heads[(call.task, name, arr.dtype, arr.shape)] = head
         extra = meta_headers(resp.meta) if resp.meta else []
-        if cid:
-            extra.append((CORRELATION_HEADER, cid.encode("latin-1")))
-        await respond(scope, send, 200, extra, codec.tensor_view(arr), head)
-        return 200
+        if call.cid:
+            extra.append((CORRELATION_HEADER, call.cid.encode("latin-1")))
+        return 200, head, extra, codec.tensor_view(arr)
 
-    # -- the routes whose handlers are the app's -----------------------------------------
-    async def oip(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await self.guarded(scope, receive, send, OIP_ROUTE)
+    # -- the ASGI carriers ------------------------------------------------------------------
+    def asgi(self, scope: dict) -> Optional[Callable]:
+        """The coroutine function serving ``scope`` on the hot path, or None (the app's)."""
+        if scope["method"] != "POST" or scope.get("root_path"):
+            return None
+        path = scope["path"]
+        call = call_of(path, scope["query_string"])
+        if call is not None:
+            scope["lumen.call"] = call
+            return self.serve
+        serve = self.exact.get(path)
+        if serve is not None:
+            scope["path_params"] = {}
+        return serve
 
-    async def oip_versioned(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await self.guarded(scope, receive, send, OIP_VERSION_ROUTE)
+    async def serve(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """A hot inference route as plain ASGI."""
+        call: Call = scope["lumen.call"]
+        call.read_headers(scope["headers"])
+        if call.cid:
+            CORRELATION_ID.set(call.cid)
+        client = scope.get("client")
+        call.client = client[0] if client else None
+        try:
+            if not self.begin(call):  # a whole audio file: the app's route
+                await self.app.cold(scope, receive, send)
+                return
+            body = await receive_body(receive, None, self.app.max_body, "payload")
+            resp = await until_done_or_gone(scope, receive,
+                                            self.runtime.infer(self.request(call, body)))
+            status, fixed, headers, out = self.reply(call, resp)
+            await respond(scope, send, status, headers, out, fixed)
+        except LumenError as exc:
+            status, headers, out = self.error(call, exc)
+            await respond(scope, send, status, headers, out)
+        except ClientGone:
+            status = CLIENT_CLOSED_STATUS
+        except Exception as exc:  # noqa: BLE001 - a bug must answer 500, not drop the socket
+            status, headers, out = self.failure(call, exc)
+            await respond(scope, send, status, headers, out)
+        if self.count is not None:
+            self.count(call.route, status)
+
+    async def answer(self, request: Request, route: str) -> Response:
+        """Hot inference route ``route`` (:data:`INFER_ROUTE`, :data:`OIP_ROUTE`,
+        :data:`OIP_VERSION_ROUTE`) as a Starlette endpoint (inside its guard: the key is
+        checked, errors are shaped and counted there)."""
+        scope = request.scope
+        p = request.path_params
+        call = Call(route, p["task"], p.get("version", ""), scope["query_string"])
+        call.read_headers(scope["headers"])
+        client = request.client
+        call.client = client.host if client else None
+        call.key_scope = getattr(request.state, "key_scope", None)
+        if not self.begin(call, keyed=True):
+            return await self.app.audio_file(request, call.task)
+        body = await receive_body(request.receive, None, self.app.max_body, "payload")
+        resp = await until_done_or_gone(scope, request.receive,
+                                        self.runtime.infer(self.request(call, body)))
+        status, fixed, headers, out = self.reply(call, resp)
+        reply = Response(out, status)
+        reply.raw_headers = [*fixed[0], *headers]
+        return reply
 
     async def guarded(self, scope: dict, receive: Callable, send: Callable, route: str) -> None:
         """A route served by its handler in the app, under the same guard (key, errors,
@@ -277,18 +404,32 @@ class HotDoor:
             return
         await respond(scope, send, resp.status_code, resp.raw_headers, body)
 
-    async def cold(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await self.app.cold(scope, receive, send)
 
-    @staticmethod
-    async def error(scope: dict, receive: Callable, send: Callable, exc: LumenError,
-                    key_scope: Optional[str], cid: str, errors: Callable) -> int:
-        resp = errors(unscope_error(exc, key_scope))
-        if cid:
-            resp.headers[CORRELATION_HEADER.decode()] = cid
-        await respond(scope, send, resp.status_code, resp.raw_headers, resp.body)
-        return resp.status_code
-
+def tensor_head(resp: Any, wanted: Optional[str]) -> tuple:
+    """(output name, array, raw header list) of a raw tensor reply (its response meta and
+    correlation id aside): the output ``wanted`` (the Lumen-Output header), else the only one."""
+    outs = resp.outputs
+    if wanted is not None:
+        if wanted not in outs:
+            raise InvalidArgument(f"task {resp.task!r} has no output {wanted!r} "
+                                  f"(outputs: {', '.join(outs)})", "Lumen-Output")
+        name = wanted
+    elif len(outs) == 1:
+        name = next(iter(outs))
+    else:
+        raise InvalidArgument(f"task {resp.task!r} has {len(outs)} outputs "
+                              f"({', '.join(outs)}); pick one with the Lumen-Output header "
+                              f"or accept application/json", "Accept")
+    arr = outs[name]
+    if not isinstance(arr, np.ndarray):
+        raise InvalidArgument(f"output {name!r} of task {resp.task!r} is JSON, not a "
+                              f"tensor; accept application/json", "Accept")
+    head = [(b"content-type", _OCTET),
+            (b"lumen-tensor-dtype", codec.dtype_name(arr).encode()),
+            (b"lumen-tensor-shape", codec.shape_text(arr.shape).encode()),
+            (b"lumen-output", name.encode("latin-1")),
+            (b"content-length", b"%d" % arr.nbytes)]
+    return name, arr, head
 
 
 #: meta key -> its reply header name (``lumen-meta-<key>``), as bytes
@@ -307,6 +448,12 @@ def meta_headers(meta: dict) -> list:
                 names[k] = name
         out.append((name, str(v).encode("latin-1")))
     return out
+
+
+def too_large(limit: int) -> PayloadTooLarge:
+    """The 413 of a body that grew past ``limit`` while it arrived."""
+    return PayloadTooLarge(f"request body exceeds the limit of {limit} bytes "
+                           f"(server.max_payload_bytes)", "payload")
 
 
 def until_done_or_gone(scope: Any, receive: Callable, work: Awaitable) -> Awaitable:

@@ -33,7 +33,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -50,12 +49,11 @@ from ..errors import (
     Unavailable,
     UnsupportedMediaType,
 )
-from ..request import InferRequest
 from . import audio, codec, ws
 from .admin import AdminRoutes
 from .auth import ApiKeys, Unauthenticated, unscope_error
 from .body import ClientGone, read_body
-from .door import HotDoor, meta_headers, until_done_or_gone
+from .door import CLIENT_CLOSED_STATUS, INFER_ROUTE, HotDoor, until_done_or_gone
 from .logs import RequestContext
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PrometheusObserver
@@ -75,10 +73,6 @@ TEI_HOT_ROUTES = ("/embed", "/", "/rerank", "/v1/rerank")
 access_log = logging.getLogger("lumen.access")
 
 JSON, OCTET_STREAM = codec.JSON, codec.OCTET_STREAM
-#: status reported (and counted) for a request whose client went away; nginx's convention
-CLIENT_CLOSED_STATUS = 499
-#: header that picks one output for a raw tensor reply when a task has several
-OUTPUT_HEADER = "lumen-output"
 #: the most characters of a request path quoted back in a routing error
 MAX_PATH_ECHO = 200
 #: what a routing error suggests instead
@@ -142,6 +136,8 @@ class HttpApp:
         self.handlers: dict = {}
         self.error_shapes: dict = {}
         ep = self.endpoint
+        #: the Open Inference Protocol's routes (the hot door runs its infer call's halves)
+        self.oip = OipRoutes(self)
         self.app = Starlette(routes=[
             Route("/v1/infer/{task}", ep("/v1/infer/{task}", self.infer), methods=["POST"]),
             Route("/v1/tasks", ep("/v1/tasks", self.tasks), methods=["GET"]),
@@ -151,7 +147,7 @@ class HttpApp:
             *OpenAiRoutes(self).routes(),  # embeddings, tokenize, models (openai.py)
             *TeiRoutes(self).routes(),  # TEI's /embed, / and /info (tei.py)
             *RerankRoutes(self).routes(),  # /rerank (TEI), /v1/rerank (Cohere) (rerank.py)
-            *OipRoutes(self).routes(),  # the Open Inference Protocol under /v2 (oip.py)
+            *self.oip.routes(),  # the Open Inference Protocol under /v2 (oip.py)
             *AdminRoutes(self).routes(),  # versions, reloads, traffic (admin.py)
             # live speech segments over a WebSocket (ws.py)
             WebSocketRoute("/v1/stream/{task}", ws.StreamEndpoint(
@@ -163,11 +159,13 @@ class HttpApp:
         #: what serves a request the hot door does not (door.py): the Starlette app, under
         #: the request context when the server asks for one (:meth:`with_context`)
         self.cold: Callable = self.app
-        # (this app's own access lines are written by each endpoint's guard: then no hot path)
-        self.door: Optional[HotDoor] = None if access_log else HotDoor(self, observer)
-        if self.door is not None:  # TEI's and the rerank routes: the hot path too
-            for path in TEI_HOT_ROUTES:
-                self.door.add_route(path, path)
+        #: the inference routes' steps (door.py), on whichever carrier the request takes
+        self.door = HotDoor(self, observer)
+        for path in TEI_HOT_ROUTES:  # TEI's and the rerank routes: the hot path too
+            self.door.add_route(path, path)
+        #: whether the hot carriers serve (off with the access log: each endpoint's guard
+        #: writes its line, so every request takes the Starlette app)
+        self.hot = not access_log
 
     def with_context(self, access_log: bool) -> "HttpApp":
         """Serve the cold routes under :class:`.logs.RequestContext` (a correlation id on
@@ -175,14 +173,13 @@ class HttpApp:
         routes take the cold path too (each line needs the request's record)."""
         self.cold = RequestContext(self.app, access_log=access_log)
         if access_log:
-            self.door = None
+            self.hot = False
         return self
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        door = self.door
-        if door is not None and scope["type"] == "http" and \
+        if self.hot and scope["type"] == "http" and \
                 getattr(self.runtime, "tracing", None) is None:
-            hot = door.handler(scope)
+            hot = self.door.asgi(scope)
             if hot is not None:
                 await hot(scope, receive, send)
                 return
@@ -288,67 +285,18 @@ class HttpApp:
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, request: Request) -> Response:
-        self.check_open()
-        task = request.path_params["task"]
-        headers = request.headers
-        params = request.query_params
-        if audio.wants_file(self.runtime, task, headers.get("content-type", ""),
-                            params):  # a whole audio file -> segments (audio.py)
-            self.check_options(task, params, audio.FILE_OPTIONS)
-            return await audio.file_reply(self, request, task)
-        if params:
-            self.check_options(task, params)
-        body = await self.read_body(request, "payload")
-        meta = self.keys.scoped_meta(dict(request.query_params), request.state.key_scope)
-        req = InferRequest(task, body, headers.get("content-type", ""), meta,
-                           headers.get("x-correlation-id", ""))
-        resp = await self.until_done_or_gone(request, self.runtime.infer(req))
-        _merge_task_meta(resp)
-        accept = headers.get("accept", "")
-        if OCTET_STREAM in accept and JSON not in accept:
-            return self._tensor_reply(resp, headers.get(OUTPUT_HEADER))
-        return json_response(codec.response_json(resp),
-                             headers={"X-Correlation-Id": resp.correlation_id})
+        """``POST /v1/infer/{task}``: the hot door's steps (door.py), from the Starlette app."""
+        return await self.door.answer(request, INFER_ROUTE)
+
+    async def audio_file(self, request: Request, task: str) -> Response:
+        """A whole audio file posted to the native route of a speech task -> its segments."""
+        self.check_options(task, request.query_params, audio.FILE_OPTIONS)
+        return await audio.file_reply(self, request, task)
 
     def check_options(self, task: str, params: Any, route_options: Optional[dict] = None) -> None:
         """A plain query key that ``task`` does not read is a 400 (``options.check_options``:
         the same rule as gRPC's meta)."""
         check_options(self.runtime, task, params, route_options)
-
-    @staticmethod
-    def _tensor_reply(resp: Any, wanted: Optional[str]) -> Response:
-        _name, arr, head = HttpApp.tensor_head(resp, wanted)
-        headers = {k.decode("latin-1"): v.decode("latin-1")
-                   for k, v in [*head[1:], *meta_headers(resp.meta)]}
-        headers["x-correlation-id"] = resp.correlation_id
-        return Response(codec.tensor_view(arr), headers=headers, media_type=OCTET_STREAM)
-
-    @staticmethod
-    def tensor_head(resp: Any, wanted: Optional[str]) -> tuple:
-        """(output name, array, raw header list) of a raw tensor reply (its response meta and
-        correlation id aside): the output ``wanted`` (the Lumen-Output header), else the only one."""
-        outs = resp.outputs
-        if wanted is not None:
-            if wanted not in outs:
-                raise InvalidArgument(f"task {resp.task!r} has no output {wanted!r} "
-                                      f"(outputs: {', '.join(outs)})", "Lumen-Output")
-            name = wanted
-        elif len(outs) == 1:
-            name = next(iter(outs))
-        else:
-            raise InvalidArgument(f"task {resp.task!r} has {len(outs)} outputs "
-                                  f"({', '.join(outs)}); pick one with the Lumen-Output header "
-                                  f"or accept application/json", "Accept")
-        arr = outs[name]
-        if not isinstance(arr, np.ndarray):
-            raise InvalidArgument(f"output {name!r} of task {resp.task!r} is JSON, not a "
-                                  f"tensor; accept application/json", "Accept")
-        head = [(b"content-type", OCTET_STREAM.encode()),
-                (b"lumen-tensor-dtype", codec.dtype_name(arr).encode()),
-                (b"lumen-tensor-shape", codec.shape_text(arr.shape).encode()),
-                (b"lumen-output", name.encode("latin-1")),
-                (b"content-length", b"%d" % arr.nbytes)]
-        return name, arr, head
 
     async def json_body(self, request: Request, route: str) -> Any:
         """The JSON body of a route that takes one (415 for another Content-Type)."""
@@ -383,10 +331,3 @@ class HttpApp:
             raise TaskNotFound("metrics are not enabled on this server", None)
         return Response(self.observer.exposition(), media_type=METRICS_CONTENT_TYPE)
 
-
-def _merge_task_meta(resp: Any) -> None:
-    """Response meta a task attached to its outputs (``outputs.meta``, e.g.
-    ``lumen.truncated``) into the response's meta."""
-    extra = getattr(resp.outputs, "meta", None)
-    if extra:
-        resp.meta.update(extra)

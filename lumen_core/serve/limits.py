@@ -128,6 +128,25 @@ def error_bytes(status: int, reason: str, code: str, message: str, field: Option
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
+def response_head(status_line: bytes, fixed: bytes, headers: Any,
+                  keep_alive: bool) -> Optional[tuple]:
+    """(the head of a response as a list of bytes, whether the connection stays open): the
+    status line, the header lines ``fixed`` (already formatted), the pairs ``headers`` (which
+    must include content-length), ``connection: close`` when the connection closes after it.
+    None when a header value holds a line break (nothing may be sent with it)."""
+    parts = [status_line, fixed]
+    for name, value in headers:
+        if b"\n" in value or b"\r" in value:
+            return None
+        if name == b"connection" and b"close" in value.lower():
+            keep_alive = False
+        parts += (name, b": ", value, b"\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return parts, keep_alive
+
+
 def protocol_class(limits: HttpLimits) -> type:
     """An httptools-based uvicorn protocol class enforcing ``limits`` (uvicorn instantiates
     the class per connection); h11's own protocol when httptools is not installed."""
@@ -214,30 +233,30 @@ def protocol_class(limits: HttpLimits) -> type:
             if (cycle is None or cycle.response_started or cycle.disconnected
                     or self.flow.write_paused or scope["method"] == "HEAD"):
                 return False
-            parts = [STATUS_LINE[status], fixed]
-            for name, value in (*cycle.default_headers, *headers):
-                if b"\n" in value or b"\r" in value:
-                    return False
-                if name == b"connection" and b"close" in value.lower():
-                    cycle.keep_alive = False
-                parts += (name, b": ", value, b"\r\n")
-            if not cycle.keep_alive:
-                parts.append(b"connection: close\r\n")
-            parts.append(b"\r\n")
+            head = response_head(STATUS_LINE[status], fixed, (*cycle.default_headers, *headers),
+                                 cycle.keep_alive)
+            if head is None:
+                return False
+            cycle.keep_alive = head[1]
             cycle.response_started = True
             cycle.waiting_for_100_continue = False
-            if len(body) <= ONE_WRITE_MAX:
-                parts.append(body)
-                self.transport.write(b"".join(parts))
-            else:
-                self.transport.write(b"".join(parts))
-                self.transport.write(body)
+            self.write_whole(head[0], body)
             cycle.response_complete = True
             cycle.message_event.set()
             if not cycle.keep_alive:
                 self.transport.close()
             cycle.on_response()
             return True
+
+        def write_whole(self, parts: list, body: Any) -> None:
+            """Write a response head (``parts``, from :func:`response_head`) and ``body``: in
+            one write up to :data:`ONE_WRITE_MAX` bytes of body."""
+            if len(body) <= ONE_WRITE_MAX:
+                parts.append(body)
+                self.transport.write(b"".join(parts))
+            else:
+                self.transport.write(b"".join(parts))
+                self.transport.write(body)
 
         # -- timers -------------------------------------------------------------------
         def _arm(self, handler: Any) -> None:
@@ -344,14 +363,25 @@ def protocol_class(limits: HttpLimits) -> type:
             self._close_lingering()
 
         def on_headers_complete(self) -> None:
+            if self._headers_in():
+                self._asgi_cycle()
+
+        def _headers_in(self) -> bool:
+            """The header section is complete: refuse a transfer coding the parser does not
+            decode (False: answered and closing), else start the body's phase."""
             for name, value in self.headers:
                 if name == _TRANSFER_ENCODING and not _decoded(value):
                     self._not_decoded(value)
-                    return
+                    return False
             self._disarm()  # the header timer; the body's is set when a body is incomplete
             self._phase = "body"
             self._body_start = self._last_data = self.loop.time()
             self._body_bytes = 0
+            return True
+
+        def _asgi_cycle(self) -> None:
+            """uvicorn's request/response cycle for the request whose headers are in, with
+            this connection and the cycle in its scope (:func:`connection_of`)."""
             scope = self.scope
             scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
             super().on_headers_complete()
@@ -372,9 +402,13 @@ def protocol_class(limits: HttpLimits) -> type:
             self._close_lingering()
 
         def on_message_complete(self) -> None:
+            self._message_in()
+            super().on_message_complete()
+
+        def _message_in(self) -> None:
+            """The request is complete: no read timer until the next one begins."""
             self._phase = "idle"
             self._disarm()
-            super().on_message_complete()
 
     return LimitedHttpToolsProtocol
 

@@ -45,6 +45,7 @@ from ..errors import (
     UnsupportedMediaType,
 )
 from . import codec, shm
+from .door import OIP_ROUTE, OIP_VERSION_ROUTE
 from .oip_mapping import (
     HEADER_LENGTH,
     JSON,
@@ -191,15 +192,19 @@ class OipRoutes:
         return Response(b"", media_type=JSON)
 
     async def infer(self, request: Request) -> Response:
-        app = self.app
-        app.check_open()
-        task = request.path_params["task"]
-        contract = check_model(self.rt, task, request.path_params.get("version", ""))
-        body = await app.read_body(request, "payload")
-        encoding = request.headers.get("content-encoding")
-        if encoding:
-            body = _decompress(body, encoding, app.max_body)
-        obj, binary = _split_body(body, request.headers.get(HEADER_LENGTH))
+        """``POST .../infer``: the hot door's (door.py) steps, from the Starlette app."""
+        route = OIP_VERSION_ROUTE if "version" in request.path_params else OIP_ROUTE
+        return await self.app.door.answer(request, route)
+
+    # -- the two halves the hot door runs (door.py), whoever carries the request -----------
+    def call_request(self, call: Any, body: bytes) -> Any:
+        """The ``InferRequest`` of an infer call (a :class:`.door.Call` whose model
+        ``check_model`` already found: ``call.contract``) with ``body``; what its reply needs
+        is kept on ``call.state``."""
+        if call.encoding:
+            body = _decompress(body, call.encoding.decode("latin-1"), self.app.max_body)
+        obj, binary = _split_body(body, call.binlen.decode("latin-1")
+                                  if call.binlen is not None else None)
         params = obj.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidArgument("'parameters' must be an object", "parameters")
@@ -214,24 +219,28 @@ class OipRoutes:
         ip = inp.get("parameters") or {}
         if not isinstance(ip, dict):
             raise InvalidArgument(f"input {name!r}: 'parameters' must be an object", "parameters")
-        data = _input_data(inp, name, datatype, shape, ip, binary, self.shm,
-                           self._caller(request))
+        caller = shm.Caller(call.key_scope, call.local())
+        data = _input_data(inp, name, datatype, shape, ip, binary, self.shm, caller)
         rid = obj.get("id") or ""
         if not isinstance(rid, str):
             raise InvalidArgument("'id' must be a string", "id")
-        key_scope = request.state.key_scope
-        req = build_request(self.rt, task, name, datatype, shape, data, params, ip, rid,
-                            lambda m: app.keys.scoped_meta(m, key_scope))
-        version = request.path_params.get("version", "")
-        if version:  # /versions/{v} pins the version (check_model knows it is loaded)
-            req.meta[KEY_MODEL_VERSION] = version
-        resp = await app.until_done_or_gone(request, self.rt.infer(req))
+        key_scope = call.key_scope
+        req = build_request(self.rt, call.task, name, datatype, shape, data, params, ip, rid,
+                            lambda m: self.app.keys.scoped_meta(m, key_scope))
+        if call.version:  # /versions/{v} pins the version (check_model knows it is loaded)
+            req.meta[KEY_MODEL_VERSION] = call.version
+        call.state = (obj, params, rid, caller)
+        return req
+
+    def call_reply(self, call: Any, resp: Any) -> tuple:
+        """(content type, body, extra header pairs) of the reply to an infer call."""
+        obj, params, rid, caller = call.state
         served = resp.stats.version if resp.stats is not None else ""
-        return self._reply(resp, obj, params, served or contract.model_version, rid,
-                           self._caller(request))
+        return self._reply(resp, obj, params, served or call.contract.model_version, rid,
+                           caller)
 
     def _reply(self, resp: Any, obj: dict, params: dict, version: str, rid: str,
-               caller: shm.Caller) -> Response:
+               caller: shm.Caller) -> tuple:
         wanted = obj.get("outputs")
         if wanted is not None and not isinstance(wanted, list):
             raise InvalidArgument("'outputs' must be an array", "outputs")
@@ -277,9 +286,14 @@ class OipRoutes:
             head["id"] = rid
         text = codec.dumps(head)
         if not chunks:
-            return Response(text, media_type=JSON)
-        return Response(b"".join([text, *chunks]), media_type=OCTET_STREAM,
-                        headers={"Inference-Header-Content-Length": str(len(text))})
+            return _JSON_TYPE, text, ()
+        return _OCTET_TYPE, b"".join([text, *chunks]), (
+            (_HEADER_LENGTH_BYTES, b"%d" % len(text)),)
+
+
+_JSON_TYPE = JSON.encode()
+_OCTET_TYPE = OCTET_STREAM.encode()
+_HEADER_LENGTH_BYTES = HEADER_LENGTH.lower().encode()
 
 
 #: Content-Encoding -> zlib wbits (tritonclient's request_compression_algorithm)

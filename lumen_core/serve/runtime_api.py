@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..request import InferRequest, InferResponse
     from ..tracing import Tracing
 
-__all__ = ["RuntimeAdmin", "RuntimeQueries", "ServedRuntime"]
+__all__ = ["AdmittingRuntime", "RuntimeAdmin", "RuntimeQueries", "ServedRuntime"]
 
 
 class RuntimeQueries(Protocol):
@@ -45,6 +45,7 @@ class RuntimeQueries(Protocol):
     async def infer(self, req: InferRequest) -> InferResponse: ...
 
     async def infer_many(self, requests: Sequence[InferRequest]) -> list[Any]: ...
+
 
     def task_names(self) -> list[str]: ...
 
@@ -73,6 +74,19 @@ class RuntimeQueries(Protocol):
                        truncate: bool = True) -> list[Any]: ...
 
     def text_request(self, task: str, text: str, correlation_id: str = "") -> InferRequest: ...
+
+
+
+class AdmittingRuntime(RuntimeQueries, Protocol):
+    """A runtime that also admits a request without an await (:meth:`Runtime.admit`,
+    ``settle``, ``cancelled``): what the HTTP door on Lumen's own connections needs to
+    serve a request with no task of its own."""
+
+    def admit(self, req: InferRequest) -> Any: ...
+
+    def settle(self, req: InferRequest, entry: Any) -> InferResponse: ...
+
+    def cancelled(self, entry: Any) -> None: ...
 
 
 class RuntimeAdmin(Protocol):

@@ -29,9 +29,10 @@ import uvicorn
 
 from .. import __version__
 from .auth import ApiKeys
+from .door_protocol import protocol_class
 from .grpc import GrpcServer
 from .http import HttpApp
-from .limits import HttpLimits, protocol_class
+from .limits import HttpLimits
 from .logs import guard_uvicorn_logs
 from .metrics import PrometheusObserver
 from .shm import is_loopback
@@ -236,7 +237,7 @@ class LumenServer:
                                 timeout_graceful_shutdown=self.grace_s,  # type: ignore[arg-type]
                                 backlog=BACKLOG,
                                 server_header=False, date_header=False,
-                                http=protocol_class(limits),
+                                http=protocol_class(limits, self.http),
                                 h11_max_incomplete_event_size=limits.max_header_bytes,
                                 # a WebSocket message is bounded as a request body is
                                 ws_max_size=max_payload,

@@ -246,12 +246,16 @@ def test_unknown_route_and_wrong_method_answer_the_json_error_shape(client):
 
 def test_raw_tensor_reply_of_an_empty_output():
     """A zero-size output (e.g. no detections) is sent as an empty body, not a 500."""
+    from lumen_core.serve.door import tensor_head
+
     resp = InferResponse("cid", "t", {"boxes": np.zeros((0, 4), np.float32)}, {})
-    reply = HttpApp._tensor_reply(resp, None)
-    assert reply.status_code == 200 and reply.body == b""
-    assert reply.headers["Lumen-Tensor-Shape"] == "[0,4]"
-    full = HttpApp._tensor_reply(InferResponse("c", "t", {"y": np.arange(3, dtype=">f4")}, {}), None)
-    assert np.frombuffer(full.body, "<f4").tolist() == [0.0, 1.0, 2.0]
+    _name, arr, head = tensor_head(resp, None)
+    assert codec.tensor_view(arr).nbytes == 0
+    assert dict(head)[b"lumen-tensor-shape"] == b"[0,4]"
+    assert dict(head)[b"content-length"] == b"0"
+    _name, arr, _head = tensor_head(InferResponse("c", "t", {"y": np.arange(3, dtype=">f4")},
+                                                  {}), None)
+    assert np.frombuffer(codec.tensor_view(arr), "<f4").tolist() == [0.0, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
