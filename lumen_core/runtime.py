@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Coroutine, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -58,14 +58,6 @@ class Runtime:
         self._caches: dict = {}
         #: builds task versions (loading.py); its batchers report to ``self.observer``
         self._loader = TaskLoader(lambda: self._observer, self._dispatch, self._caches)
-        # instance attributes, bound once: ``await rt.infer(req)`` calls the compiled
-        # dispatcher directly, with no Python frame between the caller and the request path
-        # (a task's response cache is a stage of its route there, dispatch.Dispatcher.cached)
-        self.infer = self._dispatch.infer  # type: ignore[method-assign]
-        self.infer_many = self._dispatch.infer_many  # type: ignore[method-assign]
-        self.admit = self._dispatch.admit  # type: ignore[method-assign]
-        self.settle = self._dispatch.settle  # type: ignore[method-assign]
-        self.cancelled = self._dispatch.cancelled  # type: ignore[method-assign]
 
     @property
     def tasks(self) -> dict:
@@ -209,14 +201,16 @@ class Runtime:
         await self.stop()
 
     # -- inference ------------------------------------------------------------------------
-    async def infer(self, req: InferRequest) -> InferResponse:  # type: ignore[no-redef]
-        """Run one request: route by task, validate, prepare, queue, await its batch, respond.
+    def infer(self, req: InferRequest) -> Coroutine[Any, Any, InferResponse]:
+        """Run one request: route by task, validate, prepare, queue, await its batch, respond
+        (``await rt.infer(req)``).
 
-        (Instances call the compiled ``dispatch.Dispatcher.infer`` directly: ``rt.infer`` is
-        an instance attribute bound in ``__init__``; this method documents it.)"""
-        return await self._dispatch.infer(req)
+        A plain method that returns the compiled dispatcher's coroutine (``Dispatcher.infer``):
+        no Python coroutine frame between the caller and the request path.  A task's response
+        cache is a stage of its route there (``Dispatcher.cached``)."""
+        return self._dispatch.infer(req)
 
-    def admit(self, req: InferRequest) -> Any:  # type: ignore[no-redef]
+    def admit(self, req: InferRequest) -> Any:
         """:meth:`infer` without the await, for a door that waits by callback (the HTTP door on
         Lumen's own connections): route, validate, prepare and queue ``req``, returning its
         entry, whose ``waiter`` future is done when the batch answered it; then
@@ -226,26 +220,27 @@ class Runtime:
         response cache --: then call :meth:`infer`.  A refused request raises here."""
         return self._dispatch.admit(req)
 
-    def settle(self, req: InferRequest, entry: Any) -> InferResponse:  # type: ignore[no-redef]
+    def settle(self, req: InferRequest, entry: Any) -> InferResponse:
         """The response of an :meth:`admit`-ted request whose ``entry.waiter`` is done, or
         its error raised (observed as :meth:`infer` observes it)."""
         return self._dispatch.settle(req, entry)
 
-    def cancelled(self, entry: Any) -> None:  # type: ignore[no-redef]
+    def cancelled(self, entry: Any) -> None:
         """Give up on an :meth:`admit`-ted request (cancel its future first): it leaves its
         queue, or its batch's answer is dropped, and is counted ``cancelled``."""
         self._dispatch.cancelled(entry)
 
-    async def infer_many(self, requests: Sequence[InferRequest]) -> list:  # type: ignore[no-redef]
+    def infer_many(self, requests: Sequence[InferRequest]) -> Coroutine[Any, Any, list]:
         """Run many requests as one group; return, in order, each one's ``InferResponse`` or
         its ``LumenError`` (an invalid item fails alone; the others still run).
 
         Every item is still its own request for validation, deadlines, errors and metrics,
         but the group is admitted per task as a unit (it fits the queue or every item of that
         task gets the same ``Overloaded``) and costs one future and one wake-up per task, not
-        one per item.  Cancelling the call cancels every item still queued.
+        one per item.  Cancelling the call cancels every item still queued.  (A plain method
+        returning the compiled dispatcher's coroutine, as :meth:`infer`.)
         """
-        return await self._dispatch.infer_many(requests)
+        return self._dispatch.infer_many(requests)
 
     # -- model lifecycle: versions, traffic, reload (lumen_core/versions.py) ---------------
     async def reload(self, task: Optional[str] = None) -> dict:
