@@ -38,6 +38,7 @@ from .logs import CORRELATION_ID
 
 if TYPE_CHECKING:
     from .http import HttpApp
+    from .runtime_api import AdmittingRuntime
 
 log = logging.getLogger("lumen.http")
 
@@ -65,7 +66,7 @@ class HotCycle:
 
     __slots__ = ("proto", "call", "chunks", "size", "keep_alive", "response_started",
                  "response_complete", "disconnected", "more_body", "req", "entry", "task",
-                 "message_event")
+                 "message_event", "scope", "completion_due")
 
     def __init__(self, proto: Any, call: Call, keep_alive: bool) -> None:
         self.proto = proto
@@ -81,6 +82,10 @@ class HotCycle:
         self.entry: Any = None
         self.task: Optional[asyncio.Task] = None
         self.message_event = _NO_EVENT
+        self.scope = None  # no ASGI scope (the limits compare a cycle's scope on an upgrade)
+        #: answered before its body was in: the connection completes the request (keep-alive,
+        #: the next pipelined one) once the body's last byte is read, not before
+        self.completion_due = False
 
     def done(self, _future: Any) -> None:
         """The entry's future is done: answer the client."""
@@ -95,7 +100,7 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
     if app is None or not hasattr(base, "_headers_in") or \
             not all(callable(getattr(app.runtime, n, None)) for n in ADMITTING):
         return base
-    runtime: Any = app.runtime  # an AdmittingRuntime (runtime_api.py): checked just above
+    runtime: AdmittingRuntime = app.runtime  # type: ignore[assignment]  # checked just above
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
     door = app.door
@@ -127,6 +132,9 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
             self.scope = None
 
         def on_headers_complete(self) -> None:
+            # a request is in: no keep-alive timer until it is complete (one armed by a reply
+            # completed earlier in this same read would close the connection under it)
+            self._unset_keepalive_if_required()
             if not self._headers_in() or self._hot_begin():
                 return
             url, headers, expect = self.url, self.headers, self.expect_100_continue
@@ -140,9 +148,11 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
             if type(hot) is not HotCycle:
                 super().on_body(body)
                 return
-            if hot.response_complete:  # answered before its body was in: dropped
-                return
             hot.size += len(body)
+            if hot.response_complete:  # answered before its body was in: dropped, up to the limit
+                if hot.size > max_body:
+                    self._close_lingering()
+                return
             if hot.size > max_body:
                 self._error(hot, too_large(max_body))
                 return
@@ -156,6 +166,9 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
             self._message_in()
             hot.more_body = False
             if hot.response_complete:
+                if hot.completion_due:  # answered early: now the request is complete
+                    hot.completion_due = False
+                    self._complete(hot)
                 return
             chunks = hot.chunks
             hot.chunks = []
@@ -170,8 +183,9 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
                 return False  # pipelined behind a reply still being made: uvicorn's queue
             parser = self.parser
             if parser.get_method() != b"POST" or self.expect_100_continue or \
-                    parser.should_upgrade() or not http_app.hot or runtime.tracing is not None:
-                return False
+                    parser.should_upgrade() or not http_app.hot or runtime.tracing is not None \
+                    or self.flow.write_paused or self._phase == "closed":
+                return False  # (paused writes: uvicorn's send waits for the drain)
             path, _, query = self.url.partition(b"?")
             if b"%" in path or b"#" in self.url or not path.isascii():
                 return False
@@ -244,8 +258,9 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
             try:
                 status, fixed, headers, body = door.reply(hot.call, await runtime.infer(req))
             except asyncio.CancelledError:
-                if hot.response_complete:  # the client left: counted where it was noticed
-                    return
+                if not hot.response_complete:  # not the client leaving (a forced shutdown)
+                    self._error(hot, Unavailable("the request was cancelled: the server is "
+                                                 "stopping; retry"))
                 raise
             except LumenError as exc:
                 self._error(hot, exc)
@@ -268,6 +283,11 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
             hot.response_started = hot.response_complete = True
             if self._hot is hot:
                 self._hot = None
+            transport = self.transport
+            if transport.is_closing() or self._phase == "closed":  # nothing can be sent
+                if count is not None:
+                    count(hot.call.route, CLIENT_CLOSED_STATUS)
+                return
             head = response_head(STATUS_LINE[status], fixed[1],
                                  (*self.server_state.default_headers, *headers), hot.keep_alive)
             if head is None:  # a header value with a line break: never sent
@@ -277,19 +297,28 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
                 assert head is not None
             if count is not None:
                 count(hot.call.route, status)
-            transport = self.transport
-            if transport.is_closing():
-                return
             parts, keep_alive = head
             self.write_whole(parts, body)
             if not keep_alive:
                 hot.keep_alive = False
+                self.server_state.total_requests += 1
                 if self._phase == "body":  # its body still arriving: read and drop it first
                     self._close_lingering()
                 else:
                     transport.close()
-            if self.flow.write_paused:  # the next request waits for the buffer to drain
+                return  # nothing after it is started (uvicorn's cycle does the same)
+            if hot.more_body:  # answered before its body was in: completed by its last byte
+                hot.completion_due = True
+            else:
+                self._complete(hot)
+
+        def _complete(self, hot: HotCycle) -> None:
+            """The request is answered and read whole: as uvicorn's ``on_response_complete``,
+            after the write buffer drains when the client reads slowly (reading paused
+            meanwhile, so no further request is parsed)."""
+            if self.flow.write_paused:
                 self._next_after_drain = True
+                self.flow.pause_reading()
             else:
                 self.on_response_complete()
 
@@ -301,21 +330,23 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
                 self.on_response_complete()
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
-            hot = self._hot
-            if hot is None and type(self.cycle) is HotCycle:
-                hot = self.cycle  # its body was still arriving
-            if hot is not None and not hot.response_complete:
-                self._hot = None
-                hot.response_complete = True
-                entry = hot.entry
-                if entry is not None:  # queued or in a batch: cancel it there
-                    entry.waiter.remove_done_callback(hot.done)
-                    entry.waiter.cancel()
-                    cancelled(entry)
-                elif hot.task is not None:
-                    hot.task.cancel()
-                if count is not None:
-                    count(hot.call.route, CLIENT_CLOSED_STATUS)
-            super().connection_lost(exc)
+            try:
+                hot = self._hot
+                if hot is None and type(self.cycle) is HotCycle:
+                    hot = self.cycle  # its body was still arriving
+                if hot is not None and not hot.response_complete:
+                    self._hot = None
+                    hot.response_complete = True
+                    entry = hot.entry
+                    if entry is not None:  # queued or in a batch: cancel it there
+                        entry.waiter.remove_done_callback(hot.done)
+                        entry.waiter.cancel()
+                        cancelled(entry)
+                    elif hot.task is not None:
+                        hot.task.cancel()
+                    if count is not None:
+                        count(hot.call.route, CLIENT_CLOSED_STATUS)
+            finally:  # the connection leaves the server's set whatever happened above
+                super().connection_lost(exc)
 
     return DoorProtocol

@@ -368,7 +368,11 @@ def protocol_class(limits: HttpLimits) -> type:
 
         def _headers_in(self) -> bool:
             """The header section is complete: refuse a transfer coding the parser does not
-            decode (False: answered and closing), else start the body's phase."""
+            decode (False: answered and closing), else start the body's phase.  A request
+            the parser reads on a connection already closing (in the same read as the one
+            refused) is ignored: False, nothing runs, nothing is answered."""
+            if self._phase == "closed":
+                return False
             for name, value in self.headers:
                 if name == _TRANSFER_ENCODING and not _decoded(value):
                     self._not_decoded(value)
@@ -406,8 +410,10 @@ def protocol_class(limits: HttpLimits) -> type:
             super().on_message_complete()
 
         def _message_in(self) -> None:
-            """The request is complete: no read timer until the next one begins."""
-            self._phase = "idle"
+            """The request is complete: no read timer until the next one begins (a connection
+            already closing stays so: the parser may still finish the request it refused)."""
+            if self._phase != "closed":
+                self._phase = "idle"
             self._disarm()
 
     return LimitedHttpToolsProtocol
