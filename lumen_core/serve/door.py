@@ -1,7 +1,7 @@
 """The front door's hot routes: the inference routes' steps, whoever carries the request.
 
-``POST /v1/infer/{task}`` and ``POST /v2/models/{task}[/versions/{v}]/infer`` are served by
-four steps on a :class:`Call` (what the route read of the request line and headers):
+``POST /v1/infer/{task}``, ``POST /v2/models/{task}[/versions/{v}]/infer`` and
+``POST /v1/embeddings`` (``/embeddings``) are served by four steps on a :class:`Call` (what the route read of the request line and headers):
 :meth:`HotDoor.begin` once the headers are in (the API key, before any body is read; the
 draining state; the native route's query meta, or the OIP model), :meth:`HotDoor.request` once
 the body is in (the ``InferRequest``), then :meth:`HotDoor.reply` or :meth:`HotDoor.error`
@@ -27,7 +27,7 @@ checked from Content-Length and while the body arrives, the API key before the b
 draining server answers 503, and errors keep their JSON shapes (Lumen's, or the Open Inference
 Protocol's on ``/v2``).
 
-The embeddings and TEI routes (:meth:`HotDoor.add_route`) run their app handler under its guard
+TEI's and the rerank routes (:meth:`HotDoor.add_route`) run their app handler under its guard
 on the ASGI carrier, without the stack and the router.
 """
 from __future__ import annotations
@@ -41,7 +41,13 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..errors import InternalError, InvalidArgument, LumenError, PayloadTooLarge
+from ..errors import (
+    InternalError,
+    InvalidArgument,
+    LumenError,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from ..request import InferRequest
 from . import audio, codec
 from .auth import unscope_error
@@ -142,8 +148,14 @@ class Call:
         return is_loopback(self.client) and not self.proxied
 
 
+#: the paths of OpenAI's embeddings route (OpenAI clients call it with and without ``/v1``)
+EMBEDDINGS_PATHS = frozenset({"/v1/embeddings", "/embeddings"})
+
+
 def call_of(path: str, query: bytes) -> Optional[Call]:
     """The :class:`Call` of a POST to ``path`` when it is a hot inference route, else None."""
+    if path in EMBEDDINGS_PATHS:
+        return Call(EMBEDDINGS_ROUTE, "", "", query)
     if path.startswith(_INFER_PREFIX):
         task = path[len(_INFER_PREFIX):]
         if task and "/" not in task:
@@ -195,8 +207,6 @@ class HotDoor:
         #: POST path -> the coroutine serving it: routes with a fixed path whose handler is
         #: the app's, under their endpoint's guard (:meth:`add_route`)
         self.exact: dict = {}
-        self.add_route("/v1/embeddings", EMBEDDINGS_ROUTE)
-        self.add_route("/embeddings", EMBEDDINGS_ROUTE)
 
     def add_route(self, path: str, route: str) -> None:
         """Serve ``POST path`` on the hot path by the handler the app guards as ``route`` (a
@@ -222,22 +232,40 @@ class HotDoor:
         self.app.check_open()
         if call.length is not None:
             check_declared(call.length.decode("latin-1"), self.app.max_body, "payload")
-        if call.route is INFER_ROUTE:
+        route = call.route
+        if route is INFER_ROUTE:
             meta = self.meta(call.task, call.query, call.mime)
             if meta is None:
                 return False
             if call.key_scope is not None:
                 meta = self.keys.scoped_meta(meta, call.key_scope)
             call.meta = meta
+        elif route is EMBEDDINGS_ROUTE:
+            mime = call.mime.split(";")[0].strip().lower()
+            if mime != codec.JSON:
+                raise UnsupportedMediaType(f"{EMBEDDINGS_ROUTE} takes a JSON body; send "
+                                           f"'Content-Type: application/json', not {mime!r}",
+                                           "Content-Type")
         else:
             call.contract = check_model(self.runtime, call.task, call.version)
         return True
 
-    def request(self, call: Call, body: bytes) -> InferRequest:
-        """The body is in: the runtime request."""
-        if call.route is INFER_ROUTE:
+    def request(self, call: Call, body: bytes) -> Any:
+        """The body is in: the runtime request (a list of them for an embeddings call with
+        several inputs: :meth:`outcome` runs them as one group)."""
+        route = call.route
+        if route is INFER_ROUTE:
             return InferRequest(call.task, body, call.mime, call.meta, call.cid)
+        if route is EMBEDDINGS_ROUTE:
+            return self.app.openai.call_request(call, body)
         return self.app.oip.call_request(call, body)
+
+    async def outcome(self, call: Call, req: Any) -> Any:
+        """The runtime's answer to :meth:`request`'s request(s), awaited: a response, or a
+        list of them (the first item error in index order raised)."""
+        if type(req) is list:
+            return self.app.openai.call_results(await self.runtime.infer_many(req))
+        return await self.runtime.infer(req)
 
     def reply(self, call: Call, resp: Any) -> tuple:
         """(status, fixed headers, header pairs, body) of the answer ``resp``."""
@@ -250,7 +278,11 @@ class HotDoor:
                 return self.tensor_reply(call, resp)
             out = codec.dumps(codec.response_json(resp))
             return 200, NO_FIXED, _json_head(len(out), resp.correlation_id), out
-        ctype, out, headers = self.app.oip.call_reply(call, resp)
+        if call.route is EMBEDDINGS_ROUTE:
+            out = self.app.openai.call_reply(call, resp if type(resp) is list else [resp])
+            ctype, headers = _JSON, ()
+        else:
+            ctype, out, headers = self.app.oip.call_reply(call, resp)
         pairs = [(b"content-type", ctype), (b"content-length", b"%d" % len(out)), *headers]
         if call.cid:
             pairs.append((CORRELATION_HEADER, call.cid.encode("latin-1")))
@@ -258,6 +290,8 @@ class HotDoor:
 
     def error(self, call: Call, exc: LumenError) -> tuple:
         """(status, header pairs, body) of the error ``exc`` in the route's shape."""
+        if call.route is EMBEDDINGS_ROUTE:
+            exc = self.app.openai.call_error(exc)
         resp = self.app.errors_of(call.route)(unscope_error(exc, call.key_scope))
         if call.cid:
             resp.headers[CORRELATION_HEADER.decode()] = call.cid
@@ -356,7 +390,7 @@ class HotDoor:
                 return
             body = await receive_body(receive, None, self.app.max_body, "payload")
             resp = await until_done_or_gone(scope, receive,
-                                            self.runtime.infer(self.request(call, body)))
+                                            self.outcome(call, self.request(call, body)))
             status, fixed, headers, out = self.reply(call, resp)
             await respond(scope, send, status, headers, out, fixed)
         except LumenError as exc:
@@ -376,7 +410,7 @@ class HotDoor:
         checked, errors are shaped and counted there)."""
         scope = request.scope
         p = request.path_params
-        call = Call(route, p["task"], p.get("version", ""), scope["query_string"])
+        call = Call(route, p.get("task", ""), p.get("version", ""), scope["query_string"])
         call.read_headers(scope["headers"])
         client = request.client
         call.client = client.host if client else None
@@ -385,7 +419,7 @@ class HotDoor:
             return await self.app.audio_file(request, call.task)
         body = await receive_body(request.receive, None, self.app.max_body, "payload")
         resp = await until_done_or_gone(scope, request.receive,
-                                        self.runtime.infer(self.request(call, body)))
+                                        self.outcome(call, self.request(call, body)))
         status, fixed, headers, out = self.reply(call, resp)
         reply = Response(out, status)
         reply.raw_headers = [*fixed[0], *headers]

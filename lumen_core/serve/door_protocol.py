@@ -2,8 +2,8 @@
 
 uvicorn serves a request by building an ASGI scope, a request/response cycle with its event,
 and a task that runs the app, which receives the body as messages and sends the reply as two
-more.  For ``POST /v1/infer/{task}`` and ``POST /v2/models/{task}[/versions/{v}]/infer``
-(:func:`.door.call_of`) this connection does none of that: the headers are read into a
+more.  For ``POST /v1/infer/{task}``, ``POST /v2/models/{task}[/versions/{v}]/infer`` and
+``POST /v1/embeddings`` (:func:`.door.call_of`) this connection does none of that: the headers are read into a
 :class:`.door.Call` when the parser reports them complete (the API key, the draining state,
 the declared length and the route's checks run then, before a body byte is kept), body
 chunks are kept as they come (a body past ``[server] max_payload_bytes`` is answered 413 at
@@ -14,8 +14,9 @@ settles it and writes the whole reply in one write.  No task and no coroutine pe
 Everything else is uvicorn's path, unchanged: other routes and methods, a request sent while
 another is still being answered on the connection (pipelining keeps uvicorn's queue and
 order), ``Expect: 100-continue``, upgrades, percent-encoded paths, tracing, the access log,
-a request the runtime cannot admit inline (prepared on the preprocessing pool, or answered
-through a response cache: a task runs ``infer`` for it), and a runtime without ``admit``.
+and a runtime without ``admit``.  A request the runtime cannot admit inline (prepared on the
+preprocessing pool, or answered through a response cache) and an embeddings call with several
+inputs (one ``infer_many`` group) get a task that awaits them, still without uvicorn's cycle.
 
 Every guard of :mod:`.limits` still applies -- this class extends its protocol: header size,
 read timeout, body deadline, transfer codings, connection cap -- and so do uvicorn's
@@ -219,8 +220,10 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
             token = CORRELATION_ID.set(call.cid) if call.cid else None
             try:
                 req = door.request(call, body)
-                entry = admit(req)
-                if entry is None:  # prepared off the loop, or a cached task: a task for it
+                # several embedding inputs run as one group; a heavy input is prepared off the
+                # loop and a cached task answers through its cache: a task for those
+                entry = admit(req) if type(req) is not list else None
+                if entry is None:
                     task = self.loop.create_task(self._hot_await(hot, req))
                     hot.task = task
                     self.tasks.add(task)
@@ -256,7 +259,8 @@ def protocol_class(limits: HttpLimits, app: Optional[HttpApp]) -> type:
 
         async def _hot_await(self, hot: HotCycle, req: Any) -> None:
             try:
-                status, fixed, headers, body = door.reply(hot.call, await runtime.infer(req))
+                status, fixed, headers, body = door.reply(hot.call,
+                                                          await door.outcome(hot.call, req))
             except asyncio.CancelledError:
                 if not hot.response_complete:  # not the client leaving (a forced shutdown)
                     self._error(hot, Unavailable("the request was cancelled: the server is "

@@ -138,13 +138,15 @@ class HttpApp:
         ep = self.endpoint
         #: the Open Inference Protocol's routes (the hot door runs its infer call's halves)
         self.oip = OipRoutes(self)
+        #: the OpenAI routes (the hot door runs the embeddings call's halves)
+        self.openai = OpenAiRoutes(self)
         self.app = Starlette(routes=[
             Route("/v1/infer/{task}", ep("/v1/infer/{task}", self.infer), methods=["POST"]),
             Route("/v1/tasks", ep("/v1/tasks", self.tasks), methods=["GET"]),
             Route("/healthz", ep("/healthz", self.healthz), methods=["GET"]),
             Route("/readyz", ep("/readyz", self.readyz), methods=["GET"]),
             Route("/metrics", ep("/metrics", self.metrics), methods=["GET"]),
-            *OpenAiRoutes(self).routes(),  # embeddings, tokenize, models (openai.py)
+            *self.openai.routes(),  # embeddings, tokenize, models (openai.py)
             *TeiRoutes(self).routes(),  # TEI's /embed, / and /info (tei.py)
             *RerankRoutes(self).routes(),  # /rerank (TEI), /v1/rerank (Cohere) (rerank.py)
             *self.oip.routes(),  # the Open Inference Protocol under /v2 (oip.py)

@@ -23,6 +23,7 @@ from ..contract import KEY_EMBEDDING_DIMENSIONS, KEY_EMBEDDING_TYPE
 from ..errors import InvalidArgument, LumenError, TaskNotFound
 from ..request import InferRequest
 from . import codec
+from .door import EMBEDDINGS_ROUTE
 from .logs import note_task
 
 if TYPE_CHECKING:  # typing only: the runtime as the doors use it
@@ -92,11 +93,24 @@ class OpenAiRoutes:
         return desc
 
     async def embeddings(self, request: Request) -> Response:
-        self.app.check_open()
-        obj = await self.app.json_body(request, "/v1/embeddings")
+        """``POST /v1/embeddings``: the hot door's steps (door.py), from the Starlette app."""
+        return await self.app.door.answer(request, EMBEDDINGS_ROUTE)
+
+    # -- the halves the hot door runs (door.py), whoever carries the request ----------------
+    def call_request(self, call: Any, body: bytes) -> Any:
+        """The runtime request of a ``/v1/embeddings`` call (a :class:`.door.Call`), or the
+        list of them when ``input`` has several items; what the reply needs is kept on
+        ``call.state``."""
+        obj = codec.loads(body, "the body", "body")
         model, items, fmt, meta = self._parse_embeddings(obj)
         note_task(model)  # the access line names the task (the path does not)
-        results = await self.embed_items(request, model, items, meta, "input")
+        reqs = self.embedding_requests(model, items, meta, "input", call.cid)
+        call.state = (model, fmt, len(reqs))
+        return reqs[0] if len(reqs) == 1 else reqs
+
+    def call_reply(self, call: Any, results: list) -> bytes:
+        """The ``/v1/embeddings`` reply body of ``results`` (one response per input item)."""
+        model, fmt, _n = call.state
         data = []
         tokens = 0
         for i, res in enumerate(results):
@@ -106,14 +120,40 @@ class OpenAiRoutes:
             data.append({"object": "embedding", "index": i, "embedding": emb})
             if res.stats is not None:
                 tokens += res.stats.tokens
-        return _reply({"object": "list", "data": data, "model": model,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return codec.dumps({"object": "list", "data": data, "model": model,
+                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    @staticmethod
+    def call_results(results: list) -> list:
+        """The responses of a call's several inputs (``infer_many``'s results), or the first
+        item's error, named ``input[i]``."""
+        return first_error(results, "input")
+
+    @staticmethod
+    def call_error(exc: LumenError) -> LumenError:
+        """``exc`` of a ``/v1/embeddings`` call under the body's field names."""
+        return embedding_error(exc, "input")
 
     async def embed_items(self, request: Request, model: str, items: list, meta: dict,
                           field: str) -> list:
         """The responses of embedding task ``model`` for ``items`` (texts or token-id lists),
-        each its own runtime request with ``meta`` (``/v1/embeddings``, TEI's ``/embed`` and
-        ``/``); the first error in index order answers the call, naming ``field[i]``."""
+        each its own runtime request with ``meta`` (TEI's ``/embed`` and ``/``); the first
+        error in index order answers the call, naming ``field[i]``."""
+        cid = request.headers.get("x-correlation-id", "")
+        reqs = self.embedding_requests(model, items, meta, field, cid)
+        rt = self.runtime
+        try:
+            if len(reqs) == 1:
+                return [await self.app.until_done_or_gone(request, rt.infer(reqs[0]))]
+            results = await self.app.until_done_or_gone(request, rt.infer_many(reqs))
+        except LumenError as exc:
+            raise embedding_error(exc, field) from None
+        return first_error(results, field)
+
+    def embedding_requests(self, model: str, items: list, meta: dict, field: str,
+                           cid: str) -> list:
+        """The runtime requests of embedding task ``model`` for ``items`` (texts or token-id
+        lists), each with ``meta``; the per-call options checked against the task first."""
         desc = self._embedding_task(model)
         if desc is not None and (KEY_EMBEDDING_DIMENSIONS in meta or KEY_EMBEDDING_TYPE in meta) \
                 and not isinstance(desc.get("embedding"), dict):
@@ -126,7 +166,6 @@ class OpenAiRoutes:
             if dim is not None and not 1 <= asked <= dim:
                 raise InvalidArgument(f"'dimensions' must be in 1..{dim} (the embedding size of "
                                       f"{model!r}), got {asked}", "dimensions")
-        cid = request.headers.get("x-correlation-id", "")
         truncate = meta.get(OPT_TRUNCATE) != "false"
         reqs = [self._embedding_request(model, item, f"{cid}-{i}" if cid else "",
                                         field if len(items) == 1 else f"{field}[{i}]", truncate)
@@ -134,33 +173,7 @@ class OpenAiRoutes:
         if meta:
             for r in reqs:
                 r.meta.update(meta)
-        rt = self.runtime
-        try:
-            if len(reqs) == 1:
-                try:
-                    results = [await self.app.until_done_or_gone(request, rt.infer(reqs[0]))]
-                except LumenError as exc:
-                    if exc.field == "payload":  # the body's name for the text
-                        exc.field = field
-                    raise
-            else:
-                # each item is its own request (batched by the runtime) and has its own
-                # outcome; the first error in index order answers the call, as one bad input
-                # fails an OpenAI request, naming the item
-                results = await self.app.until_done_or_gone(request, rt.infer_many(reqs))
-                for i, res in enumerate(results):
-                    if isinstance(res, LumenError):
-                        if res.field == "payload":
-                            res.field = f"{field}[{i}]"
-                            res.message = f"{field}[{i}]: {res.message}"
-                        raise res
-        except TaskNotFound as exc:
-            raise TaskNotFound(exc.message, "model") from None
-        except InvalidArgument as exc:  # the task's name for an option -> the body's field
-            if exc.field in _OPTION_FIELDS:
-                raise InvalidArgument(exc.message, _OPTION_FIELDS[exc.field]) from None
-            raise
-        return results
+        return reqs
 
     def _parse_embeddings(self, obj: Any) -> tuple:
         if not isinstance(obj, dict):
@@ -303,6 +316,34 @@ class OpenAiRoutes:
 
 #: a task's option names (its error fields) -> the /v1/embeddings body fields that set them
 _OPTION_FIELDS = {KEY_EMBEDDING_DIMENSIONS: "dimensions", KEY_EMBEDDING_TYPE: "embedding_type"}
+
+
+def first_error(results: list, field: str) -> list:
+    """The results of ``infer_many`` for one call's items: each item is its own request with
+    its own outcome, and the first error in index order answers the call (as one bad input
+    fails an OpenAI request), naming the item."""
+    for i, res in enumerate(results):
+        if isinstance(res, LumenError):
+            raise embedding_error(res, field, i)
+    return results
+
+
+def embedding_error(exc: LumenError, field: str, index: Optional[int] = None) -> LumenError:
+    """A runtime error of an embedding call under the body's names: the text is ``field``
+    (``field[index]`` for one item of several), the task is ``model``, a task option the
+    field that set it."""
+    if isinstance(exc, TaskNotFound):
+        return TaskNotFound(exc.message, "model")
+    if exc.field == "payload":  # the runtime's name for the text
+        if index is None:
+            exc.field = field
+        else:
+            exc.field = f"{field}[{index}]"
+            exc.message = f"{field}[{index}]: {exc.message}"
+        return exc
+    if isinstance(exc, InvalidArgument) and exc.field in _OPTION_FIELDS:
+        return InvalidArgument(exc.message, _OPTION_FIELDS[exc.field])
+    return exc
 
 
 def tei_options(obj: dict, meta: dict) -> None:

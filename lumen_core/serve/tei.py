@@ -25,7 +25,6 @@ from ..errors import InvalidArgument, TaskNotFound
 from .logs import note_task
 from .openai import (
     MAX_EMBEDDING_INPUTS,
-    OpenAiRoutes,
     embedding_dim,
     embeds,
     reply,
@@ -70,7 +69,7 @@ class TeiRoutes:
     def __init__(self, app: HttpApp):
         self.app = app
         self.runtime = app.runtime
-        self.openai = OpenAiRoutes(app)
+        self.openai = app.openai
 
     def routes(self) -> list:
         ep = self.app.endpoint

@@ -425,3 +425,43 @@ def test_unknown_native_options_are_a_400_naming_the_known_ones(http, srv):
     r = http.post("/v1/infer/nope?normalise=false", content=b"x",
                   headers={"Content-Type": "text/plain"})
     assert r.status_code == 404
+
+
+def test_embeddings_on_the_servers_own_connections_single_list_and_refusals(srv, reference):
+    """``/v1/embeddings`` is served from the HTTP parser's callbacks (serve/door_protocol.py):
+    a single input (admitted from the callback) and a list (one group) pipelined on one
+    connection answer in order with the reference vectors; a body that is not JSON is refused
+    415 before it is sent; a bad item is a 400 naming ``input``."""
+    texts, want = reference
+
+    def post(obj: dict, extra: bytes = b"") -> bytes:
+        body = json.dumps(obj).encode()
+        return (b"POST /embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n%s\r\n%s" % (len(body), extra, body))
+
+    s = S.raw_connect(srv)
+    s.sendall(post({"model": "text_embed", "input": texts[0]})
+              + post({"model": "text_embed", "input": texts[1:3]})
+              + post({"model": "text_embed", "input": ["fine", {"not": "text"}]},
+                     b"Connection: close\r\n"))
+    raw = S.read_until_closed(s)
+    s.close()
+    replies = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        n = int(dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+                [b"content-length"])
+        replies.append((int(head.split()[1]), json.loads(rest[:n])))
+        raw = rest[n:]
+    assert [r[0] for r in replies] == [200, 200, 400]
+    got = [d["embedding"] for r in replies[:2] for d in r[1]["data"]]
+    np.testing.assert_allclose(np.array(got), want[:3], atol=TOL)
+    assert replies[2][1]["error"]["field"] == "input"
+
+    s = S.raw_connect(srv)
+    s.settimeout(10)
+    s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+              b"Content-Length: 1000\r\n\r\n")  # the headers alone
+    head = s.recv(65536)
+    s.close()
+    assert head.startswith(b"HTTP/1.1 415"), head[:100]
