@@ -95,7 +95,7 @@ def test_disabled_runtime_makes_no_spans(tmp_path, monkeypatch):
 
     async def main():
         async with rt:
-            assert all(t.batcher.trace is None for t in rt.tasks.values())
+            assert all(t.batcher.queue.trace is None for t in rt.tasks.values())
             resp = await rt.infer(mlp_request(0))
             assert resp.stats.batch_size == 1
             await rt.infer_many([mlp_request(i) for i in range(3)])

@@ -70,6 +70,11 @@ class CostModel:
         self.tokens_per_item = 0.0
         self.last_error_us = 0.0  # the newest batch's prediction error before it was learnt
 
+    def fresh(self) -> "CostModel":
+        """A model that has learnt nothing, with this one's forgetting factor (a stale model
+        starts over: ``latency.LatencyGuard.forget``)."""
+        return CostModel(self.forgetting)
+
     def update(self, n: float, tokens: int, compute_us: float) -> None:
         """Learn one finished batch of ``n`` items (typical rows: may be fractional or larger
         than the batch, see ``QueuePolicy.learn``) and ``tokens`` padded token slots."""

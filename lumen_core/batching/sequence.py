@@ -108,7 +108,11 @@ class SequenceBatcher(QueuePolicy):
 
     def __init__(self, name: str, batching: BatchingConfig, sequence: Optional[SequenceConfig],
                  runners: Sequence[BatchRunner], on_batch: Optional[Callable[[int, int], None]] = None):
-        super().__init__(name, batching.max_queue_size, on_batch)
+        # a latency target refuses only the start of a new sequence (check_latency): a
+        # sequence once started is never refused mid-stream for latency
+        super().__init__(name, batching.max_queue_size, on_batch,
+                         target_ns=batching.latency_target_ms * 1_000_000)
+        self.queue.unqueued = self._unqueued  # its queued requests wait in their sequences
         seq = sequence or SequenceConfig()
         self.seq_config = seq
         self.strategy = seq.strategy
@@ -118,10 +122,7 @@ class SequenceBatcher(QueuePolicy):
             self.capacity = max(seq.max_candidate_sequences or self.max_batch, self.max_batch)
         else:
             self.capacity = self.max_batch
-        # a latency target refuses only the start of a new sequence (check_latency): a
-        # sequence once started is never refused mid-stream for latency
-        self.target_ns = batching.latency_target_ms * 1_000_000
-        self.batch_limit = self.max_batch
+        self.batch_cap = 1  # a batch's most sequences, for the predictions (size_batches)
         spec = runners[0].spec
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
@@ -141,15 +142,22 @@ class SequenceBatcher(QueuePolicy):
         self._init_workers(name, runners)
 
     # -- lifecycle (QueuePolicy: start, close) ----------------------------------------------
-    def wake_all(self) -> None:
+    def wake_workers(self) -> None:
         for lane in self._lanes:
             lane.wake()
+
+    def size_batches(self) -> None:
+        self.batch_cap = max(1, self.max_batch)
+        self.guard.sized(self.batch_cap)
+
+    def cap(self) -> int:
+        return self.batch_cap
 
     def queued(self) -> list[Entry]:
         return [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
 
-    def stop_timer(self) -> None:
-        super().stop_timer()
+    def stop_timers(self) -> None:
+        super().stop_timers()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
@@ -166,7 +174,7 @@ class SequenceBatcher(QueuePolicy):
         return len(self._backlog)
 
     def counters(self) -> dict[str, Any]:
-        """Sequences holding a slot and those waiting for one (``Batcher.counters``)."""
+        """Sequences holding a slot and those waiting for one (``TaskBatcher.counters``)."""
         return {"active_sequences": self.active_sequences, "backlog": self.backlog}
 
     def room(self, sequence_id: Optional[str] = None) -> int:
@@ -175,7 +183,7 @@ class SequenceBatcher(QueuePolicy):
         backlog for a slot: its stream reads nothing more until it has one (issue 38 row 4:
         streams beyond the slots filled the queue with chunks that could not run)."""
         seq = self._seqs.get(sequence_id) if sequence_id else None
-        if self.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+        if self.queue.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
             return QUEUE_FULL  # what _enqueue would refuse now
         return AWAITING_SLOT if seq is not None and seq.lane is None else ROOM
 
@@ -186,11 +194,11 @@ class SequenceBatcher(QueuePolicy):
 
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""
-        if not self.started:
+        if not self.queue.started:
             self.start()
         loop = self.bound_loop
         now = time.monotonic_ns()
-        with self.lock:
+        with self.queue.lock:
             entry = self._enqueue(item, desc, loop.create_future(), now, timeout_ms)
             if timeout_ms > 0:  # formation refuses it once this passes, even if its timer is late
                 entry.deadline_ns = now + timeout_ms * 1_000_000
@@ -198,14 +206,14 @@ class SequenceBatcher(QueuePolicy):
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
         if timeout_ms > 0:
-            self.arm(entry)
+            self.queue.arm(entry)
         return entry
 
     def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
                     ) -> tuple[Any, list[Entry]]:
         """Admit ``[(item, desc, priority, timeout_ms), ...]`` in order, as one group: the
         first request that cannot be accepted raises and un-admits the ones before it."""
-        if not self.started:
+        if not self.queue.started:
             self.start()
         loop = self.bound_loop
         group = Group(loop.create_future(), len(specs))
@@ -214,9 +222,9 @@ class SequenceBatcher(QueuePolicy):
             group.future.set_result(None)
             return group, entries
         now = time.monotonic_ns()
-        with self.lock:
+        with self.queue.lock:
             if len(specs) > self.max_queue:
-                self.admit(len(specs))  # raises: the group can never fit
+                self.queue.admit(len(specs))  # raises: the group can never fit
             created: list[Any] = []  # (sequence, its _gone entry) of sequences this group started
             try:
                 for item, desc, _priority, timeout_ms in specs:
@@ -230,7 +238,7 @@ class SequenceBatcher(QueuePolicy):
                         created.append((e.seq, gone))
             except BaseException:
                 for e in reversed(entries):
-                    self.kill(e)
+                    self.queue.kill(e)
                 for seq, gone in created:  # a refused group leaves no sequence behind
                     if seq.sid in self._seqs and not seq.queue and not seq.running:
                         self._release(seq, ENDED)
@@ -244,20 +252,20 @@ class SequenceBatcher(QueuePolicy):
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
         for e in entries:
             if e.deadline_ns:
-                self.arm(e)
+                self.queue.arm(e)
         return group, entries
 
     def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int, timeout_ms: int = 0) -> Entry:
         """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
-        if self.closed:
-            self.admit(1)  # raises Unavailable
+        if self.queue.closed:
+            self.queue.admit(1)  # raises Unavailable
         sid = desc.sequence_id
         if sid is None:
             raise InvalidArgument(f"task {self.name!r} is stateful: every request needs "
                                   f"{KEY_SEQUENCE_ID} (and {KEY_SEQUENCE_START}=true on the first)",
                                   KEY_SEQUENCE_ID)
         seq = self._seqs.get(sid)
-        if self.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+        if self.queue.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
             # A sequence that holds a slot may always queue one request, so a full backlog
             # can never block the requests (e.g. an end) that would free a slot for it.
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue} pending, "
@@ -268,8 +276,8 @@ class SequenceBatcher(QueuePolicy):
             if not start:
                 raise unknown_sequence(sid, self._gone.get(sid),
                                        self.seq_config.max_sequence_idle_us)
-            if self.target_ns and self.cost_ready:  # only a new sequence may be refused
-                self.check_latency(1, timeout_ms * 1_000_000)
+            if self.guard.target_ns and self.guard.cost_ready:  # only a new sequence may be refused
+                self.queue.check_latency(1, timeout_ms * 1_000_000)
             seq = LiveSequence(sid, corrid_value(self.name, sid, self._corrid, self._corrid_dtype),
                                now)
             self._seqs[sid] = seq
@@ -290,7 +298,7 @@ class SequenceBatcher(QueuePolicy):
         entry.was_open = was_open
         seq.queue.append(entry)
         seq.last_ns = now
-        self.pending += 1
+        self.queue.pending += 1
         lane = seq.lane
         if lane is not None and not seq.running and len(seq.queue) == 1:
             seq.ready_ns = now
@@ -348,7 +356,7 @@ class SequenceBatcher(QueuePolicy):
         self._sweep = None
         now = time.monotonic_ns()
         limit = self._idle_ns
-        with self.lock:
+        with self.queue.lock:
             for seq in list(self._seqs.values()):
                 if not seq.running and not seq.queue and now - seq.last_ns > limit:
                     self._release(seq, IDLED)
@@ -357,7 +365,8 @@ class SequenceBatcher(QueuePolicy):
             self._sweep = self.bound_loop.call_later(self._sweep_s, self._sweep_idle)
 
     # -- queue policy (under the lock) ------------------------------------------------------
-    def unqueue(self, entry: Entry) -> None:
+    def _unqueued(self, entry: Entry) -> None:
+        """The admission queue's hook (``AdmissionQueue.unqueued``): ``entry`` died queued."""
         seq = entry.seq
         q = seq.queue
         if entry.end or entry.start:
@@ -377,13 +386,13 @@ class SequenceBatcher(QueuePolicy):
 
     # -- batch formation (worker threads) ---------------------------------------------------
     def next_batch(self, worker: Worker) -> Optional[Batch]:
-        with self.lock:
+        with self.queue.lock:
             return self._next_locked(worker, self._lanes[worker.index])
 
     def finished(self, worker: Worker, batch: Batch, results: Any,
                  compute_us: int) -> Optional[Batch]:
         lane = self._lanes[worker.index]
-        with self.lock:
+        with self.queue.lock:
             if not isinstance(results, BaseException):  # a failed worker's time means nothing
                 self.learn(len(batch.entries), 0, compute_us)
             self.completions.put(batch.entries, results, compute_us)  # after learning
@@ -421,10 +430,10 @@ class SequenceBatcher(QueuePolicy):
                     return batch
                 if due:
                     timeout = max(0, due - now) / 1e9
-            if self.stopping:
+            if self.queue.stopping:
                 return None
             worker.flush()  # results waiting for the loop must not wait for our next batch
-            self.wait_for_work(worker.wake, timeout, lane.idle)
+            self.queue.wait_for_work(worker.wake, timeout, lane.idle)
 
     def _form(self, lane: Lane, now: int) -> tuple[Optional[Batch], int]:
         """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
@@ -434,7 +443,7 @@ class SequenceBatcher(QueuePolicy):
         for s in expired:  # past its deadline: never run (its loop timer answers the caller)
             while s.queue and s.queue[0].deadline_ns and s.queue[0].deadline_ns <= now \
                     and s.queue[0].state == QUEUED:
-                self.kill(s.queue[0])
+                self.queue.kill(s.queue[0])
         n = len(ready)
         if not n:
             return None, 0
@@ -483,9 +492,9 @@ class SequenceBatcher(QueuePolicy):
             end[i] = e.end
             if corrid is not None:
                 corrid.append(s.corrid)
-        self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
-        self.pending -= n
-        self.running_items += n
+        self.queue.running += 1  # before pending drops: drain never sees both at 0 mid-handover
+        self.queue.pending -= n
+        self.queue.running_items += n
         lane.busy = True
         items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
         return Batch(entries, items, (seqs, start))
