@@ -2,7 +2,7 @@
 :class:`LiveSequence` per open sequence (its slot, queued requests and flags), one
 :class:`Lane` per engine instance (its free slots, the sequences it holds, which are ready, and
 the instance's :class:`~lumen_core.engine.state.SlotStore`), the queued request of a sequence
-(:func:`seq_entry`), and the rules for sequence ids: what the model's CORRID control receives
+(:class:`SequenceEntry`), and the rules for sequence ids: what the model's CORRID control receives
 and the error for an id that holds no sequence.  The batcher's logic (admission, slot
 assignment, formation) stays in ``sequence.py``; these are only touched under its lock.
 """
@@ -24,15 +24,21 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 ENDED, IDLED = "ended", "idled"
 
 
-def seq_entry(item: Any, waiter: Any, arrival_ns: int, seq: "LiveSequence", start: bool,
-              end: bool) -> Entry:
-    """A queued request of a sequence (``Entry.seq/start/end``; ``was_open`` is the
-    sequence's ``open`` flag before this request was accepted)."""
-    e = Entry(item, waiter, 1, arrival_ns)
-    e.seq = seq
-    e.start = start
-    e.end = end
-    return e
+class SequenceEntry(Entry):
+    """A queued request of a sequence: an :class:`~lumen_core.entries.Entry` with the sequence
+    batcher's own bookkeeping, which no other owner of a request reads: its sequence
+    (``seq``), its ``start`` / ``end`` flags, and ``was_open`` (the sequence's ``open`` flag
+    before this request was accepted: a cancelled end re-opens it)."""
+
+    __slots__ = ("seq", "start", "end", "was_open")
+
+    def __init__(self, item: Any, waiter: Any, arrival_ns: int, seq: "LiveSequence",
+                 start: bool, end: bool, was_open: bool):
+        super().__init__(item, waiter, 1, arrival_ns)
+        self.seq = seq
+        self.start = start
+        self.end = end
+        self.was_open = was_open
 
 
 class LiveSequence:
@@ -46,7 +52,7 @@ class LiveSequence:
         self.corrid = corrid
         self.lane: Optional[Lane] = None
         self.slot = -1
-        self.queue: deque[Entry] = deque()
+        self.queue: deque[SequenceEntry] = deque()
         self.running = False
         self.open = True  # False once an end request was accepted
         self.fresh = True  # the next request that runs starts from the initial state

@@ -7,10 +7,17 @@ request may wait, what happens when its caller gives up) is kept apart from batc
 signature queues and priority levels; ``sequence.py``: sequences pinned to slots;
 ``pipeline.py``: a flow per request over the steps' batchers).
 
-What a request pays on the loop thread is the compiled :class:`~lumen_core.scheduler.Admission`
-(``scheduler.py``): the counters, the lock, the signature queues, one deadline heap with one
-timer, the idle workers, delivery.  :class:`QueuePolicy` builds on it with what runs once per
-batcher: starting the worker threads, draining, closing.
+A batcher is parts it owns (as Triton's batcher owns a ``PolicyQueue``), each its own typed
+class: what a request pays on the loop thread is the compiled
+:class:`~lumen_core.scheduler.AdmissionQueue` (``scheduler.py``: the counters, the lock, the
+signature queues, one :class:`~lumen_core.scheduler.DeadlineHeap` with one timer, the idle
+workers, delivery), which asks the batcher's compiled
+:class:`~lumen_core.latency.LatencyGuard` (``latency.py``: the learnt cost; predict, check,
+steer) before it queues; the dispatcher calls only the batcher's compiled base,
+:class:`~lumen_core.scheduler.Batcher`.  :class:`QueuePolicy` composes the queue and the guard
+with what runs once per batcher: starting the worker threads, draining, closing.  Each batcher
+adds its formation (``dynamic.Formation``; the sequence batcher's lanes) and, for the dynamic
+batcher, its loop execution (``loop.LoopExecution``).
 
 Threads.  Batches are formed by the engine workers themselves (``runner.Worker``), in their
 own threads, as soon as they finish a batch: a busy engine never waits for the event loop.

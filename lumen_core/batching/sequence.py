@@ -59,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 
@@ -72,8 +72,8 @@ from .lanes import (
     IDLED,
     Lane,
     LiveSequence,
+    SequenceEntry,
     corrid_value,
-    seq_entry,
     unknown_sequence,
 )
 from .policy import (
@@ -237,8 +237,8 @@ class SequenceBatcher(QueuePolicy):
                     if not known:
                         created.append((e.seq, gone))
             except BaseException:
-                for e in reversed(entries):
-                    self.queue.kill(e)
+                for dead in reversed(entries):
+                    self.queue.kill(dead)
                 for seq, gone in created:  # a refused group leaves no sequence behind
                     if seq.sid in self._seqs and not seq.queue and not seq.running:
                         self._release(seq, ENDED)
@@ -250,12 +250,13 @@ class SequenceBatcher(QueuePolicy):
             new_seq = self._sweep is None and self._seqs
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
-        for e in entries:
-            if e.deadline_ns:
-                self.queue.arm(e)
+        for armed in entries:
+            if armed.deadline_ns:
+                self.queue.arm(armed)
         return group, entries
 
-    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int, timeout_ms: int = 0) -> Entry:
+    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int,
+                 timeout_ms: int = 0) -> SequenceEntry:
         """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
         if self.queue.closed:
             self.queue.admit(1)  # raises Unavailable
@@ -294,8 +295,7 @@ class SequenceBatcher(QueuePolicy):
             self._sig0 = sig
         elif not self._multi_sig and sig != self._sig0:
             self._multi_sig = True
-        entry = seq_entry(item, waiter, now, seq, start, desc.sequence_end)
-        entry.was_open = was_open
+        entry = SequenceEntry(item, waiter, now, seq, start, desc.sequence_end, was_open)
         seq.queue.append(entry)
         seq.last_ns = now
         self.queue.pending += 1
@@ -365,7 +365,7 @@ class SequenceBatcher(QueuePolicy):
             self._sweep = self.bound_loop.call_later(self._sweep_s, self._sweep_idle)
 
     # -- queue policy (under the lock) ------------------------------------------------------
-    def _unqueued(self, entry: Entry) -> None:
+    def _unqueued(self, entry: SequenceEntry) -> None:
         """The admission queue's hook (``AdmissionQueue.unqueued``): ``entry`` died queued."""
         seq = entry.seq
         q = seq.queue
@@ -417,7 +417,7 @@ class SequenceBatcher(QueuePolicy):
             if s.queue:
                 s.ready_ns = now
                 ready[s] = None
-            elif e.end and not s.open and s.sid in self._seqs:
+            elif cast(SequenceEntry, e).end and not s.open and s.sid in self._seqs:
                 self._release(s, ENDED)
 
     def _next_locked(self, worker: Worker, lane: Lane) -> Optional[Batch]:
