@@ -2,7 +2,8 @@
 # lumen_core._scheduler: the batcher interface the dispatcher calls, a batcher's admission
 # queue and its deadline heap as C types, their fields C fields and their methods C calls.
 # Batcher's methods are cpdef: the batchers (Python classes) override start, and the sequence
-# batcher and the ensemble override what they admit their own way.  The .py is the one source;
+# batcher and the ensemble override what they admit their own way; the queue and the heap are
+# final, their fields readonly where Python only reads them, their internal steps cdef.  The .py is the one source;
 # this file only adds types.  _dispatch.pxd cimports Batcher; the entries' types come from
 # _entries.pxd, the latency guard's from _latency.pxd.
 cimport cython
@@ -41,7 +42,7 @@ cdef class DeadlineHeap:
     cdef object expire, after
 
     cpdef arm(self, Entry e)
-    cpdef set_timer(self, long long at_ns)
+    cdef set_timer(self, long long at_ns)
     @cython.locals(now="long long", e=Entry, expired=bint, heap=list)
     cpdef expire_due(self)
     cpdef stop(self)
@@ -76,8 +77,8 @@ cdef class AdmissionQueue:
                    tokens="long long", guard=LatencyGuard)
     cpdef tuple submit_many(self, object specs)
     @cython.locals(q=SignatureQueue)
-    cpdef enqueue(self, Entry e, object sig)
-    cpdef wake_if_formable(self, SignatureQueue q)
+    cdef enqueue(self, Entry e, object sig)
+    cdef wake_if_formable(self, SignatureQueue q)
     cpdef wake_all(self)
     @cython.locals(got=bint)
     cpdef wait_for_work(self, object wake, double timeout, list idle)
