@@ -61,16 +61,15 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Optional, Sequence, cast
 
-import numpy as np
-
 from ..config import BatchingConfig, SequenceConfig
 from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
-from ..engine.state import SequenceBatch, corrid_kind
+from ..engine.state import corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
 from .lanes import (
     ENDED,
     IDLED,
     Lane,
+    LaneFormation,
     LiveSequence,
     SequenceEntry,
     corrid_value,
@@ -82,7 +81,6 @@ from .policy import (
     QUEUE_FULL,
     QUEUED,
     ROOM,
-    RUNNING,
     Entry,
     Group,
     QueuePolicy,
@@ -135,10 +133,9 @@ class SequenceBatcher(QueuePolicy):
         self._sweep: Optional[asyncio.TimerHandle] = None
         self._idle_ns = seq.max_sequence_idle_us * 1000
         self._sweep_s = max(self._idle_ns // IDLE_SWEEPS_PER_TIMEOUT, MIN_SWEEP_INTERVAL_NS) / 1e9
-        self._delay_ns = seq.max_queue_delay_us * 1000
-        self._min_util = seq.minimum_slot_utilization
-        self._sig0: Any = None
-        self._multi_sig = False
+        #: which ready sequences of a lane run together (lanes.LaneFormation)
+        self.formation = LaneFormation(self.queue, self.max_batch, seq.max_queue_delay_us * 1000,
+                                       seq.minimum_slot_utilization, bool(self._corrid))
         self._init_workers(name, runners)
 
     # -- lifecycle (QueuePolicy: start, close) ----------------------------------------------
@@ -290,11 +287,7 @@ class SequenceBatcher(QueuePolicy):
                                   KEY_SEQUENCE_START)
         was_open = seq.open
         seq.open = not desc.sequence_end
-        sig = item.signature
-        if self._sig0 is None:
-            self._sig0 = sig
-        elif not self._multi_sig and sig != self._sig0:
-            self._multi_sig = True
+        self.formation.seen(item.signature)
         entry = SequenceEntry(item, waiter, now, seq, start, desc.sequence_end, was_open)
         seq.queue.append(entry)
         seq.last_ns = now
@@ -425,7 +418,7 @@ class SequenceBatcher(QueuePolicy):
             timeout = -1.0
             if lane.ready:
                 now = time.monotonic_ns()
-                batch, due = self._form(lane, now)
+                batch, due = self.formation.form(lane, now)
                 if batch is not None:
                     return batch
                 if due:
@@ -434,67 +427,3 @@ class SequenceBatcher(QueuePolicy):
                 return None
             worker.flush()  # results waiting for the loop must not wait for our next batch
             self.queue.wait_for_work(worker.wake, timeout, lane.idle)
-
-    def _form(self, lane: Lane, now: int) -> tuple[Optional[Batch], int]:
-        """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
-        ready = lane.ready
-        expired = [s for s in ready if s.queue and s.queue[0].deadline_ns
-                   and s.queue[0].deadline_ns <= now]
-        for s in expired:  # past its deadline: never run (its loop timer answers the caller)
-            while s.queue and s.queue[0].deadline_ns and s.queue[0].deadline_ns <= now \
-                    and s.queue[0].state == QUEUED:
-                self.queue.kill(s.queue[0])
-        n = len(ready)
-        if not n:
-            return None, 0
-        if self._delay_ns and n < self.max_batch and n < self._min_util * min(lane.nseq,
-                                                                                self.max_batch):
-            due = max(next(iter(ready)).ready_ns, lane.free_ns) + self._delay_ns
-            if due > now:
-                return None, due
-        if n <= self.max_batch and not self._multi_sig:
-            seqs = list(ready)
-            ready.clear()
-        else:
-            seqs = self._pick(ready)
-        return self._start(lane, seqs, now), 0
-
-    def _pick(self, ready: dict[Any, None]) -> list[Any]:
-        """Up to ``max_batch_size`` ready sequences of one signature, oldest request first."""
-        cands = sorted(ready, key=lambda s: s.queue[0].arrival_ns)
-        if self._multi_sig:
-            sig = cands[0].queue[0].item.signature
-            cands = [s for s in cands if s.queue[0].item.signature == sig]
-        seqs = cands[:self.max_batch]
-        for s in seqs:
-            del ready[s]
-        return seqs
-
-    def _start(self, lane: Lane, seqs: list[Any], now: int) -> Batch:
-        n = len(seqs)
-        entries = []
-        slots = np.empty(n, dtype=np.intp)
-        start = np.empty(n, dtype=bool)
-        end = np.empty(n, dtype=bool)
-        corrid: Optional[list[Any]] = [] if self._corrid else None
-        for i, s in enumerate(seqs):
-            q = s.queue
-            e = q.popleft()
-            while q and q[0].state != QUEUED:
-                q.popleft()
-            e.state = RUNNING
-            e.dispatch_ns = now
-            entries.append(e)
-            s.running = True
-            slots[i] = s.slot
-            start[i] = e.start or s.fresh
-            s.fresh = False
-            end[i] = e.end
-            if corrid is not None:
-                corrid.append(s.corrid)
-        self.queue.running += 1  # before pending drops: drain never sees both at 0 mid-handover
-        self.queue.pending -= n
-        self.queue.running_items += n
-        lane.busy = True
-        items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
-        return Batch(entries, items, (seqs, start))
