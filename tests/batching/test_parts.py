@@ -142,3 +142,30 @@ def test_a_sequence_entry_keeps_the_sequence_batchers_bookkeeping():
     assert isinstance(e, native.entries.Entry)
     assert (e.seq, e.start, e.end, e.was_open, e.priority, e.arrival_ns) == (
         seq, True, False, False, 1, 5)
+
+
+def test_lane_formation_takes_one_request_per_ready_sequence_of_one_signature():
+    """The sequence batcher's formation strategy on its own: a free lane's ready sequences
+    run together, one request each, oldest first; once two signatures were seen, a batch
+    takes one of them."""
+    from lumen_core.batching.lanes import Lane, LaneFormation
+
+    guard = native.latency.LatencyGuard("t", CostModel())
+    queue = native.scheduler.AdmissionQueue("t", 16, guard)
+    form = LaneFormation(queue, 4, 0, 1.0, False)
+    lane = Lane(0, 4, [])
+    seqs = []
+    for i, sig in enumerate(("a", "a", "b")):
+        s = LiveSequence(f"s{i}", f"s{i}", 0)
+        s.lane, s.slot = lane, i
+        e = SequenceEntry(Item(i, sig), None, 10 + i, s, True, False, True)
+        form.seen(sig)
+        s.queue.append(e)
+        lane.ready[s] = None
+        seqs.append(s)
+    queue.pending = 3
+    assert form.multi_sig
+    batch, due = form.form(lane, 100)
+    assert due == 0 and [e.item.value for e in batch.entries] == [0, 1]  # signature "a"
+    assert queue.pending == 1 and queue.running == 1 and lane.busy
+    assert list(lane.ready) == [seqs[2]] and batch.items.start.tolist() == [True, True]
