@@ -42,11 +42,15 @@ task wake-up, not N.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
 from .cost import CostModel
 from .runner import Batch, CompletionQueue, Worker
+
+if TYPE_CHECKING:  # the parts' types (the twins: the compiled ones mirror them)
+    from ..latency import LatencyGuard
+    from ..scheduler import AdmissionQueue
 
 # the entry, its states, the admission queue and the latency guard are the request path's
 # compiled homes
@@ -145,8 +149,8 @@ class QueuePolicy(_sched.Batcher):
     drain), ``size_batches()`` and ``cap()`` (the cost model moved: size batches to it).
     """
 
-    queue: Any  # scheduler.AdmissionQueue (never None here)
-    guard: Any  # latency.LatencyGuard (never None here)
+    queue: AdmissionQueue  # never None here
+    guard: LatencyGuard  # never None here
 
     def __init__(self, name: str, max_queue_size: int,
                  on_batch: Optional[Callable[[int, int], None]] = None, levels: int = 1,
@@ -168,8 +172,9 @@ class QueuePolicy(_sched.Batcher):
         q = self.queue
         if q.started:
             return
-        q.bind(loop or asyncio.get_running_loop())
-        self.completions.attach(q.loop)
+        bound = loop or asyncio.get_running_loop()
+        q.bind(bound)
+        self.completions.attach(bound)
         for w in self.workers:
             w.start()
 
