@@ -2,10 +2,11 @@
 # lumen_core._scheduler: the batcher interface the dispatcher calls, a batcher's admission
 # queue and its deadline heap as C types, their fields C fields and their methods C calls.
 # Batcher's methods are cpdef: the batchers (Python classes) override start, and the sequence
-# batcher and the ensemble override what they admit their own way; the queue and the heap are
-# final, their fields readonly where Python only reads them, their internal steps cdef.  The .py is the one source;
-# this file only adds types.  _dispatch.pxd cimports Batcher; the entries' types come from
-# _entries.pxd, the latency guard's from _latency.pxd.
+# batcher and the ensemble override what they admit their own way.  The queue and the heap are
+# final: fields readonly where Python only reads them, cdef the steps only C calls, plain
+# methods the deadline callbacks the loop calls (expire_due, expire).  The .py is the one
+# source; this file only adds types.  _dispatch.pxd cimports Batcher; the entries' types come
+# from _entries.pxd, the latency guard's from _latency.pxd.
 cimport cython
 
 from lumen_core._entries cimport Entry, Group, SignatureQueue
@@ -43,8 +44,6 @@ cdef class DeadlineHeap:
 
     cpdef arm(self, Entry e)
     cdef set_timer(self, long long at_ns)
-    @cython.locals(now="long long", e=Entry, expired=bint, heap=list)
-    cpdef expire_due(self)
     cpdef stop(self)
 
 
@@ -68,14 +67,14 @@ cdef class AdmissionQueue:
     cpdef long long predicted_ns(self, Py_ssize_t k, Py_ssize_t length=*)
     cpdef check_latency(self, Py_ssize_t n, long long timeout_ns, int priority=*,
                         Py_ssize_t length=*, long long tokens=*)
-    cpdef refuse_late(self, int priority, long long timeout_ms)
+    cdef refuse_late(self, int priority, long long timeout_ms)
     @cython.locals(k=Py_ssize_t, i=Py_ssize_t, q=SignatureQueue, levels=list, e=Entry)
     cpdef Py_ssize_t queued_up_to(self, int priority)
     @cython.locals(now="long long", e=Entry, length="long long", guard=LatencyGuard)
-    cpdef Entry submit(self, object item, int priority=*, long long timeout_ms=*)
+    cdef Entry submit(self, object item, int priority=*, long long timeout_ms=*)
     @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group,
                    tokens="long long", guard=LatencyGuard)
-    cpdef tuple submit_many(self, object specs)
+    cdef tuple submit_many(self, object specs)
     @cython.locals(q=SignatureQueue)
     cdef enqueue(self, Entry e, object sig)
     cdef wake_if_formable(self, SignatureQueue q)
@@ -87,11 +86,9 @@ cdef class AdmissionQueue:
     @cython.locals(k="long long", e=Entry)
     cpdef dequeued_tokens(self, list entries)
     cpdef arm(self, Entry e)
-    @cython.locals(state=int)
-    cpdef expire(self, Entry e)
     cpdef stop_timer(self)
-    cpdef cancel(self, Entry entry)
-    cpdef cancel_group(self, object entries)
+    cdef cancel(self, Entry entry)
+    cdef cancel_group(self, object entries)
     cpdef refuse(self, object entries)
     cpdef deliver_batch(self, list entries, object results, long long compute_us)
     cpdef maybe_idle(self)
