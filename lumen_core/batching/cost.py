@@ -78,7 +78,7 @@ class CostModel:
 
     def update(self, n: float, tokens: int, compute_us: float) -> None:
         """Learn one finished batch of ``n`` items (typical rows: may be fractional or larger
-        than the batch, see ``QueuePolicy.learn``) and ``tokens`` padded token slots."""
+        than the batch, see ``LatencyGuard.learn``) and ``tokens`` padded token slots."""
         if n <= 0:
             return
         lam = self.forgetting

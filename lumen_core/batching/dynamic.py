@@ -6,13 +6,14 @@ execution signature, each queue holding one FIFO per priority level.  Queue *pol
 happens only when an engine worker is free: under load batches grow by themselves, under light
 load a lone request runs at once (``max_queue_delay_us = 0``) or after at most the delay.
 
-The policy (admission, deadlines, cancellation, delivery) is ``policy.py``'s, on the compiled
-``scheduler.Admission``, which also keeps the signature queues (``entries.SignatureQueue``);
-this module only forms batches.  Formation runs in the engine workers' own threads
-(``runner.Worker``): a worker that finishes a batch takes its next one at once under the
-batcher's lock, so the engine never waits for the event loop.  A request costs the loop one
-future and a deque append under that lock; an idle worker is woken only when the request makes
-a batch formable (``Admission.wake_if_formable``).
+The policy (admission, deadlines, cancellation, delivery) is the batcher's compiled admission
+queue (``scheduler.AdmissionQueue``, owned through ``policy.QueuePolicy``), which also keeps the
+signature queues (``entries.SignatureQueue``); this module's :class:`Formation` only forms
+batches from them.  Formation runs in the engine workers' own threads (``runner.Worker``): a
+worker that finishes a batch takes its next one at once under the batcher's lock, so the
+engine never waits for the event loop.  A request costs the loop one future and a deque append
+under that lock; an idle worker is woken only when the request makes a batch formable
+(``AdmissionQueue.wake_if_formable``).
 
 Cancelled and expired requests are removed lazily (marked dead, skipped at batch formation) but
 leave the admission count at once, so ``max_queue_size`` counts only live requests; formation
