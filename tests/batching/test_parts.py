@@ -169,3 +169,50 @@ def test_lane_formation_takes_one_request_per_ready_sequence_of_one_signature():
     assert due == 0 and [e.item.value for e in batch.entries] == [0, 1]  # signature "a"
     assert queue.pending == 1 and queue.running == 1 and lane.busy
     assert list(lane.ready) == [seqs[2]] and batch.items.start.tolist() == [True, True]
+
+
+def test_a_batch_span_links_a_request_answered_while_its_batch_ran():
+    """The request spans are the tracer's own: one cancelled while its batch runs ends at once
+    (cancelled), and the batch, when it finishes, still links it; the tracer then holds
+    nothing for either."""
+    import threading
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from lumen_core import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = tracing.Tracing(provider)
+    gate = threading.Event()
+    worker = FakeWorker(gate)
+    b = DynamicBatcher("t", cfg(), [worker])
+    b.queue.trace = tracer
+
+    async def main():
+        kept = b.submit(Item(1))
+        tracer.admitted(SimpleNamespace(name="t"), "tensor", kept)
+        await asyncio.to_thread(worker.started.wait, 10)  # its batch runs
+        gone = b.submit(Item(2))  # queued behind it: runs in the next batch
+        tracer.admitted(SimpleNamespace(name="t"), "tensor", gone)
+        b.cancel(kept)  # answered while its batch runs
+        await asyncio.sleep(0)
+        assert kept not in tracer.spans and kept in tracer.awaiting
+        gate.set()
+        assert await gone.waiter == 4
+        await asyncio.sleep(0.01)
+        await b.drain()
+        await b.close()
+
+    asyncio.run(main())
+    spans = exporter.get_finished_spans()
+    reqs = {s.context.span_id: s for s in spans if s.name == "lumen.request"}
+    batches = [s for s in spans if s.name == "lumen.batch"]
+    assert len(reqs) == 2 and len(batches) == 2
+    linked = [link.context.span_id for bs in batches for link in bs.links]
+    assert sorted(linked) == sorted(reqs)  # the cancelled one too, by its own batch
+    assert tracer.spans == {} and tracer.awaiting == {}
