@@ -87,7 +87,7 @@ async def ours(path: str, xs: np.ndarray, callers: int, batch: int, threads: int
         sizes: list = []
         task = rt.tasks["mlp"]
         busy_us: list = []  # the workers' time per batch (assemble + run + postprocess)
-        task.batcher.on_batch = lambda n, us: busy_us.append(us)
+        task.batcher.queue.on_batch = lambda n, us: busy_us.append(us)
         runs_ns: list = []  # the model run alone, inside the runtime
         for engine in task.instances:
             def timed(feeds, n, _run=engine.run):

@@ -1,10 +1,11 @@
 # Declarations that compile lumen_core/dispatch.py (Cython's pure-Python mode) into
 # lumen_core._dispatch: routes and the dispatcher as C types, calling the queue side
-# (lumen_core._scheduler and lumen_core._entries, cimported) as C.  The .py is the one source; this file only adds types.
+# (lumen_core._scheduler, lumen_core._latency and lumen_core._entries, cimported) as C.  The .py is the one source; this file only adds types.
 cimport cython
 
 from lumen_core._entries cimport Entry, Prepared, Rows
-from lumen_core._scheduler cimport Admission
+from lumen_core._latency cimport LatencyGuard
+from lumen_core._scheduler cimport Batcher
 
 
 cdef class DenseTensor:
@@ -25,7 +26,7 @@ cdef class Route:
     cdef public object name, version, backend, contract, router, cache
     cdef public DenseTensor dense
     cdef public TextPrep text
-    cdef public Admission batcher
+    cdef public Batcher batcher
     cdef public Py_ssize_t holds, priority_levels, default_priority
     cdef public long long default_timeout_ms, inline_max
     cdef public bint off_loop, stateful
@@ -43,11 +44,11 @@ cdef class Dispatcher:
     cpdef Route route(self, object name)
     cpdef Route routed(self, object req)
     cpdef tuple payload(self, object payload, Route route)
-    @cython.locals(priority=int, timeout_ms="long long")
+    @cython.locals(priority=int, timeout_ms="long long", guard=LatencyGuard)
     cpdef tuple checked(self, Route route, object desc, bint late)
     cpdef observed(self, Route route, object kind, str code, long long t0, Entry e=*)
     @cython.locals(route=Route, entry=Entry, nbytes=Py_ssize_t, priority=int,
-                   timeout_ms="long long", t0="long long")
+                   timeout_ms="long long", t0="long long", guard=LatencyGuard)
     cpdef Entry admit(self, object req, bint cached=*)
     cpdef Entry admitted(self, Entry entry, Route route, object kind, long long t0)
     cpdef settle(self, object req, Entry entry)

@@ -12,11 +12,10 @@ cdef class Group:
 
 
 cdef class Entry:
-    cdef public object item, waiter, outcome, queue, seq, span, route, kind
+    cdef public object item, waiter, outcome, queue, route, kind
     cdef public int priority, state
     cdef public Py_ssize_t row, batch_size
     cdef public long long arrival_ns, dispatch_ns, deadline_ns, compute_us, t0
-    cdef public bint start, end, was_open
 
 
 @cython.locals(w=object)

@@ -1,69 +1,94 @@
 # Declarations that compile lumen_core/scheduler.py (Cython's pure-Python mode) into
-# lumen_core._scheduler: a batcher's admission state as a C type, its fields C fields and its
-# methods C calls (cpdef: Python subclasses may override them, e.g. the sequence batcher's
-# submit).  The .py is the one source; this file only adds types.  _dispatch.pxd cimports
-# Admission; the entries' types come from _entries.pxd.
+# lumen_core._scheduler: the batcher interface the dispatcher calls, a batcher's admission
+# queue and its deadline heap as C types, their fields C fields and their methods C calls.
+# Batcher's methods are cpdef: the batchers (Python classes) override start, and the sequence
+# batcher and the ensemble override what they admit their own way.  The queue and the heap are
+# final: fields readonly where Python only reads them, cdef the steps only C calls, plain
+# methods the deadline callbacks the loop calls (expire_due, expire).  The .py is the one
+# source; this file only adds types.  _dispatch.pxd cimports Batcher; the entries' types come
+# from _entries.pxd, the latency guard's from _latency.pxd.
 cimport cython
 
 from lumen_core._entries cimport Entry, Group, SignatureQueue
+from lumen_core._latency cimport LatencyGuard
 
 
-cdef class Admission:
-    cdef public object name, lock, loop, timer, trace, on_batch, idle_event
-    cdef public Py_ssize_t max_queue_size, levels, pending, running, running_items, ready_live
-    cdef public Py_ssize_t deadline_count, compact_at
-    cdef public bint closed, stopping, started
-    cdef public dict queues
-    cdef public list idle, deadlines
-    cdef public long long delay_ns, timer_ns, target_ns, budget_ns
-    cdef public bint cost_ready
-    cdef public double cost_fixed_ns, cost_item_ns, cost_token_ns, cost_tokens_per_item
-    cdef public Py_ssize_t cost_batch, cost_workers
-    cdef public long long learnt_ns, budget_at_ns, queued_tokens
-    cdef public bint probing
+cpdef check_room(object name, bint closed, Py_ssize_t pending, Py_ssize_t n,
+                 Py_ssize_t max_queue_size)
 
+
+cdef class Batcher:
+    cdef readonly object name
+    cdef readonly AdmissionQueue queue
+    cdef readonly LatencyGuard guard
+
+    @cython.locals(q=AdmissionQueue)
+    cpdef Entry submit(self, object item, object desc=*, int priority=*, long long timeout_ms=*)
+    @cython.locals(q=AdmissionQueue)
+    cpdef tuple submit_many(self, object specs)
+    cpdef cancel(self, Entry entry)
+    cpdef cancel_group(self, object entries)
+    cpdef refuse_late(self, int priority, long long timeout_ms)
+    cpdef Py_ssize_t queue_limit(self)
+    cpdef start(self, object loop=*)
+
+
+@cython.final
+cdef class DeadlineHeap:
+    cdef readonly list heap
+    cdef Py_ssize_t count, compact_at
+    cdef readonly object timer
+    cdef long long timer_ns
+    cdef public object loop
+    cdef object expire, after
+
+    cpdef arm(self, Entry e)
+    cdef set_timer(self, long long at_ns)
+    cpdef stop(self)
+
+
+@cython.final
+cdef class AdmissionQueue:
+    cdef readonly object name, lock, loop
+    cdef public object trace, on_batch, idle_event, unqueued
+    cdef readonly Py_ssize_t max_queue_size, levels, ready_live
+    cdef public Py_ssize_t pending, running, running_items
+    cdef public bint closed, stopping
+    cdef readonly bint started
+    cdef readonly dict queues
+    cdef readonly list idle
+    cdef readonly long long delay_ns
+    cdef public long long queued_tokens
+    cdef readonly DeadlineHeap deadlines
+    cdef readonly LatencyGuard guard
+
+    cpdef bind(self, object loop)
     cpdef admit(self, Py_ssize_t n)
-    @cython.locals(b=Py_ssize_t, w=Py_ssize_t, ahead=Py_ssize_t, fixed=double, item=double,
-                   batch_ns=double, wait=double, own=double)
     cpdef long long predicted_ns(self, Py_ssize_t k, Py_ssize_t length=*)
-    @cython.locals(target="long long", b="long long", gap=double)
-    cpdef long long budget_now(self, long long now)
-    @cython.locals(extra=double)
-    cpdef long long excess_ns(self, long long tokens, Py_ssize_t n)
-    @cython.locals(limit="long long", wait="long long", drain="long long", retry="long long",
-                   ahead=Py_ssize_t, now="long long", queued_extra="long long",
-                   own_extra="long long")
     cpdef check_latency(self, Py_ssize_t n, long long timeout_ns, int priority=*,
                         Py_ssize_t length=*, long long tokens=*)
-    cpdef refuse_late(self, int priority, long long timeout_ms)
+    cdef refuse_late(self, int priority, long long timeout_ms)
     @cython.locals(k=Py_ssize_t, i=Py_ssize_t, q=SignatureQueue, levels=list, e=Entry)
     cpdef Py_ssize_t queued_up_to(self, int priority)
-    @cython.locals(now="long long", e=Entry, length="long long")
-    cpdef Entry submit(self, object item, object desc=*, int priority=*, long long timeout_ms=*)
+    @cython.locals(now="long long", e=Entry, length="long long", guard=LatencyGuard)
+    cdef Entry submit(self, object item, int priority=*, long long timeout_ms=*)
     @cython.locals(now="long long", n=Py_ssize_t, k=Py_ssize_t, e=Entry, group=Group,
-                   tokens="long long")
-    cpdef tuple submit_many(self, object specs)
+                   tokens="long long", guard=LatencyGuard)
+    cdef tuple submit_many(self, object specs)
     @cython.locals(q=SignatureQueue)
-    cpdef enqueue(self, Entry e, object sig)
-    cpdef wake_if_formable(self, SignatureQueue q)
+    cdef enqueue(self, Entry e, object sig)
+    cdef wake_if_formable(self, SignatureQueue q)
     cpdef wake_all(self)
     @cython.locals(got=bint)
     cpdef wait_for_work(self, object wake, double timeout, list idle)
+    @cython.locals(q=SignatureQueue)
     cpdef kill(self, Entry e)
     @cython.locals(k="long long", e=Entry)
     cpdef dequeued_tokens(self, list entries)
-    @cython.locals(q=SignatureQueue)
-    cpdef unqueue(self, Entry e)
     cpdef arm(self, Entry e)
-    cpdef set_timer(self, long long at_ns)
-    @cython.locals(now="long long", e=Entry, expired=bint, heap=list)
-    cpdef expire_due(self)
-    @cython.locals(state=int)
-    cpdef expire(self, Entry e)
     cpdef stop_timer(self)
-    cpdef cancel(self, Entry entry)
-    cpdef cancel_group(self, object entries)
+    cdef cancel(self, Entry entry)
+    cdef cancel_group(self, object entries)
     cpdef refuse(self, object entries)
     cpdef deliver_batch(self, list entries, object results, long long compute_us)
     cpdef maybe_idle(self)
-    cpdef start(self, object loop=*)

@@ -2,7 +2,8 @@
 """The request path's admission side: routes, validation, preparation, ``Runtime.infer``.
 
 Compiled like ``scheduler.py`` (one source, ``lumen_core/_dispatch.pxd`` adds the C types and
-cimports the scheduler's and the entries', so calls into the queue side are C calls).
+cimports the scheduler's ``Batcher``, the latency guard's and the entries', so calls into the
+queue side are C calls).
 
 - :class:`Route` -- a task version's dispatch record: its batcher, contract, preparation and
   deadline/priority defaults, resolved once at load;
@@ -287,7 +288,8 @@ class Dispatcher:
         no deadline, no latency target), :meth:`admit_off_loop`, the items of
         :meth:`infer_many` and the response cache's :meth:`cached`."""
         priority, timeout_ms = route.policy(desc)
-        if late and route.batcher.target_ns and not route.stateful:
+        guard = route.batcher.guard
+        if late and guard is not None and guard.target_ns and not route.stateful:
             route.batcher.refuse_late(priority, timeout_ms)
         return priority, timeout_ms
 
@@ -341,7 +343,8 @@ class Dispatcher:
             if route.prepares_off_loop(nbytes):
                 return None
             desc = native.descriptor.parse_meta(req.meta, nbytes, route.contract)
-            if desc.priority or desc.timeout_ms or route.batcher.target_ns:
+            guard = route.batcher.guard  # a latency target: the check may refuse it now
+            if desc.priority or desc.timeout_ms or (guard is not None and guard.target_ns):
                 priority, timeout_ms = self.checked(route, desc, True)
             else:  # the common case, without a call: the task's defaults
                 priority = route.default_priority
@@ -541,7 +544,7 @@ class Dispatcher:
         for name, n in counts.items():
             # more items of a task than its queue holds: the uncached path's 400 (each item
             # is its own request here, so the queue alone would answer a 429 no retry passes)
-            limit = self.routes[name].batcher.max_queue_size
+            limit = self.routes[name].batcher.queue_limit()
             if n > limit:
                 err = group_too_large(name, n, limit)
                 for i in cached:

@@ -62,14 +62,17 @@ class Entry:
     timing, and once answered its ``outcome`` (a result, :class:`Rows` with ``row``, or a
     ``LumenError``).
 
-    ``queue`` is the dynamic batcher's :class:`SignatureQueue` holding it; ``seq``, ``start``,
-    ``end`` and ``was_open`` are the sequence batcher's; ``span`` the request's tracing span
-    (None unless tracing is on); ``route``, ``kind`` and ``t0`` the dispatcher's.
+    What every owner of a request needs: the scheduler's (the item, its waiter, priority,
+    timing, state and answer; ``queue``, the dynamic batcher's :class:`SignatureQueue` holding
+    it) and the dispatcher's (``route``, ``kind``, ``t0``: it reads them on every answer, to
+    observe it and make the response, so they ride on the entry rather than in a map).
+    Per-owner bookkeeping lives with its owner: the sequence batcher's in its own entries
+    (``batching/lanes.SequenceEntry``), the tracer's spans in its own map (``tracing.py``).
     """
 
     __slots__ = ("item", "waiter", "priority", "arrival_ns", "dispatch_ns", "deadline_ns",
-                 "state", "outcome", "row", "batch_size", "compute_us", "queue", "seq", "start",
-                 "end", "was_open", "span", "route", "kind", "t0")
+                 "state", "outcome", "row", "batch_size", "compute_us", "queue", "route",
+                 "kind", "t0")
 
     def __init__(self, item: Any, waiter: Any, priority: int, arrival_ns: int,
                  queue: Any = None, deadline_ns: int = 0):
@@ -85,11 +88,6 @@ class Entry:
         self.batch_size = 0
         self.compute_us = 0
         self.queue = queue
-        self.seq: Any = None
-        self.start = False
-        self.end = False
-        self.was_open = True
-        self.span: Any = None
         self.route: Any = None  # the Route (task version) the Dispatcher admitted it for
         self.kind: str = RAW  # its metrics route
         self.t0 = 0  # when the Dispatcher took it (monotonic ns; observed requests only)
@@ -211,7 +209,7 @@ class SignatureQueue:
     def take(self, n: int, now: int, policy: Any) -> list[Entry]:
         """Pop up to ``n`` live entries, highest priority first, FIFO within a level, and mark
         them running; an entry past its deadline is killed instead (never run) by ``policy``
-        (the batcher's ``scheduler.Admission``)."""
+        (the batcher's ``scheduler.AdmissionQueue``)."""
         out = []
         k = 0
         for level in self.levels:

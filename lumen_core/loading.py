@@ -98,7 +98,7 @@ class TaskLoader:
         trace = self._dispatch.trace
         if trace is not None:
             trace.versions[tc.name] = tc.model_version
-            batcher.trace = trace
+            batcher.queue.trace = trace
         task = Task(tc, backend, instances, runners, batcher)
         if tc.cache is not None:
             if backend.stateful:
@@ -136,7 +136,7 @@ class TaskLoader:
         if trace is not None:  # request spans per ocr request, batch spans per step
             trace.versions[tc.name] = tc.model_version
             for step in batcher.steps.values():
-                step.batcher.trace = trace
+                step.batcher.queue.trace = trace
         return Task(tc, backend, instances, batcher.runners, batcher)
 
     def _batch_observer(self, name: str):

@@ -7,7 +7,8 @@ exporting the same API (its ``__all__``), named and placed alike.  Two kinds:
   ``image``, ``notify``) is written in ``csrc/_<name>.pyx``; the twin is the definition, and the
   compiled module imports its cold-path checks and error builders from it and only
   re-implements the hot path;
-- the request path's classes (``dispatch``, ``scheduler``, ``entries``, ``messages``) have ONE source, the twin itself,
+- the request path's classes (``dispatch``, ``scheduler``, ``latency``, ``entries``,
+  ``messages``) have ONE source, the twin itself,
   which Cython compiles in its pure-Python mode with the C types declared in
   ``lumen_core/_<name>.pxd`` (nothing is written twice).
   ``LUMEN_NO_EXTENSIONS=1`` forces the twins; otherwise the compiled module is
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from . import dispatch as dispatch
     from . import entries as entries
     from . import image as image
+    from . import latency as latency
     from . import messages as messages
     from . import notify as notify
     from . import scheduler as scheduler
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
 #: the twinned hot-path modules, by name
-NAMES = ("descriptor", "assemble", "image", "notify", "messages", "entries", "scheduler",
-         "dispatch")
+NAMES = ("descriptor", "assemble", "image", "notify", "messages", "entries", "latency",
+         "scheduler", "dispatch")
 #: name -> (compiled module, pure-Python twin)
 TWINS = {name: (f"lumen_core._{name}", f"lumen_core.{name}") for name in NAMES}
 

@@ -429,7 +429,7 @@ class Runtime:
                 cost = b.cost_figures()
                 if cost is not None:
                     load["cost"] = cost
-            for key, value in b.counters().items():  # the batcher's own (Batcher.counters)
+            for key, value in b.counters().items():  # the batcher's own (TaskBatcher.counters)
                 if isinstance(value, dict):  # an ensemble's per-step table: the head's
                     if t is self.tasks.get(t.name):
                         load[key] = value

@@ -1,20 +1,25 @@
 # cython: annotation_typing=False
-"""The request path's queue side: a batcher's admission state.
+"""The request path's queue side: what the dispatcher calls, and a batcher's admission queue.
 
 One source, two builds.  Cython compiles this file with the declarations of
-``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the class
-below becomes a ``cdef class`` with C fields and its methods C calls.  Run as plain Python
+``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the classes
+below become ``cdef class``es with C fields and their methods C calls.  Run as plain Python
 (``LUMEN_NO_EXTENSIONS=1``, or no compiler) the same file is the pure-Python twin.  Nothing here
 is written twice.  ``entries.py`` (compiled the same way, its types cimported here) holds what
-is admitted: entries, their queues and answers; ``dispatch.py`` is the side before admission:
-routes, validation, preparation, ``Runtime.infer``.
+is admitted: entries, their queues and answers; ``latency.py`` the latency guard (the learnt
+cost: predict, check, steer); ``dispatch.py`` is the side before admission: routes,
+validation, preparation, ``Runtime.infer``.
 
-- :class:`Admission` -- a batcher's admission state: its lock, counters, the signature queues
-  of a dynamic batcher, the idle workers, and every deadline of the batcher in one heap with
-  one loop timer for the earliest (as Triton's ``PolicyQueue``), not a timer per request.
-
-``batching/policy.py`` builds the batchers' shared policy on :class:`Admission` (draining,
-closing, start-up), ``batching/dynamic.py`` and ``batching/sequence.py`` their formation.
+- :class:`Batcher` -- the small interface the dispatcher calls (``Route.batcher``): submit one
+  request or a group, cancel, refuse late, start.  A batcher that queues requests
+  (``batching/policy.QueuePolicy``: the dynamic and sequence batchers) owns an
+  :class:`AdmissionQueue` and a ``latency.LatencyGuard`` and hands the calls to them; an
+  ensemble (``batching/pipeline.Pipeline``) implements them over its steps' batchers.
+- :class:`AdmissionQueue` -- a batcher's admission state: its lock, counts, the signature queues
+  of a dynamic batcher, the idle workers, its :class:`DeadlineHeap`, and the delivery of
+  finished batches.
+- :class:`DeadlineHeap` -- every deadline of a batcher in one heap with one loop timer for the
+  earliest (as Triton's ``PolicyQueue``), not a timer per request.
 """
 from __future__ import annotations
 
@@ -37,13 +42,14 @@ from .errors import (
     Unavailable,
 )
 
-if TYPE_CHECKING:  # the entries' types (compiled: cimported by _scheduler.pxd)
+if TYPE_CHECKING:  # the entries' and the guard's types (compiled: cimported by _scheduler.pxd)
     from . import entries as entry_types
+    from . import latency as latency_types
 
 log = logging.getLogger("lumen.batching")
 
 #: the twin API (``lumen_core._scheduler`` exports the same names)
-__all__ = ["Admission", "group_too_large"]
+__all__ = ["AdmissionQueue", "Batcher", "DeadlineHeap", "check_room", "group_too_large"]
 
 #: the entries of this module's own kind (compiled with compiled: the C types it cimports)
 _ent = native.kin(__name__, "entries")
@@ -65,14 +71,6 @@ _heappop = heapq.heappop
 OVERLOAD_RETRY_AFTER_S = 1
 #: the deadline error's field
 DEADLINE_FIELD: str = KEY_TIMEOUT_MS
-#: after the last batch finished, an idle batcher (nothing queued, nothing running) admits one
-#: request whatever the prediction says, as a probe: the learnt cost and the budget move only
-#: when a batch finishes, so a cost learnt under contention (another process on the cores)
-#: would otherwise refuse an idle server forever (issue 38 row 2)
-PROBE_IDLE_NS = 500_000_000
-#: while nothing runs, a budget shrunk by late answers (``budget_ns`` < ``target_ns``) grows
-#: back toward the target, halving the gap every this many ns (no batch finishes to steer it)
-BUDGET_HALF_LIFE_NS = 100_000_000
 #: the deadline heap is rebuilt without answered entries once it holds this many and at least
 #: twice what it held after the last rebuild (answered entries leave it lazily)
 DEADLINE_COMPACT_MIN = 256
@@ -87,30 +85,179 @@ def group_too_large(task: str, n: int, max_queue_size: int) -> InvalidArgument:
                            f"{max_queue_size} per call or raise max_queue_size", "input")
 
 
-class Admission:
+def check_room(name: str, closed: bool, pending: int, n: int, max_queue_size: int) -> None:
+    """Raise the precise error when ``n`` more requests cannot be admitted to task ``name``
+    now: shutting down (``Unavailable``), more than the whole queue (``group_too_large``: a
+    400), or past ``max_queue_size`` with ``pending`` queued (``Overloaded``: retry later)."""
+    if closed:
+        raise Unavailable(f"task {name!r} is shutting down; not accepting requests")
+    if n > max_queue_size:
+        raise group_too_large(name, n, max_queue_size)
+    if pending + n > max_queue_size:
+        raise Overloaded(f"task {name!r} queue is full ({max_queue_size} pending); "
+                         f"retry later", None, OVERLOAD_RETRY_AFTER_S)
+
+
+class Batcher:
+    """What the dispatcher calls on a task's batcher (``dispatch.Route.batcher``), and nothing
+    more: ``submit`` / ``submit_many`` (admit, or raise the precise error at once),
+    ``cancel`` / ``cancel_group`` (the caller went away), ``refuse_late`` (a latency check
+    before a request is prepared) and ``start`` (bind to the loop).  ``guard`` is the task's
+    latency guard (None: no latency target, an ensemble's), which the dispatcher reads to skip
+    ``refuse_late`` when there is no target.
+
+    The methods here serve a batcher that owns an :class:`AdmissionQueue` (``queue``): they
+    hand the call to it, starting the batcher on its first request.  A batcher without one (an
+    ensemble: ``batching/pipeline.Pipeline``) overrides them; ``start`` is every batcher's own.
+    """
+
+    __slots__ = ("name", "queue", "guard")
+
+    def __init__(self, name: str, queue: Optional[AdmissionQueue] = None,
+                 guard: Optional[latency_types.LatencyGuard] = None):
+        self.name = name
+        self.queue = queue
+        self.guard = guard
+
+    def submit(self, item: Any, desc: Any = None, priority: int = 1,
+               timeout_ms: int = 0) -> entry_types.Entry:
+        """Admit ``item`` (it has ``.signature``); raise at once when it cannot be admitted.
+        ``desc`` (the request's descriptor) is the sequence batcher's."""
+        q = self.queue
+        assert q is not None  # a batcher without a queue overrides this
+        if not q.started:
+            self.start()
+        return q.submit(item, priority, timeout_ms)
+
+    def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
+                    ) -> tuple[entry_types.Group, list[entry_types.Entry]]:
+        """Admit a group ``[(item, desc, priority, timeout_ms), ...]`` as a unit (all or
+        none); return ``(group, entries)``: ``group.future`` resolves once every entry is
+        answered, each entry's ``outcome`` holds its result or error."""
+        q = self.queue
+        assert q is not None
+        if not q.started:
+            self.start()
+        return q.submit_many(specs)
+
+    def cancel(self, entry: entry_types.Entry) -> None:
+        """The caller went away: drop a queued entry (a running one finishes unseen)."""
+        q = self.queue
+        assert q is not None
+        q.cancel(entry)
+
+    def cancel_group(self, entries: Sequence[entry_types.Entry]) -> None:
+        q = self.queue
+        assert q is not None
+        q.cancel_group(entries)
+
+    def refuse_late(self, priority: int, timeout_ms: int) -> None:
+        """Loop thread, before a request is prepared: refuse it now if the latency guard would
+        refuse it at submit whatever its length (:meth:`AdmissionQueue.refuse_late`)."""
+        q = self.queue
+        if q is not None:
+            q.refuse_late(priority, timeout_ms)
+
+    def queue_limit(self) -> int:
+        """The most requests the batcher admits at once (``batching.max_queue_size``)."""
+        q = self.queue
+        assert q is not None
+        return q.max_queue_size
+
+    def start(self, loop: Any = None) -> None:  # pragma: no cover - every batcher's own
+        raise NotImplementedError
+
+
+class DeadlineHeap:
+    """Every deadline of one batcher in one heap, with one loop timer for the earliest; an
+    entry answered before its deadline leaves the heap lazily (it is rebuilt without them once
+    it grows: ``DEADLINE_COMPACT_MIN``).  ``expire(entry)`` is its owner's, called on the loop
+    for each entry whose deadline passed while unanswered; ``after()`` (or None) once after a
+    timer expired any.  ``loop`` is bound when the owner starts."""
+
+    __slots__ = ("heap", "count", "compact_at", "timer", "timer_ns", "loop", "expire", "after")
+
+    def __init__(self, expire: Callable[[Any], None],
+                 after: Optional[Callable[[], None]] = None):
+        self.heap: list[tuple[int, int, entry_types.Entry]] = []
+        self.count = 0
+        self.compact_at = DEADLINE_COMPACT_MIN
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.timer_ns = 0
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.expire = expire
+        self.after = after
+
+    def arm(self, e: entry_types.Entry) -> None:
+        """Put ``e``'s deadline in the heap; re-arm the one timer when it is the earliest."""
+        self.count += 1
+        _heappush(self.heap, (e.deadline_ns, self.count, e))
+        if len(self.heap) >= self.compact_at:
+            self.heap = [d for d in self.heap if d[2].outcome is UNSET]
+            heapq.heapify(self.heap)
+            self.compact_at = max(DEADLINE_COMPACT_MIN, 2 * len(self.heap))
+        if self.timer is None or e.deadline_ns < self.timer_ns:
+            self.set_timer(e.deadline_ns)
+
+    def set_timer(self, at_ns: int) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_ns = at_ns
+        loop = self.loop
+        assert loop is not None  # started: the first submit binds the loop
+        self.timer = loop.call_later(max(0, at_ns - _monotonic_ns()) / 1e9, self.expire_due)
+
+    def expire_due(self) -> None:
+        """The timer: expire every entry whose deadline has passed, then re-arm."""
+        self.timer = None
+        heap = self.heap
+        now = _monotonic_ns()
+        expired = False
+        while heap and heap[0][0] <= now:
+            e = _heappop(heap)[2]
+            if e.outcome is UNSET:
+                self.expire(e)
+                expired = True
+        while heap and heap[0][2].outcome is not UNSET:
+            _heappop(heap)
+        if heap:
+            self.set_timer(heap[0][0])
+        if expired and self.after is not None:
+            self.after()
+
+    def stop(self) -> None:
+        """Loop thread, at close: no more deadline callbacks."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+
+class AdmissionQueue:
     """A batcher's admission state and the policy every request meets on the loop thread:
-    admission (``max_queue_size``), the signature queues of a dynamic batcher, waking an idle
-    worker when a batch can form, deadlines, cancellation and the delivery of finished
-    batches.  ``batching/policy.QueuePolicy`` adds the life cycle (start, drain, close).
+    admission (``max_queue_size``, then the latency ``guard``), the signature queues of a
+    dynamic batcher, waking an idle worker when a batch can form, deadlines
+    (:class:`DeadlineHeap`), cancellation and the delivery of finished batches.  The batchers
+    (``batching/policy.py``) own one and form their batches from it.
 
     Threads: ``lock`` guards the queues, the counters and entry states; workers take batches
-    under it.  Deadlines: every deadline of the batcher sits in one heap (``deadlines``) with
-    one loop timer for the earliest; an entry answered before its deadline leaves the heap
-    lazily.  An idle worker waits on its own lock (:meth:`wait_for_work`); a request wakes one
-    only when it makes a batch formable: the first pending request, a queue reaching its
-    ready size, or any request when ``max_queue_delay_us`` is 0.
+    under it.  An idle worker waits on its own lock (:meth:`wait_for_work`); a request wakes
+    one only when it makes a batch formable: the first pending request, a queue reaching its
+    ready size, or any request when ``max_queue_delay_us`` is 0.  ``unqueued`` (None: the
+    signature queues' live count) is formation's hook for a queued entry that died, when it
+    keeps its own structures (the sequence batcher).
     """
 
     __slots__ = ("name", "max_queue_size", "levels", "lock", "pending", "running",
-                 "running_items", "closed",
-                 "stopping", "started", "loop", "queues", "idle", "delay_ns", "ready_live",
-                 "deadlines", "deadline_count", "compact_at", "timer", "timer_ns", "trace",
-                 "on_batch", "idle_event", "target_ns", "budget_ns", "cost_ready",
-                 "cost_fixed_ns", "cost_item_ns", "cost_token_ns", "cost_tokens_per_item",
-                 "cost_batch", "cost_workers", "learnt_ns", "budget_at_ns", "queued_tokens", "probing")
+                 "running_items", "closed", "stopping", "started", "loop", "queues", "idle",
+                 "delay_ns", "ready_live", "deadlines", "trace", "on_batch", "idle_event",
+                 "guard", "queued_tokens", "unqueued")
 
-    def __init__(self, name: str, max_queue_size: int, levels: int = 1, delay_ns: int = 0,
-                 ready_live: int = 1, on_batch: Optional[Callable[[int, int], None]] = None):
+    def __init__(self, name: str, max_queue_size: int, guard: latency_types.LatencyGuard,
+                 levels: int = 1, delay_ns: int = 0, ready_live: int = 1,
+                 on_batch: Optional[Callable[[int, int], None]] = None):
         self.name = name
         self.max_queue_size = max_queue_size
         self.levels = levels
@@ -123,157 +270,44 @@ class Admission:
         self.started = False
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.queues: dict[Any, entry_types.SignatureQueue] = {}
-        #: waiting workers: their wake locks, or a LoopTurn in a parked one's place (dynamic.py)
+        #: waiting workers: their wake locks, or a LoopTurn in a parked one's place (loop.py)
         self.idle: list[Any] = []
         self.delay_ns = delay_ns
         self.ready_live = ready_live  # a queue this long forms a batch without waiting
-        self.deadlines: list[tuple[int, int, entry_types.Entry]] = []
-        self.deadline_count = 0
-        self.compact_at = DEADLINE_COMPACT_MIN
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.timer_ns = 0
+        self.deadlines = DeadlineHeap(self.expire, self.maybe_idle)
         self.trace: Any = None  # the runtime's tracing.Tracing when tracing is on
         self.on_batch = on_batch  # (batch_size, compute_us) -> None, for metrics
         self.idle_event: Optional[asyncio.Event] = None  # asyncio.Event while somebody drains
-        # latency target (issue 30): 0 = none.  With one, a request whose predicted completion
-        # falls past the target's budget (or its deadline) is refused at admission
-        # (check_latency).  ``budget_ns`` is what admission plans for: the target, less the
-        # headroom QueuePolicy.steer takes while answers run late (0: the whole target).
-        # The cost_* fields are the task's learnt cost (batching/cost.py), written once per
-        # finished batch by QueuePolicy.learn: a batch of n costs cost_fixed_ns + n *
-        # cost_item_ns (an item of the typical cost_tokens_per_item token slots; each slot
-        # more or less costs cost_token_ns), batches run cost_batch at a time on
-        # cost_workers engine instances
-        self.target_ns = 0
-        self.budget_ns = 0
-        self.cost_ready = False
-        self.cost_fixed_ns = 0.0
-        self.cost_item_ns = 0.0
-        self.cost_token_ns = 0.0
-        self.cost_tokens_per_item = 0.0
-        self.cost_batch = 1
-        self.cost_workers = 1
-        # when the last batch was learnt (QueuePolicy.learn; the probe's idle time counts from
-        # it), when budget_ns was last set (its recovery counts from it: budget_now), and the
-        # token count of the queued requests (those with a ``length``), tracked while there is
-        # a target: a queue of long texts is priced at their lengths (issue 38 row 3)
-        self.learnt_ns = 0
-        self.budget_at_ns = 0
+        #: the latency guard: with a target (``guard.target_ns``), a request whose predicted
+        #: completion falls past the budget (or its deadline) is refused at admission
+        self.guard = guard
+        #: the token count of the queued requests (those with a ``length``), tracked while
+        #: there is a target: a queue of long texts is priced at their lengths (issue 38 row 3)
         self.queued_tokens = 0
-        self.probing = False  # a probe was admitted (check_latency); QueuePolicy.learn reads it
+        self.unqueued: Optional[Callable[[Any], None]] = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The owner starts: bind the loop the deadlines and answers run on."""
+        self.loop = loop
+        self.deadlines.loop = loop
+        self.started = True
 
     # -- admission (loop thread) ------------------------------------------------------------
     def admit(self, n: int) -> None:
         """Raise the precise error when ``n`` more requests cannot be admitted now."""
-        if self.closed:
-            raise Unavailable(f"task {self.name!r} is shutting down; not accepting requests")
-        if n > self.max_queue_size:
-            raise group_too_large(self.name, n, self.max_queue_size)
-        if self.pending + n > self.max_queue_size:
-            raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue_size} pending); "
-                             f"retry later", None, OVERLOAD_RETRY_AFTER_S)
+        check_room(self.name, self.closed, self.pending, n, self.max_queue_size)
 
     def predicted_ns(self, k: int, length: int = 0) -> int:
-        """Under the lock: ns until the ``k``-th request in line (counting every pending one)
-        would be answered, at the learnt cost: the whole batches ahead of its own, run
-        ``cost_workers`` at a time, then its own (partial) batch, after what is left of the
-        batches running now (half of each, on average: ``running`` batches of ``running_items``
-        requests in all).  ``length`` (> 0: the request's own token count) prices its own
-        batch at that length instead of the typical one (the cost per token slot, learnt):
-        length-aware formation batches it with texts of about its length, so a long text's
-        batch costs what long texts cost (``cost_batch`` follows the batches formed, a few
-        texts each when lengths are mixed)."""
-        b = self.cost_batch
-        fixed = self.cost_fixed_ns
-        item = self.cost_item_ns
-        batch_ns = fixed + b * item
-        ahead = (k - 1) // b  # whole batches before the one it runs in
-        w = self.cost_workers
-        own = item
-        if length > 0 and self.cost_token_ns > 0.0:
-            own = item + self.cost_token_ns * (length - self.cost_tokens_per_item)
-            if own < 0.0:
-                own = 0.0
-        wait = ahead * batch_ns / w + fixed + (k - ahead * b) * own
-        if self.running:
-            wait += (self.running * fixed + self.running_items * item) / (2 * w)
-        return int(wait)
-
-    def budget_now(self, now: int) -> int:
-        """Under the lock: the budget admission plans for at ``now``: ``budget_ns`` (0: the
-        target), grown back toward the target while nothing runs (``BUDGET_HALF_LIFE_NS``):
-        with nothing running no batch finishes to steer it, and a budget shrunk under
-        contention would otherwise stay low on an idle server (issue 38 row 2)."""
-        target = self.target_ns
-        b = self.budget_ns
-        if not b or b >= target:
-            return target
-        if self.running or now <= self.budget_at_ns:
-            return b
-        gap = (target - b) * 0.5 ** ((now - self.budget_at_ns) / BUDGET_HALF_LIFE_NS)
-        return target - int(gap)
-
-    def excess_ns(self, tokens: int, n: int) -> int:
-        """Under the lock: what ``n`` requests of ``tokens`` tokens in all cost beyond ``n``
-        typical ones (the learnt cost per token slot, ``cost_tokens_per_item`` a request);
-        never below 0 (a queue of short texts is priced as typical ones)."""
-        if tokens <= 0 or self.cost_token_ns <= 0.0:
-            return 0
-        extra = self.cost_token_ns * (tokens - n * self.cost_tokens_per_item)
-        return int(extra / self.cost_workers) if extra > 0.0 else 0
+        """Under the lock: the guard's prediction for the ``k``-th request in line, with the
+        batches running now (``LatencyGuard.predicted_ns``)."""
+        return self.guard.predicted_ns(k, length, self.running, self.running_items)
 
     def check_latency(self, n: int, timeout_ns: int, priority: int = 1,
                       length: int = 0, tokens: int = 0) -> None:
-        """Under the lock, with a latency target: raise ``Overloaded`` (429, Retry-After the
-        predicted drain time) when ``n`` more requests of ``priority`` (of ``length`` tokens
-        each, when known: see :meth:`predicted_ns`; or of ``tokens`` tokens in all, a group's
-        own lengths) would be answered past the target's budget or past ``timeout_ns``
-        (their deadline, 0: none).  The queued requests count at their own lengths too
-        (``queued_tokens``).  Admitted requests are never dropped for them: the refusal
-        happens before anything is queued.
-
-        An idle batcher whose last batch finished ``PROBE_IDLE_NS`` ago admits one request
-        (no deadline tighter than the target) whatever the prediction: a probe, whose batch
-        teaches the cost model what the idle server costs now."""
-        now = _monotonic_ns()
-        limit = self.budget_now(now)
-        if limit != self.budget_ns and self.budget_ns:  # fold the recovery in (it compounds)
-            self.budget_ns = limit
-            self.budget_at_ns = now
-        what = "latency target"
-        if 0 < timeout_ns < limit:
-            limit = timeout_ns
-            what = "deadline"
-        elif (n == 1 and not self.pending and not self.running
-              and now - self.learnt_ns >= PROBE_IDLE_NS):
-            self.probing = True
-            return  # the probe
-        ahead = self.pending
-        queued_extra = self.excess_ns(self.queued_tokens, ahead)  # long texts queued ahead
-        own_extra = self.excess_ns(tokens, n)  # a group's own long texts
-        wait = self.predicted_ns(ahead + n, length) + queued_extra + own_extra
-        if wait <= limit:
-            return
-        if priority < self.levels:  # only requests of its level or above run before it
-            ahead = self.queued_up_to(priority)
-            queued_extra = 0
-            wait = self.predicted_ns(ahead + n, length) + own_extra
-            if wait <= limit:
-                return
-        drain = self.predicted_ns(ahead) + queued_extra if ahead else wait
-        retry = max(1, (drain + 999_999_999) // 1_000_000_000)  # whole seconds, rounded up
-        if what == "deadline":
-            what = f"deadline of {limit // 1_000_000} ms"
-        elif limit < self.target_ns:  # the budget: answers have been running late
-            what = (f"latency target of {self.target_ns // 1_000_000} ms (admitting to "
-                    f"{limit // 1_000_000} ms while answers run late)")
-        else:
-            what = f"latency target of {limit // 1_000_000} ms"
-        raise Overloaded(f"task {self.name!r} cannot answer within its {what}: "
-                         f"{ahead} requests queued ahead drain "
-                         f"in about {(drain + 500_000) // 1_000_000} ms at the learnt rate, so "
-                         f"this one would finish in about {(wait + 500_000) // 1_000_000} ms; "
-                         f"refused at once (nothing was queued), retry in {retry} s", None, retry)
+        """Under the lock, with a latency target: the guard's check of ``n`` more requests
+        against this queue's load (``LatencyGuard.check``: raises ``Overloaded``)."""
+        self.guard.check(n, timeout_ns, priority, length, tokens, self.pending, self.running,
+                         self.running_items, self.queued_tokens, self.levels, self)
 
     def refuse_late(self, priority: int, timeout_ms: int) -> None:
         """Loop thread, before a request is prepared (tokenised, decoded): refuse it now if
@@ -282,7 +316,7 @@ class Admission:
         and no more (the preparation of a text or an image is most of what a request costs
         the loop, and on a small box the loop shares the cores with the model).  Only when
         the cost is learnt; ``submit`` checks again under the same lock, with its length."""
-        if not self.cost_ready:
+        if not self.guard.cost_ready:
             return
         lock = self.lock
         lock.acquire()
@@ -303,27 +337,25 @@ class Admission:
                         k += 1
         return k
 
-    def submit(self, item: Any, desc: Any = None, priority: int = 1,
-               timeout_ms: int = 0) -> entry_types.Entry:
+    def submit(self, item: Any, priority: int = 1, timeout_ms: int = 0) -> entry_types.Entry:
         """Admit ``item`` (it has ``.signature``) into its signature queue; raise at once when
-        closed or full.  ``desc`` (the request's descriptor) is the sequence batcher's."""
-        if not self.started:
-            self.start()
+        closed or full (the owner started it: :meth:`bind`)."""
         if not 1 <= priority <= self.levels:
             raise ValueError(f"priority must be 1..{self.levels}")
         now = _monotonic_ns()
         sig = item.signature
         e: entry_types.Entry = _Entry(item, _Future(loop=self.loop), priority, now, None,
                                       now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0)
+        guard = self.guard
         lock = self.lock
         lock.acquire()
         try:
             if self.closed or self.pending >= self.max_queue_size:
                 self.admit(1)
             length = 0
-            if self.target_ns:
+            if guard.target_ns:
                 length = getattr(item, "length", 0) or 0
-                if self.cost_ready:
+                if guard.cost_ready:
                     self.check_latency(1, timeout_ms * 1_000_000, priority, length)
             self.enqueue(e, sig)
             self.pending += 1
@@ -332,16 +364,13 @@ class Admission:
         finally:
             lock.release()
         if timeout_ms > 0:
-            self.arm(e)
+            self.deadlines.arm(e)
         return e
 
     def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
                     ) -> tuple[entry_types.Group, list[entry_types.Entry]]:
         """Admit a group ``[(item, desc, priority, timeout_ms), ...]`` as a unit (all or
-        none); return ``(group, entries)``: ``group.future`` resolves once every entry is
-        answered, each entry's ``outcome`` holds its result or error."""
-        if not self.started:
-            self.start()
+        none): ``Batcher.submit_many``."""
         n = len(specs)
         group = _Group(_Future(loop=self.loop), n)
         entries: list[entry_types.Entry] = []
@@ -357,15 +386,16 @@ class Admission:
             sigs.append(item.signature)
             entries.append(_Entry(item, group, priority, now, None,
                                  now + timeout_ms * 1_000_000 if timeout_ms > 0 else 0))
+        guard = self.guard
         tokens = 0
-        if self.target_ns:  # each item at its own length, as a single request is priced
+        if guard.target_ns:  # each item at its own length, as a single request is priced
             for spec in specs:
                 tokens += getattr(spec[0], "length", 0) or 0
         lock = self.lock
         lock.acquire()
         try:
             self.admit(n)
-            if self.target_ns and self.cost_ready:
+            if guard.target_ns and guard.cost_ready:
                 self.check_latency(n, min([s[3] for s in specs if s[3] > 0] or [0]) * 1_000_000,
                                    max([s[2] for s in specs]), 0, tokens)
             for k in range(n):
@@ -377,7 +407,7 @@ class Admission:
             lock.release()
         for e in entries:
             if e.deadline_ns:
-                self.arm(e)
+                self.deadlines.arm(e)
         return group, entries
 
     def enqueue(self, e: entry_types.Entry, sig: Any) -> None:
@@ -427,7 +457,12 @@ class Admission:
         self.pending -= 1
         if self.queued_tokens:
             self.dequeued_tokens([e])
-        self.unqueue(e)
+        if self.unqueued is not None:
+            self.unqueued(e)
+        else:  # it leaves its signature queue's deque lazily
+            q = e.queue
+            if q is not None:
+                q.live -= 1
 
     def dequeued_tokens(self, entries: list[entry_types.Entry]) -> None:
         """Under the lock: ``entries`` left the queue (formed into a batch, or dead): their
@@ -440,51 +475,10 @@ class Admission:
             k += getattr(e.item, "length", 0) or 0
         self.queued_tokens = max(0, self.queued_tokens - k)
 
-    def unqueue(self, e: entry_types.Entry) -> None:
-        """Under the lock: drop a dead entry from the formation structures (it leaves its
-        deque lazily); the sequence batcher overrides this."""
-        q = e.queue
-        if q is not None:
-            q.live -= 1
-
     # -- deadlines (loop thread) -----------------------------------------------------------
     def arm(self, e: entry_types.Entry) -> None:
-        """Put ``e``'s deadline in the heap; re-arm the one timer when it is the earliest."""
-        self.deadline_count += 1
-        _heappush(self.deadlines, (e.deadline_ns, self.deadline_count, e))
-        if len(self.deadlines) >= self.compact_at:
-            self.deadlines = [d for d in self.deadlines if d[2].outcome is UNSET]
-            heapq.heapify(self.deadlines)
-            self.compact_at = max(DEADLINE_COMPACT_MIN, 2 * len(self.deadlines))
-        if self.timer is None or e.deadline_ns < self.timer_ns:
-            self.set_timer(e.deadline_ns)
-
-    def set_timer(self, at_ns: int) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer_ns = at_ns
-        loop = self.loop
-        assert loop is not None  # started: the first submit binds the loop
-        self.timer = loop.call_later(max(0, at_ns - _monotonic_ns()) / 1e9,
-                                          self.expire_due)
-
-    def expire_due(self) -> None:
-        """The timer: answer every entry whose deadline has passed, then re-arm."""
-        self.timer = None
-        heap = self.deadlines
-        now = _monotonic_ns()
-        expired = False
-        while heap and heap[0][0] <= now:
-            e = _heappop(heap)[2]
-            if e.outcome is UNSET:
-                self.expire(e)
-                expired = True
-        while heap and heap[0][2].outcome is not UNSET:
-            _heappop(heap)
-        if heap:
-            self.set_timer(heap[0][0])
-        if expired:
-            self.maybe_idle()
+        """``e``'s deadline into the heap (:meth:`DeadlineHeap.arm`)."""
+        self.deadlines.arm(e)
 
     def expire(self, e: entry_types.Entry) -> None:
         """``e``'s deadline passed: it dies if still queued; its caller gets the error now
@@ -502,9 +496,7 @@ class Admission:
 
     def stop_timer(self) -> None:
         """Loop thread, at close: no more deadline callbacks."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadlines.stop()
 
     # -- cancellation (loop thread) --------------------------------------------------------
     def cancel(self, entry: entry_types.Entry) -> None:
@@ -563,13 +555,3 @@ class Admission:
     def maybe_idle(self) -> None:
         if self.idle_event is not None and not self.pending and not self.running:
             self.idle_event.set()
-
-    # -- what subclasses provide -------------------------------------------------------------
-    def start(self, loop: Any = None) -> None:  # pragma: no cover - QueuePolicy's
-        raise NotImplementedError
-
-    # -- state ------------------------------------------------------------------------------
-    @property
-    def in_flight(self) -> int:
-        """Batches running now."""
-        return self.running

@@ -11,9 +11,12 @@ off, and OpenTelemetry is only imported here, lazily, so the package works witho
   admitted request, a child of the current (transport) span, when it enters the queue
   (``admitted``); it ends when the request is answered, with ``lumen.dispatched`` (queue wait
   over: its batch formed) and ``lumen.computed`` events at the entry's own timestamps;
-* ``Admission.deliver_batch`` (``scheduler.py``; on the loop, once per finished batch) makes a
+* ``AdmissionQueue.deliver_batch`` (``scheduler.py``; on the loop, once per finished batch) makes a
   ``lumen.batch`` span from the batch's formation time and compute duration, LINKED to the
-  request spans of the entries it ran (``batch``).  Worker threads do no OpenTelemetry work at all.
+  request spans of the entries it ran (``batch``), those answered while it ran (expired,
+  cancelled) included.  Worker threads do no OpenTelemetry work at all.  The request spans are
+  the tracer's own (``Tracing.spans``, ``Tracing.awaiting``, keyed by entry): the entry carries
+  none.
 
 Export: the global tracer provider when one is set; else, when tracing is switched on by
 config or environment, an SDK provider whose exporter follows the standard ``OTEL_*``
@@ -40,6 +43,9 @@ TRACESTATE_MAX_CHARS = 512
 #: an oversized trace context is logged at most once per this many seconds, with the count of
 #: those not logged since (``Tracing.dropped_context`` counts them all)
 OVERSIZE_LOG_EVERY_S = 60.0
+#: request spans kept (ended) for the batch their request was answered before
+#: (``Tracing.awaiting``): a batch finishes within seconds, so this bounds only a leak
+AWAITING_MAX = 4096
 
 
 def requested(config: Any = None) -> bool:
@@ -145,6 +151,12 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         #: task name -> model version (``Runtime`` fills it as it loads tasks)
         self.versions: dict = {}
+        #: the tracer's own bookkeeping: entry -> its open request span, from admission until
+        #: the entry's caller is answered (``finish`` ends it) ...
+        self.spans: dict = {}
+        #: ... or, for a request answered while its batch still ran (expired, cancelled), until
+        #: that batch finishes and links it (``batch``); the oldest go past ``AWAITING_MAX``
+        self.awaiting: dict = {}
         #: trace contexts ignored for their size (``extract``), and the log's rate limit
         self.dropped_context = 0
         self._unlogged = 0
@@ -223,13 +235,13 @@ class Tracing:
             "lumen.request", start_time=entry.arrival_ns + _wall_offset(),
             attributes={"lumen.task": task, "lumen.route": route,
                         "lumen.model_version": self.versions.get(task, "")})
-        entry.span = span
+        self.spans[entry] = span
         return span
 
     def finish(self, entry: Any, cancelled: bool = False) -> None:
         """``entry`` was answered (or cancelled): events for the end of its queue wait and of
         its batch's compute, the batch size, the outcome; end its request span."""
-        span = entry.span
+        span = self.spans.pop(entry, None)
         if span is None or not span.is_recording():
             return
         outcome = entry.outcome
@@ -250,8 +262,13 @@ class Tracing:
         elif cancelled:
             self.set_error(span, "cancelled")
         span.end()
+        if entry.dispatch_ns and not entry.batch_size:  # its batch runs on: it will link it
+            awaiting = self.awaiting
+            awaiting[entry] = span
+            if len(awaiting) > AWAITING_MAX:
+                del awaiting[next(iter(awaiting))]
 
-    # -- batches (loop thread, Admission.deliver_batch) ------------------------------------------
+    # -- batches (loop thread, AdmissionQueue.deliver_batch) -------------------------------------
     def batch(self, task: str, entries: Any, compute_us: int) -> None:
         """One finished batch: a span over its compute, linked to its requests' spans."""
         if not entries:
@@ -259,7 +276,15 @@ class Tracing:
         off = _wall_offset()
         start_mono = min(e.dispatch_ns for e in entries) or entries[0].arrival_ns
         start = start_mono + off
-        links = [self._Link(e.span.get_span_context()) for e in entries if e.span is not None]
+        spans = self.spans
+        awaiting = self.awaiting
+        links = []
+        for e in entries:  # its requests' spans, those answered before it too
+            span = spans.get(e)
+            if span is None and awaiting:
+                span = awaiting.pop(e, None)
+            if span is not None:
+                links.append(self._Link(span.get_span_context()))
         span = self._tracer.start_span(
             "lumen.batch", context=self._context.Context(), links=links, start_time=start,
             attributes={"lumen.task": task, "lumen.batch_size": len(entries),

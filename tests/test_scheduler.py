@@ -12,6 +12,7 @@ import pytest
 
 import lumen_core as lc
 from lumen_core import native
+from lumen_core.batching.cost import CostModel
 from lumen_core.errors import Overloaded, Unavailable
 
 
@@ -94,43 +95,47 @@ class _Item:
 
 
 def _batcher(scheduler, levels=1, max_queue_size=4, delay_ns=0, ready_live=1):
-    """An Admission of one twin whose "worker" answers what is queued on the next loop turn
-    (every entry with its row of one batch), or never when ``hold`` is set."""
+    """A Batcher of one twin over its AdmissionQueue, whose "worker" answers what is queued on
+    the next loop turn (every entry with its row of one batch), or never when ``hold`` is
+    set."""
+    twin = native.kin(scheduler.__name__, "latency")
+    guard = twin.LatencyGuard("t", CostModel())
 
-    class Inline(scheduler.Admission):
+    class Inline(scheduler.Batcher):
         hold = False
 
         def start(self, loop=None):
-            self.loop = loop or asyncio.get_running_loop()
-            self.started = True
+            self.queue.bind(loop or asyncio.get_running_loop())
 
         def submit(self, item, desc=None, priority=1, timeout_ms=0):
             e = super().submit(item, desc, priority, timeout_ms)
             if not self.hold:
-                self.loop.call_soon(self.run)
+                self.queue.loop.call_soon(self.run)
             return e
 
         def submit_many(self, specs):
             out = super().submit_many(specs)
             if not self.hold:
-                self.loop.call_soon(self.run)
+                self.queue.loop.call_soon(self.run)
             return out
 
         def run(self):
-            with self.lock:
+            q = self.queue
+            with q.lock:
                 now = time.monotonic_ns()
-                batch = [e for q in self.queues.values() for e in q.take(64, now, self)]
-                self.pending -= len(batch)
-                self.running += 1
+                batch = [e for sq in q.queues.values() for e in sq.take(64, now, q)]
+                q.pending -= len(batch)
+                q.running += 1
             if batch:
                 xs = np.array([e.item.x for e in batch], np.float32)
-                self.deliver_batch(batch, native.kin(scheduler.__name__, "entries").Rows(
+                q.deliver_batch(batch, native.kin(scheduler.__name__, "entries").Rows(
                     {"y": xs * 2}, len(batch)), 5)
             else:
-                with self.lock:
-                    self.running -= 1
+                with q.lock:
+                    q.running -= 1
 
-    return Inline("t", max_queue_size, levels, delay_ns, ready_live)
+    queue = scheduler.AdmissionQueue("t", max_queue_size, guard, levels, delay_ns, ready_live)
+    return Inline("t", queue, guard)
 
 
 def test_admission_refuses_at_once_and_keeps_one_deadline_timer(scheduler):
@@ -139,24 +144,24 @@ def test_admission_refuses_at_once_and_keeps_one_deadline_timer(scheduler):
         b.hold = True
         e1 = b.submit(_Item(), None, 1, 0)
         e2 = b.submit(_Item("other"), None, 1, 50)
-        assert b.pending == 2 and len(b.queues) == 2 and b.timer is not None
+        assert b.queue.pending == 2 and len(b.queue.queues) == 2 and b.queue.deadlines.timer is not None
         with pytest.raises(Overloaded):
             b.submit(_Item(), None, 1, 0)
         with pytest.raises(lc.InvalidArgument, match="max_queue_size"):
             b.submit_many([(_Item(), None, 1, 0)] * 3)  # larger than the whole queue
-        first = b.timer
+        first = b.queue.deadlines.timer
         e3 = None
         b.cancel(e1)  # leaves the count at once
         e3 = b.submit(_Item(), None, 1, 10)  # an earlier deadline re-arms the one timer
-        assert b.timer is not first and len(b.deadlines) == 2
+        assert b.queue.deadlines.timer is not first and len(b.queue.deadlines) == 2
         with pytest.raises(lc.DeadlineExceeded, match="10 ms expired in the queue"):
             await e3.waiter
         with pytest.raises(lc.DeadlineExceeded, match="50 ms"):
             await e2.waiter
         with pytest.raises(lc.Cancelled):
             await e1.waiter
-        assert b.pending == 0 and b.timer is None
-        b.closed = True
+        assert b.queue.pending == 0 and b.queue.deadlines.timer is None
+        b.queue.closed = True
         with pytest.raises(Unavailable):
             b.submit(_Item(), None, 1, 0)
     asyncio.run(main())
@@ -170,8 +175,8 @@ def test_deadline_heap_drops_answered_entries(scheduler):
             e = b.submit(_Item(), None, 1, 60_000)
             b.cancel(e)
         # answered entries leave the heap when it is rebuilt: it stays within a bound
-        assert len(b.deadlines) < scheduler.DEADLINE_COMPACT_MIN + 2
-        b.stop_timer()
+        assert len(b.queue.deadlines) < scheduler.DEADLINE_COMPACT_MIN + 2
+        b.queue.stop_timer()
     asyncio.run(main())
 
 
@@ -219,6 +224,19 @@ def test_dispatcher_infer_and_infer_many_end_to_end(impl):
             await d.infer(lc.InferRequest("t", b"abc"))
         assert route.holds == 0
     asyncio.run(main())
+
+
+def test_check_room_names_why_a_request_cannot_be_admitted(scheduler):
+    """The admission errors every batcher raises (its AdmissionQueue, or an ensemble's own
+    count): closed, a group past the whole queue, a full queue; room: nothing raised."""
+    scheduler.check_room("t", False, 3, 1, 4)
+    with pytest.raises(Unavailable, match="'t' is shutting down"):
+        scheduler.check_room("t", True, 0, 1, 4)
+    with pytest.raises(lc.InvalidArgument, match="max_queue_size = 4"):
+        scheduler.check_room("t", False, 0, 5, 4)
+    with pytest.raises(Overloaded, match=r"queue is full \(4 pending\)") as err:
+        scheduler.check_room("t", False, 4, 1, 4)
+    assert err.value.retry_after_s == 1
 
 
 def test_a_group_larger_than_the_queue_is_a_400_naming_the_limit(scheduler):

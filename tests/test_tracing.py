@@ -95,7 +95,7 @@ def test_disabled_runtime_makes_no_spans(tmp_path, monkeypatch):
 
     async def main():
         async with rt:
-            assert all(t.batcher.trace is None for t in rt.tasks.values())
+            assert all(t.batcher.queue.trace is None for t in rt.tasks.values())
             resp = await rt.infer(mlp_request(0))
             assert resp.stats.batch_size == 1
             await rt.infer_many([mlp_request(i) for i in range(3)])
@@ -152,6 +152,32 @@ def test_cancelled_request_span(tmp_path):
             (span,) = by_name(exporter.get_finished_spans(), "lumen.request")
             assert span.attributes["lumen.error.code"] == "cancelled"
             assert not span.status.is_ok
+
+    asyncio.run(main())
+
+
+def test_request_spans_are_the_tracers_own_and_leave_its_map_when_answered(tmp_path):
+    """The request spans live in the tracer's map (``Tracing.spans``), not on the entry: open
+    from admission to the answer, so the map is empty once every caller was answered,
+    cancelled or refused."""
+    rt = Runtime.from_dict(S.onnx_config(tmp_path))
+    rt.tracing, exporter = in_memory()
+
+    async def main():
+        async with rt:
+            await rt.infer(mlp_request(0))
+            await rt.infer_many([mlp_request(i) for i in range(3)])
+            x = S.mlp_input(0)
+            t = asyncio.ensure_future(rt.infer(lc.InferRequest(
+                "slow", x.tobytes(), "application/octet-stream", S.tensor_meta(x.shape))))
+            await asyncio.sleep(0.05)
+            assert len(rt.tracing.spans) == 1  # the slow one, still open
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            await asyncio.sleep(0)
+            assert rt.tracing.spans == {}
+            assert len(by_name(exporter.get_finished_spans(), "lumen.request")) >= 5
 
     asyncio.run(main())
 

@@ -124,8 +124,8 @@ def test_wheel_tag_licence_and_stripped_extensions(wheel):
         assert "License-Expression: Apache-2.0" in meta and "Classifier: Typing :: Typed" in meta
         sos = [n for n in names if n.endswith(".so") and "/_" in n]
         assert {re.match(r"lumen_core/_(\w+)\.", n).group(1) for n in sos} == {
-            "descriptor", "assemble", "image", "notify", "messages", "entries", "scheduler",
-            "dispatch"}, sos
+            "descriptor", "assemble", "image", "notify", "messages", "entries", "latency",
+            "scheduler", "dispatch"}, sos
         for n in sos:
             data = z.read(n)
             sections = _elf_sections(data)
@@ -142,7 +142,8 @@ def test_sdist_carries_the_licence_beside_the_wheel(wheel):
     # both kinds of compiled source: C-level .pyx and the .pxd that compiles a twin itself
     assert {"LICENSE", "NOTICE", "pyproject.toml", "setup.py", "csrc/_descriptor.pyx",
             "lumen_core/_scheduler.pxd", "lumen_core/scheduler.py", "lumen_core/_entries.pxd",
-            "lumen_core/entries.py", "lumen_core/_dispatch.pxd",
+            "lumen_core/entries.py", "lumen_core/_latency.pxd", "lumen_core/latency.py",
+            "lumen_core/_dispatch.pxd",
             "lumen_core/dispatch.py"} <= names
     assert not any(n.endswith((".so", ".c")) for n in names), names
 

@@ -11,10 +11,11 @@ ridge on each diagonal keeps the solve defined in directions the batches do not 
 fit is then exact where the batches are, which is where predictions are asked for).
 
 One update per finished batch, under the batcher's lock, in the worker thread that ran it;
-never per request.  What admission needs from it (``scheduler.Admission.cost_fixed_ns`` /
+never per request.  The model is owned by the batcher's latency guard
+(``latency.LatencyGuard``), which copies what admission needs from it (``cost_fixed_ns`` /
 ``cost_item_ns``: a batch of ``n`` costs ``fixed + n * item``, the token term folded into the
-per-item cost at the typical tokens per item) is written onto the admission by
-``QueuePolicy.learn``, so the admission check is C arithmetic on plain fields.
+per-item cost at the typical tokens per item) into its C fields when it learns
+(``LatencyGuard.learn``), so the admission check is C arithmetic on plain fields.
 """
 from __future__ import annotations
 
@@ -70,9 +71,14 @@ class CostModel:
         self.tokens_per_item = 0.0
         self.last_error_us = 0.0  # the newest batch's prediction error before it was learnt
 
+    def fresh(self) -> "CostModel":
+        """A model that has learnt nothing, with this one's forgetting factor (a stale model
+        starts over: ``latency.LatencyGuard.forget``)."""
+        return CostModel(self.forgetting)
+
     def update(self, n: float, tokens: int, compute_us: float) -> None:
         """Learn one finished batch of ``n`` items (typical rows: may be fractional or larger
-        than the batch, see ``QueuePolicy.learn``) and ``tokens`` padded token slots."""
+        than the batch, see ``LatencyGuard.learn``) and ``tokens`` padded token slots."""
         if n <= 0:
             return
         lam = self.forgetting

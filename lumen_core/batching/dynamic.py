@@ -6,13 +6,14 @@ execution signature, each queue holding one FIFO per priority level.  Queue *pol
 happens only when an engine worker is free: under load batches grow by themselves, under light
 load a lone request runs at once (``max_queue_delay_us = 0``) or after at most the delay.
 
-The policy (admission, deadlines, cancellation, delivery) is ``policy.py``'s, on the compiled
-``scheduler.Admission``, which also keeps the signature queues (``entries.SignatureQueue``);
-this module only forms batches.  Formation runs in the engine workers' own threads
-(``runner.Worker``): a worker that finishes a batch takes its next one at once under the
-batcher's lock, so the engine never waits for the event loop.  A request costs the loop one
-future and a deque append under that lock; an idle worker is woken only when the request makes
-a batch formable (``Admission.wake_if_formable``).
+The policy (admission, deadlines, cancellation, delivery) is the batcher's compiled admission
+queue (``scheduler.AdmissionQueue``, owned through ``policy.QueuePolicy``), which also keeps the
+signature queues (``entries.SignatureQueue``); this module's :class:`Formation` only forms
+batches from them.  Formation runs in the engine workers' own threads (``runner.Worker``): a
+worker that finishes a batch takes its next one at once under the batcher's lock, so the
+engine never waits for the event loop.  A request costs the loop one future and a deque append
+under that lock; an idle worker is woken only when the request makes a batch formable
+(``AdmissionQueue.wake_if_formable``).
 
 Cancelled and expired requests are removed lazily (marked dead, skipped at batch formation) but
 leave the admission count at once, so ``max_queue_size`` counts only live requests; formation
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -51,6 +51,7 @@ from .loop import (
     LOOP_PROBE_FACTOR,
     LOOP_SAMPLES,
     LOOP_SETTLED,
+    LoopExecution,
     LoopTurn,
 )
 from .policy import QUEUED, RUNNING, UNSET, BatchResult, Entry, QueuePolicy
@@ -60,8 +61,6 @@ log = logging.getLogger("lumen.batching")
 
 #: length-aware formation looks at the oldest ``factor * max_batch_size`` live requests
 LENGTH_WINDOW_FACTOR = 4
-#: weight of the newest batch in the running mean of its items' size (``units_per_item``)
-UNITS_EMA = 0.05
 #: a request joins a length-aware batch while the padded slots it adds beyond its own length
 #: stay within ``PAD_TOLERANCE * length + PAD_SLACK_TOKENS``.  On CPU a batch costs about its
 #: padded slots and batching buys little beyond that (bench/HISTORY.md, text_embed: 0/4 beat
@@ -72,7 +71,7 @@ PAD_SLACK_TOKENS = 4
 
 
 
-def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePolicy,
+def take_by_length(q: Any, n: int, max_tokens: int, window: int, queue: Any,
                    now: int) -> list[Entry]:
     """Pop up to ``n`` live entries of ``q`` (a ``SignatureQueue``) of similar length (see
     the module docstring).
@@ -94,7 +93,7 @@ def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePo
     for e in level:
         if e.state == QUEUED:
             if e.deadline_ns and e.deadline_ns <= now:
-                policy.kill(e)
+                queue.kill(e)  # past its deadline: dies queued (the admission queue's)
                 continue
             cands.append(e)
             if len(cands) == window:
@@ -113,29 +112,6 @@ def take_by_length(q: Any, n: int, max_tokens: int, window: int, policy: QueuePo
         e.dispatch_ns = now
     q.live -= len(out)
     return out
-
-
-def batch_units(entries: Sequence[Entry]) -> int:
-    """What a batch's cost grows with beyond its rows (``DynamicBatcher.loop_fits``): the
-    padded token slots of texts (``n`` x the longest ``length``), else the elements of dense
-    items (``n`` x the item's elements: a batch has one signature, so one item shape), else
-    0 (rows only)."""
-    first = entries[0].item
-    if getattr(first, "length", 0):
-        return len(entries) * max(_item_length(e) for e in entries)
-    shape = getattr(first, "item_shape", None)
-    if not shape:
-        return 0
-    if isinstance(shape[0], tuple):  # one shape per input: their elements add up
-        return len(entries) * sum(_elements(x) for x in shape)
-    return len(entries) * _elements(shape)
-
-
-def _elements(shape: Sequence[int]) -> int:
-    k = 1
-    for d in shape:
-        k *= d
-    return k
 
 
 def _item_length(entry: Entry) -> int:
@@ -178,236 +154,37 @@ def _length_window(lengths: Sequence[int], p: int, n: int,
     return lo, hi
 
 
-class DynamicBatcher(QueuePolicy):
-    """Per-task dynamic batcher over a pool of runners (one worker thread each)."""
+class Formation:
+    """Dynamic batch formation (the module docstring), the strategy a ``DynamicBatcher``
+    owns: which queued requests run together, and how large a batch may be.  It reads and
+    takes from the batcher's admission queue (``scheduler.AdmissionQueue``: the signature
+    queues, the counts) under its lock; the latency guard's learnt cost sizes its batches
+    (:meth:`operating_batch`).
 
-    def __init__(self, name: str, config: BatchingConfig, runners: Sequence[Runner],
-                 on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0,
-                 refuse: bool = True):
-        """``max_batch_tokens > 0`` turns on length-aware formation for items with ``.length``
-        (token budget per batch, padded slots counted); 0 keeps strict FIFO batches.
-        ``config.latency_target_ms`` sizes batches to the target (``fit``) and, unless
-        ``refuse`` is False (an ensemble's steps: their requests were admitted already),
-        refuses at admission the requests that cannot make it (``Admission.check_latency``)."""
-        preferred: tuple[int, ...] = tuple(config.preferred_batch_sizes)
-        # a queue this long forms a batch at once, whatever max_queue_delay_us says
-        ready = min(config.max_batch_size, preferred[-1]) if preferred else config.max_batch_size
-        super().__init__(name, config.max_queue_size, on_batch, config.priority_levels,
-                         config.max_queue_delay_us * 1000, ready)
-        self.config = config
-        self._max_batch = config.max_batch_size
-        self._preferred = preferred
-        self._max_tokens = max(0, int(max_batch_tokens))
-        self._window = LENGTH_WINDOW_FACTOR * config.max_batch_size
-        self._target_ns = config.latency_target_ms * 1_000_000
-        if refuse:
-            self.target_ns = self._target_ns
-        self.batch_limit = config.max_batch_size
-        self._init_workers(name, runners)
-        #: loop execution (``LoopTurn``): batches that run within this run on the loop.  One
-        #: engine instance only (several were asked for to run batches at once, which the
-        #: loop cannot), and not with length-aware formation (a batch of long texts costs
-        #: many times a batch of short ones: no typical batch time to judge it by)
-        self.turn = (LoopTurn(self.workers[0], self) if config.loop_execution_us
-                     and len(self.workers) == 1 and not self._max_tokens else None)
-        self._loop_ns = config.loop_execution_us * 1000 if self.turn is not None else 0
-        self.loop_runs = False  # under the lock: batches run on the loop (``_judge``)
-        self.loop_batches = 0  # batches run on the loop since the last trial began
-        self.loop_recent = [0] * LOOP_SAMPLES  # the newest ones' times (ns), a ring
-        self.loop_median_ns = 0  # their median, judged once the ring is full
-        self.loop_wait = 0  # worker batches before the next trial
-        self.loop_backoff = LOOP_BACKOFF
-        #: under the lock: a batch the loop formed but handed to the worker (``loop_fits``)
-        self.handoff: Optional[Batch] = None
-        #: running mean of a learnt batch's ``batch_units`` per row (0: none yet, or sizes
-        #: unknown): the typical item's size, for ``loop_fits``
-        self.units_per_item = 0.0
+    ``batch_cap`` is the size batches are formed at with a latency target (``operating_batch``,
+    set once per finished batch); ``target_ns`` the target formation sizes to (also for an
+    ensemble's steps, whose requests are never refused here: ``refuse=False``)."""
 
-    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        started = self.started
-        super().start(loop)
-        t = self.turn
-        if not started and t is not None:
-            try:
-                here = asyncio.get_running_loop() is self.loop
-            except RuntimeError:
-                here = False
-            t.loop = self.loop
-            t.loop_thread = threading.get_ident() if here else 0
-
-    async def close(self) -> None:
-        t = self.turn
-        if t is not None:  # a lent instance goes back to its worker, which drains and stops
-            with self.lock:  # (directly: the loop that would run the turn may be gone)
-                self.stopping = True
-                if not t.running:
-                    t.give_back()
-        await super().close()
-
-    def learnt(self, batch: Batch, results: Any, compute_us: int, on_loop: bool = False) -> None:
-        """Under the lock, once per finished batch: learn its cost, steer the budget, judge
-        where the next batches run (``on_loop``: this one ran on the loop)."""
-        if not isinstance(results, BaseException):  # a failed run's time means nothing
-            n = len(batch.entries)
-            rows = 0.0
-            if self._loop_ns:  # sizes matter: learnt per typical row (see ``loop_fits``)
-                units = batch_units(batch.entries)
-                if units:
-                    per = self.units_per_item
-                    if per > 0.0:
-                        rows = max(float(n), units / per)
-                    self.units_per_item = units / n if not per else (
-                        per + UNITS_EMA * (units / n - per))
-            self.learn(n, batch.extra or 0, compute_us, rows)
-            if self.target_ns:  # its oldest request's wait steers the budget
-                self.steer(time.monotonic_ns() - min(e.arrival_ns for e in batch.entries))
-            if self._loop_ns:
-                self._judge(compute_us * 1000, on_loop)
-
-    def _judge(self, ns: int, on_loop: bool) -> None:
-        """Loop execution's decision, once per batch (see ``LOOP_PROBE_FACTOR``).
-
-        On the worker thread a batch's time includes its waits for the GIL, which the loop
-        holds most of the time: the null model's batch of 32 measured 14 us alone and 33-106
-        us (median, 90th percentile) beside a busy loop.  So the worker's time only says
-        whether trying the loop is worth it (the learnt cost of the largest batch within
-        ``LOOP_PROBE_FACTOR`` times the threshold); what the batches then take on the loop,
-        where nothing competes, decides whether they stay there: the median of the last
-        ``LOOP_SAMPLES`` must stay within ``loop_execution_us``.  A median, not a mean: a lone
-        batch that a garbage collection or the OS held up for milliseconds is not the model's
-        cost, while a model that slows down for good is back on its worker within
-        ``LOOP_SAMPLES // 2`` batches.  A model that fails the trial goes back to its
-        worker and is not tried again for ``loop_backoff`` batches (doubling)."""
-        if on_loop:
-            if ns > max(LOOP_OVERRUN_FACTOR * self._loop_ns, LOOP_OVERRUN_MIN_NS):
-                self.back_to_worker()  # an overrun: at once, not after a median
-                return
-            k = self.loop_batches = self.loop_batches + 1
-            recent = self.loop_recent
-            recent[k % LOOP_SAMPLES] = ns
-            if k >= LOOP_SAMPLES:
-                self.loop_median_ns = median = sorted(recent)[LOOP_SAMPLES // 2]
-                if median > self._loop_ns:
-                    self.back_to_worker()
-                elif k == LOOP_SETTLED:  # it held: a later trial starts from the first backoff
-                    self.loop_backoff = LOOP_BACKOFF
-        elif self.loop_wait:
-            self.loop_wait -= 1
-        elif self.cost_ready and not self.loop_runs:
-            # (no token term: loop execution is never on with length-aware formation)
-            if self.cost.predict_us(self._max_batch) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns:
-                self.loop_runs = True
-                self.loop_batches = 0
-                self.loop_median_ns = 0
-
-    def loop_fits(self, batch: Batch) -> bool:
-        """Under the lock: whether ``batch`` may run on the loop: its predicted cost, from
-        what formation knows of it, within the trial's reach of the threshold
-        (``LOOP_PROBE_FACTOR``: the learnt cost mixes the worker's times, GIL waits included).
-        The learnt cost is per row of the typical item; a batch counts as many typical rows
-        as its size (``batch_units``: the elements or token slots its cost grows with) over
-        the typical item's (``units_per_item``), at least its rows.  So items far larger than
-        the ones learnt (one client's 8192-token rows after 4-token ones) are priced by their
-        size, not by the rows of the batches that moved the task to the loop; and items over
-        ``LOOP_ITEM_GROWTH`` times the typical size never run there: the loop was judged on
-        items of that size, and a cost may grow faster than the elements (attention: as
-        L^2), which no linear price foresees (issue 38 row 1).  The sizes are not a term of
-        the cost model itself: a dense task's elements are its rows times a constant, and
-        one warm-up batch of another shape would make that fit ill-posed."""
-        m = self.cost
-        if not m.samples:
-            return True
-        n = len(batch.entries)
-        rows = float(n)
-        per = self.units_per_item
-        if per > 0.0:
-            units = batch_units(batch.entries)
-            if units > LOOP_ITEM_GROWTH * n * per:
-                return False  # items far larger than those learnt: their cost may grow faster
-            rows = max(rows, units / per)
-        fixed, item = m.linear()
-        return (fixed + item * rows) * 1000 <= LOOP_PROBE_FACTOR * self._loop_ns
-
-    def back_to_worker(self) -> None:
-        """Under the lock: end loop execution (a failed trial, a fault on the loop) and try
-        again only after ``loop_backoff`` worker batches, doubled for the next time."""
-        self.loop_runs = False
-        self.loop_wait = self.loop_backoff
-        self.loop_backoff = min(LOOP_BACKOFF_MAX, 2 * self.loop_backoff)
-
-    def cost_figures(self) -> Optional[dict[str, Any]]:
-        out = super().cost_figures()
-        if out is not None:
-            out["loop_execution"] = self.loop_runs
-            out["loop_batch_us"] = self.loop_median_ns / 1000
-        return out
-
-    def lend(self, worker: Worker) -> bool:
-        """Worker thread, holding the lock: lend this instance to the loop (``LoopTurn``)
-        and park until the loop hands it back; return holding the lock again.  False (and
-        nothing lent) when the loop is gone."""
-        turn = self.turn
-        if turn is None or turn.loop is None:  # the loop is gone: loop execution ends here
-            self.loop_runs = False
-            self._loop_ns = 0
-            return False
-        worker.flush()  # results waiting for the loop go before the instance does
-        turn.lent = True
-        if self.pending:
-            turn.release()
-        else:
-            self.idle.append(turn)
-        lock = self.lock
-        lock.release()
-        try:
-            worker.wake.acquire()
-        finally:
-            lock.acquire()
-        return True
+    def __init__(self, queue: Any, guard: Any, config: BatchingConfig, max_tokens: int):
+        self.queue = queue
+        self.guard = guard
+        self.max_batch = config.max_batch_size
+        self.preferred: tuple[int, ...] = tuple(config.preferred_batch_sizes)
+        self.max_tokens = max(0, int(max_tokens))
+        self.window = LENGTH_WINDOW_FACTOR * config.max_batch_size
+        self.target_ns = config.latency_target_ms * 1_000_000
+        self.batch_cap = 1
 
     def queued(self) -> list[Entry]:
-        return [e for q in self.queues.values() for lv in q.levels for e in lv
+        """Under the lock: every entry still queued."""
+        return [e for q in self.queue.queues.values() for lv in q.levels for e in lv
                 if e.state == QUEUED]
 
-    # -- formation (worker threads) ---------------------------------------------------------
-    def next_batch(self, worker: Worker) -> Optional[Batch]:
-        with self.lock:
-            return self._next_locked(worker)
-
-    def finished(self, worker: Worker, batch: Batch, results: Any,
-                 compute_us: int) -> Optional[Batch]:
-        with self.lock:
-            self.learnt(batch, results, compute_us)
-            # handed back after learning: a caller that has its answer sees its batch learnt
-            self.completions.put(batch.entries, results, compute_us)
-            return self._next_locked(worker)
-
-    def _next_locked(self, worker: Worker) -> Optional[Batch]:
-        while True:
-            batch = self.handoff
-            if batch is not None:  # the loop formed it, too large to run there (loop_fits)
-                self.handoff = None
-                return batch
-            if self.loop_runs and not self.stopping and self.lend(worker):
-                continue
-            timeout = -1.0
-            if self.pending:
-                now = time.monotonic_ns()
-                batch, wake_at = self.form(now)
-                if batch is not None:
-                    return batch
-                if wake_at:
-                    timeout = max(0, wake_at - now) / 1e9
-            if self.stopping:
-                return None
-            worker.flush()  # results waiting for the loop must not wait for our next batch
-            self.wait_for_work(worker.wake, timeout, self.idle)
-
-    def _batch_size(self, live: int) -> int:
-        cap = min(live, self._max_batch)
-        if self._preferred:
-            fits = [p for p in self._preferred if p <= cap]
-            if fits and cap < self._max_batch:
+    def batch_size(self, live: int) -> int:
+        cap = min(live, self.max_batch)
+        if self.preferred:
+            fits = [p for p in self.preferred if p <= cap]
+            if fits and cap < self.max_batch:
                 return fits[-1]
         return cap
 
@@ -423,32 +200,35 @@ class DynamicBatcher(QueuePolicy):
         overload, into ever smaller and less efficient batches (measured: MiniLM at 1.5x its
         capacity ran batches of 3.4 on average and fell to 0.58x of it).  A budget that runs
         late shrinks through ``steer`` instead."""
-        item = self.cost_item_ns
-        if not self._target_ns or item <= 0.0:
-            return self._max_batch
-        budget = self.budget_ns or self._target_ns
-        n = int((budget / 2 - self.cost_fixed_ns) // item)
-        return max(1, min(self._max_batch, n))
+        g = self.guard
+        item = g.cost_item_ns
+        if not self.target_ns or item <= 0.0:
+            return self.max_batch
+        budget = g.budget_ns or self.target_ns
+        n = int((budget / 2 - g.cost_fixed_ns) // item)
+        return max(1, min(self.max_batch, n))
 
-    def _ready_at(self, q: Any, head: Entry) -> int:
+    def ready_at(self, q: Any, head: Entry) -> int:
         """Monotonic ns at which ``q`` may form a batch (0: now)."""
-        if self.delay_ns == 0 or q.live >= self.ready_live:
+        queue = self.queue
+        if queue.delay_ns == 0 or q.live >= queue.ready_live:
             return 0
-        return head.arrival_ns + self.delay_ns
+        return int(head.arrival_ns + queue.delay_ns)
 
     def form(self, now: int) -> tuple[Optional[Batch], int]:
         """(batch, 0) or (None, ns at which a queue becomes ready, 0 if none).  Under the lock."""
-        while self.pending:
+        queue = self.queue
+        while queue.pending:
             best = None
             best_key = None
             wake_at = 0
-            for q in self.queues.values():
+            for q in queue.queues.values():
                 if not q.live:
                     continue
                 head = q.head()
                 if head is None:
                     continue
-                ready = self._ready_at(q, head)
+                ready = self.ready_at(q, head)
                 if ready > now:
                     wake_at = ready if not wake_at else min(wake_at, ready)
                     continue
@@ -457,26 +237,131 @@ class DynamicBatcher(QueuePolicy):
                     best, best_key = q, key
             if best is None:
                 return None, wake_at
-            size = self._batch_size(best.live)
-            if self._target_ns and self.cost_ready:
+            size = self.batch_size(best.live)
+            if self.target_ns and self.guard.cost_ready:
                 size = min(size, self.batch_cap)  # sized to the target (operating_batch)
             tokens = 0
-            if self._max_tokens:
-                entries = take_by_length(best, size, self._max_tokens, max(size, self._window),
-                                         self, now)
+            if self.max_tokens:
+                entries = take_by_length(best, size, self.max_tokens, max(size, self.window),
+                                         queue, now)
                 if entries:  # ascending lengths: the batch is padded to its last one's
                     tokens = len(entries) * _item_length(entries[-1])
             else:
-                entries = best.take(size, now, self)
+                entries = best.take(size, now, queue)
             if not entries:  # everything it looked at had expired: look again
                 continue
-            self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
-            self.pending -= len(entries)
-            self.running_items += len(entries)
-            if self.queued_tokens:  # (a latency target tracks the queued texts' lengths)
-                self.dequeued_tokens(entries)
+            queue.running += 1  # before pending drops: drain never sees both at 0 mid-handover
+            queue.pending -= len(entries)
+            queue.running_items += len(entries)
+            if queue.queued_tokens:  # (a latency target tracks the queued texts' lengths)
+                queue.dequeued_tokens(entries)
             return Batch(entries, [e.item for e in entries], tokens), 0
         return None, 0
 
 
-__all__ = ["BatchResult", "DynamicBatcher", "LoopTurn", "UNSET", "run_split", "take_by_length"]
+class DynamicBatcher(QueuePolicy):
+    """Per-task dynamic batcher over a pool of runners (one worker thread each): the queue
+    policy's parts (``QueuePolicy``: the admission queue, the latency guard, the workers)
+    with dynamic :class:`Formation` and :class:`~lumen_core.batching.loop.LoopExecution`."""
+
+    def __init__(self, name: str, config: BatchingConfig, runners: Sequence[Runner],
+                 on_batch: Optional[Callable[[int, int], None]] = None, max_batch_tokens: int = 0,
+                 refuse: bool = True):
+        """``max_batch_tokens > 0`` turns on length-aware formation for items with ``.length``
+        (token budget per batch, padded slots counted); 0 keeps strict FIFO batches.
+        ``config.latency_target_ms`` sizes batches to the target (``operating_batch``) and,
+        unless ``refuse`` is False (an ensemble's steps: their requests were admitted
+        already), refuses at admission the requests that cannot make it
+        (``LatencyGuard.check``)."""
+        preferred: tuple[int, ...] = tuple(config.preferred_batch_sizes)
+        # a queue this long forms a batch at once, whatever max_queue_delay_us says
+        ready = min(config.max_batch_size, preferred[-1]) if preferred else config.max_batch_size
+        super().__init__(name, config.max_queue_size, on_batch, config.priority_levels,
+                         config.max_queue_delay_us * 1000, ready,
+                         config.latency_target_ms * 1_000_000 if refuse else 0)
+        self.config = config
+        self.formation = Formation(self.queue, self.guard, config, max_batch_tokens)
+        self._init_workers(name, runners)
+        #: loop execution: batches that run within ``loop_execution_us`` run on the loop
+        self.execution = LoopExecution(self, config.loop_execution_us)
+
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        started = self.queue.started
+        super().start(loop)
+        if not started:
+            self.execution.bind(self.queue.loop)
+
+    async def close(self) -> None:
+        self.execution.close()
+        await super().close()
+
+    def size_batches(self) -> None:
+        f = self.formation
+        f.batch_cap = max(1, f.operating_batch())
+        self.guard.sized(f.batch_cap)
+
+    def cap(self) -> int:
+        return int(self.formation.batch_cap)
+
+    def learnt(self, batch: Batch, results: Any, compute_us: int, on_loop: bool = False) -> None:
+        """Under the lock, once per finished batch: learn its cost, steer the budget, judge
+        where the next batches run (``on_loop``: this one ran on the loop)."""
+        if not isinstance(results, BaseException):  # a failed run's time means nothing
+            x = self.execution
+            rows = x.rows(batch.entries)
+            self.learn(len(batch.entries), batch.extra or 0, compute_us, rows)
+            if self.guard.target_ns:  # its oldest request's wait steers the budget
+                self.steer(time.monotonic_ns() - min(e.arrival_ns for e in batch.entries))
+            if x.loop_ns:
+                x.judge(compute_us * 1000, on_loop)
+
+    def cost_figures(self) -> Optional[dict[str, Any]]:
+        out = super().cost_figures()
+        if out is not None:
+            out["loop_execution"] = self.execution.loop_runs
+            out["loop_batch_us"] = self.execution.loop_median_ns / 1000
+        return out
+
+    def queued(self) -> list[Entry]:
+        return self.formation.queued()
+
+    # -- formation (worker threads) ---------------------------------------------------------
+    def next_batch(self, worker: Worker) -> Optional[Batch]:
+        with self.queue.lock:
+            return self._next_locked(worker)
+
+    def finished(self, worker: Worker, batch: Batch, results: Any,
+                 compute_us: int) -> Optional[Batch]:
+        with self.queue.lock:
+            self.learnt(batch, results, compute_us)
+            # handed back after learning: a caller that has its answer sees its batch learnt
+            self.completions.put(batch.entries, results, compute_us)
+            return self._next_locked(worker)
+
+    def _next_locked(self, worker: Worker) -> Optional[Batch]:
+        q = self.queue
+        x = self.execution
+        while True:
+            batch = x.handoff
+            if batch is not None:  # the loop formed it, too large to run there (fits)
+                x.handoff = None
+                return batch
+            if x.loop_runs and not q.stopping and x.lend(worker):
+                continue
+            timeout = -1.0
+            if q.pending:
+                now = time.monotonic_ns()
+                batch, wake_at = self.formation.form(now)
+                if batch is not None:
+                    return batch
+                if wake_at:
+                    timeout = max(0, wake_at - now) / 1e9
+            if q.stopping:
+                return None
+            worker.flush()  # results waiting for the loop must not wait for our next batch
+            q.wait_for_work(worker.wake, timeout, q.idle)
+
+
+__all__ = ["LOOP_BACKOFF", "LOOP_BACKOFF_MAX", "LOOP_ITEM_GROWTH", "LOOP_OVERRUN_FACTOR",
+           "LOOP_OVERRUN_MIN_NS", "LOOP_PROBE_FACTOR", "LOOP_SAMPLES", "LOOP_SETTLED",
+           "BatchResult", "DynamicBatcher", "Formation", "LoopExecution", "LoopTurn", "UNSET", "run_split", "take_by_length"]

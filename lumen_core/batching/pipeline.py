@@ -17,9 +17,10 @@ own items only, so a step starts for a request as soon as that request's input i
 items of many requests meet in the step's queues (one request's 30 crops batch with another's
 12, grouped by each step's execution signature).
 
-:class:`Pipeline` is the task's batcher as the runtime and the scheduler see it (``submit``,
-``submit_many``, ``cancel``, ``cancel_group``, ``start``, ``drain``, ``close``, ``pending``,
-``in_flight``), so ``Runtime.infer`` / ``infer_many`` treat an ensemble like any task:
+:class:`Pipeline` implements the batcher interface the dispatcher calls
+(``scheduler.Batcher``: ``submit``, ``submit_many``, ``cancel``, ``cancel_group``, ``start``)
+and what the runtime reads (``drain``, ``close``, ``pending``, ``in_flight``) without a queue of
+its own, so ``Runtime.infer`` / ``infer_many`` treat an ensemble like any task:
 
 * **errors** stay with their request: a step item that fails (bad crop, model error isolated
   by ``run_split``) fails ``ctx.run`` of the request that owns it, and only that request;
@@ -43,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+from .. import native
 from ..config import BatchingConfig
 from ..errors import (
     Cancelled,
@@ -52,7 +54,16 @@ from ..errors import (
     Unavailable,
 )
 from .dynamic import DynamicBatcher
-from .policy import DEADLINE_FIELD, UNSET, Entry, Group, QueuePolicy, answer
+from .policy import (
+    DEADLINE_FIELD,
+    QUEUE_FULL,
+    ROOM,
+    UNSET,
+    Entry,
+    Group,
+    answer,
+    check_room,
+)
 
 log = logging.getLogger("lumen.batching")
 
@@ -172,19 +183,27 @@ class StepContext:
 Flow = Callable[[StepContext, Any], Awaitable[Any]]
 
 
-class Pipeline(QueuePolicy):
-    """The batcher of an ensemble task (see the module docstring): the shared queue policy
-    (``QueuePolicy``: admission, the deadline heap, draining) over requests whose "formation"
-    is a flow over the steps' batchers."""
+class Pipeline(native.scheduler.Batcher):
+    """The batcher of an ensemble task (see the module docstring): the dispatcher's interface
+    (``scheduler.Batcher``) over requests whose "formation" is a flow over the steps'
+    batchers.  It queues nothing itself: it owns its admission count (``pending``: the flows
+    running), a ``scheduler.DeadlineHeap`` for the requests' deadlines, and the steps."""
 
     def __init__(self, name: str, config: BatchingConfig, steps: Sequence[Step], flow: Flow):
-        super().__init__(name, config.max_queue_size, None, config.priority_levels)
+        super().__init__(name)
         self.config = config
+        self.levels = config.priority_levels
+        self.max_queue_size = config.max_queue_size
         self.steps = {s.name: s for s in steps}
         if len(self.steps) != len(steps):
             raise ValueError(f"pipeline {name!r}: step names must be unique")
         self.flow = flow
         self._flows: dict[Any, Any] = {}  # entry -> its flow task
+        self.pending = 0  # admitted requests whose flow has not finished
+        self.closed = False
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.deadlines = native.scheduler.DeadlineHeap(self.expire)
+        self._idle: Optional[asyncio.Event] = None  # while somebody drains
 
     @property
     def runners(self) -> list[Any]:
@@ -192,29 +211,45 @@ class Pipeline(QueuePolicy):
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        if self.started:
+        if self.loop is not None:
             return
-        self.loop = loop or asyncio.get_running_loop()
+        self.loop = self.deadlines.loop = loop or asyncio.get_running_loop()
         for s in self.steps.values():
             s.batcher.start(self.loop)
-        self.started = True
+
+    @property
+    def bound_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self.loop
+        assert loop is not None, f"batcher {self.name!r} is not started"
+        return loop
 
     async def drain(self) -> None:
         """Stop admitting, wait for every request's flow, then drain the steps."""
-        await super().drain()
+        self.closed = True
+        while self.pending:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
         for s in self.steps.values():
             await s.batcher.drain()
 
     async def close(self) -> None:
         """Refuse what is left (a close without drain), then close every step."""
         self.closed = True
-        self.stop_timer()
+        self.deadlines.stop()
         for e, task in list(self._flows.items()):
             task.cancel()
             answer(e, Unavailable(f"task {self.name!r} shut down before this request "
                                   f"finished"))
         for s in self.steps.values():
             await s.batcher.close()
+
+    def queue_limit(self) -> int:
+        return self.max_queue_size
+
+    def room(self, sequence_id: Optional[str] = None) -> int:
+        """``QueuePolicy.room``'s hint: ``ROOM`` while one more flow would be admitted."""
+        return ROOM if self.pending < self.max_queue_size else QUEUE_FULL
 
     @property
     def in_flight(self) -> int:
@@ -225,7 +260,7 @@ class Pipeline(QueuePolicy):
         return {name: s.stats.as_dict() for name, s in self.steps.items()}
 
     def counters(self) -> dict[str, Any]:
-        """Per-step batches, items, queue and compute times (``Batcher.counters``)."""
+        """Per-step batches, items, queue and compute times (``TaskBatcher.counters``)."""
         return {"steps": self.step_stats()}
 
     def cost_figures(self) -> Optional[dict[str, Any]]:
@@ -233,9 +268,13 @@ class Pipeline(QueuePolicy):
         return None
 
     # -- admission (loop thread): ``pending`` counts the flows -------------------------------
+    def admit(self, n: int) -> None:
+        """Raise the precise error when ``n`` more flows cannot start now."""
+        check_room(self.name, self.closed, self.pending, n, self.max_queue_size)
+
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Any:
         """Admit one request; its ``waiter`` resolves with the flow's result or error."""
-        if not self.started:
+        if self.loop is None:
             self.start()
         self.admit(1)
         e = self._entry(item, self.bound_loop.create_future(), priority, timeout_ms)
@@ -245,7 +284,7 @@ class Pipeline(QueuePolicy):
     def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
                     ) -> tuple[Any, list[Entry]]:
         """``[(item, desc, priority, timeout_ms), ...]`` admitted as a unit: (group, entries)."""
-        if not self.started:
+        if self.loop is None:
             self.start()
         group = Group(self.bound_loop.create_future(), len(specs))
         if not specs:
@@ -269,7 +308,7 @@ class Pipeline(QueuePolicy):
         self.pending += 1
         self._flows[e] = self.bound_loop.create_task(self._run(ctx))
         if e.deadline_ns:
-            self.arm(e)
+            self.deadlines.arm(e)
 
     async def _run(self, ctx: StepContext) -> None:
         e = ctx.entry
@@ -285,7 +324,8 @@ class Pipeline(QueuePolicy):
         finally:
             if self._flows.pop(e, None) is not None:
                 self.pending -= 1
-                self.maybe_idle()
+                if not self.pending and self._idle is not None:
+                    self._idle.set()
         e.batch_size = ctx.batch_size
         e.compute_us = ctx.compute_us
         e.dispatch_ns = e.arrival_ns + ctx.queue_us * 1000 if ctx.queue_us else e.arrival_ns + 1
@@ -313,8 +353,9 @@ class Pipeline(QueuePolicy):
         if task is not None:
             task.cancel()
 
-    def queued(self) -> list[Entry]:
-        return []
+    def cancel_group(self, entries: Sequence[Any]) -> None:
+        for e in entries:
+            self.cancel(e)
 
 
 def build_pipeline(name: str, config: BatchingConfig, specs: Sequence[StepSpec], flow: Flow,

@@ -7,10 +7,17 @@ request may wait, what happens when its caller gives up) is kept apart from batc
 signature queues and priority levels; ``sequence.py``: sequences pinned to slots;
 ``pipeline.py``: a flow per request over the steps' batchers).
 
-What a request pays on the loop thread is the compiled :class:`~lumen_core.scheduler.Admission`
-(``scheduler.py``): the counters, the lock, the signature queues, one deadline heap with one
-timer, the idle workers, delivery.  :class:`QueuePolicy` builds on it with what runs once per
-batcher: starting the worker threads, draining, closing.
+A batcher is parts it owns (as Triton's batcher owns a ``PolicyQueue``), each its own typed
+class: what a request pays on the loop thread is the compiled
+:class:`~lumen_core.scheduler.AdmissionQueue` (``scheduler.py``: the counters, the lock, the
+signature queues, one :class:`~lumen_core.scheduler.DeadlineHeap` with one timer, the idle
+workers, delivery), which asks the batcher's compiled
+:class:`~lumen_core.latency.LatencyGuard` (``latency.py``: the learnt cost; predict, check,
+steer) before it queues; the dispatcher calls only the batcher's compiled base,
+:class:`~lumen_core.scheduler.Batcher`.  :class:`QueuePolicy` composes the queue and the guard
+with what runs once per batcher: starting the worker threads, draining, closing.  Each batcher
+adds its formation (``dynamic.Formation``; the sequence batcher's lanes) and, for the dynamic
+batcher, its loop execution (``loop.LoopExecution``).
 
 Threads.  Batches are formed by the engine workers themselves (``runner.Worker``), in their
 own threads, as soon as they finish a batch: a busy engine never waits for the event loop.
@@ -35,15 +42,20 @@ task wake-up, not N.
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from .. import native
 from .cost import CostModel
 from .runner import Batch, CompletionQueue, Worker
 
-# the entry, its states and the admission state are the request path's compiled homes
+if TYPE_CHECKING:  # the parts' types (the twins: the compiled ones mirror them)
+    from ..latency import LatencyGuard
+    from ..scheduler import AdmissionQueue
+
+# the entry, its states, the admission queue and the latency guard are the request path's
+# compiled homes
 _sched = native.scheduler
+_lat = native.latency
 _ent = native.entries
 QUEUED, RUNNING, DONE = _ent.QUEUED, _ent.RUNNING, _ent.DONE
 UNSET = _ent.UNSET
@@ -56,27 +68,17 @@ OVERLOAD_RETRY_AFTER_S = _sched.OVERLOAD_RETRY_AFTER_S
 DEADLINE_FIELD = _sched.DEADLINE_FIELD
 #: the error of a call that the task's whole queue cannot hold (a 400, never a 429)
 group_too_large = _sched.group_too_large
-
-# Latency-target steering (``QueuePolicy.steer``): once per finished batch, the wait of its
-# oldest request (admission to answer) is held against the target.  Past ``STEER_HIGH`` of it
-# (what the server itself may spend: the rest is the transport's, before admission and after
-# the answer) the budget admission and formation plan for shrinks by ``STEER_DOWN``; under
-# ``STEER_LOW`` of it the budget grows back by ``STEER_UP``, never past the target nor under
-# ``STEER_MIN`` of it.  Shrinking fast and growing slowly is the usual AIMD-like shape: a
-# burst of late answers is corrected within a few batches, a quiet spell is not trusted at once.
-STEER_HIGH = 0.75
-STEER_LOW = 0.55
-STEER_DOWN = 0.95
-STEER_UP = 1.01
-STEER_MIN = 0.25
+#: the admission errors (closed, a group past the whole queue, a full queue)
+check_room = _sched.check_room
+#: latency-target steering (``LatencyGuard.steer``: see ``latency.py``)
+STEER_HIGH = _lat.STEER_HIGH
+STEER_LOW = _lat.STEER_LOW
+STEER_DOWN = _lat.STEER_DOWN
+STEER_UP = _lat.STEER_UP
+STEER_MIN = _lat.STEER_MIN
 #: ``QueuePolicy.room``: a request may be admitted now / the queue is full / its sequence
 #: waits for a slot (a stream stops reading on either of the last two: serve/streams.py)
 ROOM, QUEUE_FULL, AWAITING_SLOT = 0, 1, 2
-#: a probe (``scheduler.PROBE_IDLE_NS``) whose batch ran in under ``1 / PROBE_STALE`` of its
-#: predicted time shows a stale cost model: it starts over (``forget_cost``)
-PROBE_STALE = 2
-#: weight of the newest batch in the running mean of formed batch sizes (``batch_seen``)
-BATCH_SEEN_EMA = 0.05
 
 
 class BatchResult:
@@ -95,9 +97,9 @@ class BatchResult:
         return cls(e.result(), e.batch_size, e.queue_us, e.compute_us)
 
 
-class Batcher(Protocol):
-    """A task's batcher as the runtime and the request path use it (every batcher is a
-    :class:`QueuePolicy`; ``dispatch.Route.batcher`` is typed as its compiled base)."""
+class TaskBatcher(Protocol):
+    """A task's batcher as the runtime uses it (the dispatcher calls only its compiled base,
+    ``scheduler.Batcher``): a :class:`QueuePolicy` or an ensemble's ``Pipeline``."""
 
     name: str
     pending: int
@@ -132,63 +134,75 @@ class Batcher(Protocol):
         ...
 
 
-class QueuePolicy(_sched.Admission):
-    """Admission, deadlines, cancellation, delivery (``Admission``) and draining for one
-    batcher.
+class QueuePolicy(_sched.Batcher):
+    """A batcher that queues its requests: the parts it owns and their life cycle.
 
-    Subclasses (the batchers) implement formation and two hooks: ``queued()`` (under the lock:
-    every entry still queued, for a close without drain) and, where formation keeps its own
-    structures, ``unqueue(entry)`` (under the lock: a queued entry died).
+    Parts: ``queue`` (``scheduler.AdmissionQueue``: admission, the signature queues, the
+    deadline heap, cancellation, delivery), ``guard`` (``latency.LatencyGuard``: the learnt
+    cost and the latency target) and the worker threads, one per runner, which hand finished
+    batches back through one ``CompletionQueue``.  The dispatcher's calls (``submit``,
+    ``cancel``, ``refuse_late``) are ``scheduler.Batcher``'s, handed to the queue in C.  Here:
+    starting the workers, draining, closing, and learning from each finished batch.
+
+    The batchers (``DynamicBatcher``, ``SequenceBatcher``) add formation, their own way, and
+    two hooks: ``queued()`` (under the lock: every entry still queued, for a close without
+    drain), ``size_batches()`` and ``cap()`` (the cost model moved: size batches to it).
     """
+
+    queue: AdmissionQueue  # never None here
+    guard: LatencyGuard  # never None here
 
     def __init__(self, name: str, max_queue_size: int,
                  on_batch: Optional[Callable[[int, int], None]] = None, levels: int = 1,
-                 delay_ns: int = 0, ready_live: int = 1):
-        super().__init__(name, max_queue_size, levels, delay_ns, ready_live, on_batch)
-        #: compute time per batch, learnt from the batches this batcher runs (cost.py)
-        self.cost = CostModel()
-        #: the batch size a full queue forms (``operating_batch``), for the predictions
-        self.batch_limit = 1
-        #: the size batches are formed at (formation's cap, ``operating_batch``) and the size
-        #: they turn out (running mean: length-aware formation forms smaller ones when few
-        #: queued texts are of a length); predictions count batches of the smaller
-        self.batch_cap = 1
-        self.batch_seen = 0.0
+                 delay_ns: int = 0, ready_live: int = 1, target_ns: int = 0):
+        guard = _lat.LatencyGuard(name, CostModel(), target_ns)
+        super().__init__(name, _sched.AdmissionQueue(name, max_queue_size, guard, levels,
+                                                     delay_ns, ready_live, on_batch), guard)
 
     # -- workers (one thread per runner, results back through one queue) --------------------
     def _init_workers(self, name: str, runners: Sequence[Any]) -> None:
         self._runners = list(runners)
-        self.cost_workers = max(1, len(self._runners))
-        self.completions = CompletionQueue(self.deliver_batch)
+        self.guard.cost_workers = max(1, len(self._runners))
+        self.completions = CompletionQueue(self.queue.deliver_batch)
         self.workers = [Worker(r, self, f"{name}#{i}", i, self.completions.flush)
                         for i, r in enumerate(self._runners)]
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Bind to the running loop and start the worker threads (idempotent)."""
-        if self.started:
+        q = self.queue
+        if q.started:
             return
-        self.loop = loop or asyncio.get_running_loop()
-        self.completions.attach(self.loop)
-        self.started = True
+        bound = loop or asyncio.get_running_loop()
+        q.bind(bound)
+        self.completions.attach(bound)
         for w in self.workers:
             w.start()
+
+    def wake_workers(self) -> None:
+        """Under the lock: wake every waiting worker (closing)."""
+        self.queue.wake_all()
+
+    def stop_timers(self) -> None:
+        """Loop thread, at close: no more deadline (or other timer) callbacks."""
+        self.queue.stop_timer()
 
     async def close(self) -> None:
         """Stop the workers (after ``drain``) and the hand-back; anything still queued (a close
         without a drain) is answered ``Unavailable``."""
-        with self.lock:
-            self.closed = True
-            self.stopping = True
-            self.wake_all()
+        q = self.queue
+        with q.lock:
+            q.closed = True
+            q.stopping = True
+            self.wake_workers()
         for w in self.workers:
             await asyncio.to_thread(w.join)
-        self.stop_timer()
-        with self.lock:
+        self.stop_timers()
+        with q.lock:
             left = self.queued()
             for e in left:
-                self.kill(e)
-        self.refuse(left)
-        if self.started:
+                q.kill(e)
+        q.refuse(left)
+        if q.started:
             self.completions.close()
 
     def queued(self) -> list[Entry]:  # pragma: no cover - overridden
@@ -205,6 +219,19 @@ class QueuePolicy(_sched.Admission):
         """Hand ``results`` back, then (same lock) the next batch, as ``next_batch``."""
         raise NotImplementedError
 
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Requests queued now (live: cancelled and expired ones leave at once)."""
+        n: int = self.queue.pending
+        return n
+
+    @property
+    def in_flight(self) -> int:
+        """Batches running now."""
+        n: int = self.queue.running
+        return n
+
     @property
     def runners(self) -> list[Any]:
         """The runners (one per engine instance) the batcher's workers drive."""
@@ -213,7 +240,7 @@ class QueuePolicy(_sched.Admission):
     @property
     def bound_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop the batcher runs on (bound by ``start``, i.e. the first submit)."""
-        loop = self.loop
+        loop: Optional[asyncio.AbstractEventLoop] = self.queue.loop
         assert loop is not None, f"batcher {self.name!r} is not started"
         return loop
 
@@ -221,10 +248,11 @@ class QueuePolicy(_sched.Admission):
         """Loop thread, a hint without the lock (workers only make room): ``ROOM`` when one
         more request would be admitted past the queue limit now, else ``QUEUE_FULL``.  A
         stream asks before it reads on (``serve/streams.py``: paced, never refused)."""
-        return ROOM if self.pending < self.max_queue_size else QUEUE_FULL
+        q = self.queue
+        return ROOM if q.pending < q.max_queue_size else QUEUE_FULL
 
     def counters(self) -> dict[str, Any]:
-        """See :class:`Batcher`: none beyond ``pending`` and ``in_flight`` by default."""
+        """See :class:`TaskBatcher`: none beyond ``pending`` and ``in_flight`` by default."""
         return {}
 
     async def infer(self, item: Any, desc: Any = None, priority: int = 1,
@@ -239,100 +267,47 @@ class QueuePolicy(_sched.Admission):
             raise
         return BatchResult.of(entry)
 
-    # -- the cost model (issue 30) -----------------------------------------------------------
-    def learn(self, n: int, tokens: int, compute_us: int, rows: float = 0.0) -> None:
-        """Under the lock, once per finished batch (never per request): learn its compute
-        time, then hand admission the figures its latency check reads (C fields).  ``rows``
-        (> 0): what the batch counts as in typical rows for the cost model (a batch of items
-        larger than the typical one: ``DynamicBatcher.loop_fits``); else its ``n``."""
-        m = self.cost
-        x = rows or n
-        if self.probing:  # the first batch after an idle batcher admitted a probe
-            self.probing = False
-            if m.ready and compute_us * PROBE_STALE < m.predict_us(x, tokens):
-                m = self.forget_cost()
-        m.update(x, tokens, compute_us)
-        self.learnt_ns = time.monotonic_ns()  # an idle batcher probes from here (check_latency)
-        if m.ready:
-            fixed_us, item_us = m.linear()
-            self.cost_fixed_ns = fixed_us * 1000.0
-            self.cost_item_ns = item_us * 1000.0
-            self.cost_token_ns = max(0.0, m.theta[2]) * 1000.0
-            self.cost_tokens_per_item = m.tokens_per_item
-            self.cost_ready = True
-        self.batch_seen = n if not self.batch_seen else (
-            self.batch_seen + BATCH_SEEN_EMA * (n - self.batch_seen))
-        if m.ready:
-            self._size_batches()
-
-    def forget_cost(self) -> CostModel:
-        """Under the lock: a probe ran in under ``1 / PROBE_STALE`` of its predicted time, so
-        the learnt cost is stale (learnt while other processes held the cores): start over,
-        with the whole target as the budget; nothing is refused until the new model is ready
-        (``COST_MIN_SAMPLES`` batches), as at start-up."""
-        m = self.cost = CostModel(self.cost.forgetting)
-        self.cost_ready = False
-        self.budget_ns = 0
-        return m
-
-    def _size_batches(self) -> None:
-        """Formation's cap and the batch size predictions count (see ``batch_seen``)."""
-        self.batch_cap = cap = max(1, self.operating_batch())
-        self.cost_batch = max(1, min(cap, int(self.batch_seen + 0.5)))
-
-    def operating_batch(self) -> int:
-        """The batch a full queue forms for a request that just arrived (formation's size)."""
-        return self.batch_limit
+    # -- the cost model (issue 30): the guard's, once per finished batch ----------------------
+    def learn(self, n: int, tokens: int, compute_us: float, rows: float = 0.0) -> None:
+        """Under the lock, once per finished batch (never per request): the guard learns its
+        compute time (``LatencyGuard.learn``); once its model is ready, batches are sized to
+        it (``size_batches``)."""
+        if self.guard.learn(n, tokens, compute_us, rows):
+            self.size_batches()
 
     def steer(self, waited_ns: int) -> None:
         """Under the lock, once per finished batch with a latency target: its oldest request
-        waited ``waited_ns`` from admission to its answer.  Shrink the budget (``budget_ns``:
-        what admission refuses against, and the batch size that fits it) when that runs past
-        ``STEER_HIGH`` of the target; grow it back slowly under ``STEER_LOW``."""
-        target = self.target_ns
-        if not target:
-            return
-        was = h = self.headroom
-        if waited_ns > STEER_HIGH * target:
-            h = max(STEER_MIN, h * STEER_DOWN)
-        elif waited_ns < STEER_LOW * target:
-            h = min(1.0, h * STEER_UP)
-        else:
-            return
-        if h != was:
-            self.budget_ns = int(target * h)
-            self.budget_at_ns = time.monotonic_ns()  # it grows back from here while idle
-            if self.cost_ready:
-                self._size_batches()
+        waited ``waited_ns`` (``LatencyGuard.steer``); batches are sized to a moved budget."""
+        if self.guard.steer(waited_ns):
+            self.size_batches()
 
-    @property
-    def headroom(self) -> float:
-        """The share of the latency target admission and formation plan for (``steer``):
-        ``budget_ns`` over ``target_ns`` (1.0 without a target, or before the budget moved)."""
-        return self.budget_ns / self.target_ns if self.target_ns and self.budget_ns else 1.0
+    def size_batches(self) -> None:  # pragma: no cover - each batcher's formation
+        """Under the lock: the cost model or the budget moved: formation sizes its batches
+        to it and tells the guard its cap (``LatencyGuard.sized``)."""
+        raise NotImplementedError
+
+    def cap(self) -> int:  # pragma: no cover - each batcher's formation
+        """Formation's cap on a batch now (1 until the cost model sized it)."""
+        raise NotImplementedError
 
     def cost_figures(self) -> Optional[dict[str, Any]]:
-        """See :class:`Batcher`: the model's snapshot, the batch size predictions assume,
-        the engine instances, the latency target (ms; 0: none)."""
-        out = self.cost.snapshot()
-        out["batch_size"] = self.cost_batch
-        out["batch_cap"] = self.batch_cap
-        out["workers"] = self.cost_workers
-        out["latency_target_ms"] = self.target_ns // 1_000_000
-        out["latency_budget_ms"] = self.budget_now(time.monotonic_ns()) / 1e6
+        """See :class:`TaskBatcher`: the model's snapshot, the batch size predictions assume,
+        formation's cap, the engine instances, the latency target (ms; 0: none)."""
+        out: dict[str, Any] = self.guard.figures(self.cap(), self.queue.running)
         return out
 
     # -- draining ---------------------------------------------------------------------------
     async def drain(self) -> None:
         """Stop admitting, then wait until every queued and running request has finished."""
-        with self.lock:
-            self.closed = True
-        while self.pending or self.running:
+        q = self.queue
+        with q.lock:
+            q.closed = True
+        while q.pending or q.running:
             # one event shared by every concurrent drainer
-            if self.idle_event is None or self.idle_event.is_set():
-                self.idle_event = asyncio.Event()
-            await self.idle_event.wait()
+            if q.idle_event is None or q.idle_event.is_set():
+                q.idle_event = asyncio.Event()
+            await q.idle_event.wait()
 
 
-__all__ = ["AWAITING_SLOT", "QUEUE_FULL", "ROOM", "BatchResult", "Batcher", "DEADLINE_FIELD", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "UNSET",
+__all__ = ["AWAITING_SLOT", "QUEUE_FULL", "ROOM", "BatchResult", "TaskBatcher", "DEADLINE_FIELD", "check_room", "group_too_large", "DONE", "OVERLOAD_RETRY_AFTER_S", "QUEUED", "RUNNING", "STEER_DOWN", "STEER_HIGH", "STEER_LOW", "STEER_MIN", "STEER_UP", "UNSET",
            "Entry", "Group", "QueuePolicy", "answer"]

@@ -160,7 +160,7 @@ class Worker:
         self.index = index
         self.flush = flush
         #: held by the worker except while it waits for work: releasing it wakes the worker
-        #: (``Admission.wait_for_work``; a C lock, where a Condition costs Python frames)
+        #: (``AdmissionQueue.wait_for_work``; a C lock, where a Condition costs Python frames)
         self.wake = threading.Lock()
         self.wake.acquire()
         # a runner that cannot call back before its run gets the flush before execute

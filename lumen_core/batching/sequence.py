@@ -59,21 +59,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Optional, Sequence
-
-import numpy as np
+from typing import Any, Callable, Optional, Sequence, cast
 
 from ..config import BatchingConfig, SequenceConfig
 from ..contract import KEY_SEQUENCE_ID, KEY_SEQUENCE_START
-from ..engine.state import SequenceBatch, corrid_kind
+from ..engine.state import corrid_kind
 from ..errors import InvalidArgument, LumenError, Overloaded
 from .lanes import (
     ENDED,
     IDLED,
     Lane,
+    LaneFormation,
     LiveSequence,
+    SequenceEntry,
     corrid_value,
-    seq_entry,
     unknown_sequence,
 )
 from .policy import (
@@ -82,7 +81,6 @@ from .policy import (
     QUEUE_FULL,
     QUEUED,
     ROOM,
-    RUNNING,
     Entry,
     Group,
     QueuePolicy,
@@ -108,7 +106,11 @@ class SequenceBatcher(QueuePolicy):
 
     def __init__(self, name: str, batching: BatchingConfig, sequence: Optional[SequenceConfig],
                  runners: Sequence[BatchRunner], on_batch: Optional[Callable[[int, int], None]] = None):
-        super().__init__(name, batching.max_queue_size, on_batch)
+        # a latency target refuses only the start of a new sequence (check_latency): a
+        # sequence once started is never refused mid-stream for latency
+        super().__init__(name, batching.max_queue_size, on_batch,
+                         target_ns=batching.latency_target_ms * 1_000_000)
+        self.queue.unqueued = self._unqueued  # its queued requests wait in their sequences
         seq = sequence or SequenceConfig()
         self.seq_config = seq
         self.strategy = seq.strategy
@@ -118,10 +120,7 @@ class SequenceBatcher(QueuePolicy):
             self.capacity = max(seq.max_candidate_sequences or self.max_batch, self.max_batch)
         else:
             self.capacity = self.max_batch
-        # a latency target refuses only the start of a new sequence (check_latency): a
-        # sequence once started is never refused mid-stream for latency
-        self.target_ns = batching.latency_target_ms * 1_000_000
-        self.batch_limit = self.max_batch
+        self.batch_cap = 1  # a batch's most sequences, for the predictions (size_batches)
         spec = runners[0].spec
         self._corrid = corrid_kind(spec.inputs)
         self._corrid_dtype = next((p.dtype for p in spec.inputs
@@ -134,22 +133,28 @@ class SequenceBatcher(QueuePolicy):
         self._sweep: Optional[asyncio.TimerHandle] = None
         self._idle_ns = seq.max_sequence_idle_us * 1000
         self._sweep_s = max(self._idle_ns // IDLE_SWEEPS_PER_TIMEOUT, MIN_SWEEP_INTERVAL_NS) / 1e9
-        self._delay_ns = seq.max_queue_delay_us * 1000
-        self._min_util = seq.minimum_slot_utilization
-        self._sig0: Any = None
-        self._multi_sig = False
+        #: which ready sequences of a lane run together (lanes.LaneFormation)
+        self.formation = LaneFormation(self.queue, self.max_batch, seq.max_queue_delay_us * 1000,
+                                       seq.minimum_slot_utilization, bool(self._corrid))
         self._init_workers(name, runners)
 
     # -- lifecycle (QueuePolicy: start, close) ----------------------------------------------
-    def wake_all(self) -> None:
+    def wake_workers(self) -> None:
         for lane in self._lanes:
             lane.wake()
+
+    def size_batches(self) -> None:
+        self.batch_cap = max(1, self.max_batch)
+        self.guard.sized(self.batch_cap)
+
+    def cap(self) -> int:
+        return self.batch_cap
 
     def queued(self) -> list[Entry]:
         return [e for s in list(self._seqs.values()) for e in s.queue if e.state == QUEUED]
 
-    def stop_timer(self) -> None:
-        super().stop_timer()
+    def stop_timers(self) -> None:
+        super().stop_timers()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
@@ -166,7 +171,7 @@ class SequenceBatcher(QueuePolicy):
         return len(self._backlog)
 
     def counters(self) -> dict[str, Any]:
-        """Sequences holding a slot and those waiting for one (``Batcher.counters``)."""
+        """Sequences holding a slot and those waiting for one (``TaskBatcher.counters``)."""
         return {"active_sequences": self.active_sequences, "backlog": self.backlog}
 
     def room(self, sequence_id: Optional[str] = None) -> int:
@@ -175,7 +180,7 @@ class SequenceBatcher(QueuePolicy):
         backlog for a slot: its stream reads nothing more until it has one (issue 38 row 4:
         streams beyond the slots filled the queue with chunks that could not run)."""
         seq = self._seqs.get(sequence_id) if sequence_id else None
-        if self.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+        if self.queue.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
             return QUEUE_FULL  # what _enqueue would refuse now
         return AWAITING_SLOT if seq is not None and seq.lane is None else ROOM
 
@@ -186,11 +191,11 @@ class SequenceBatcher(QueuePolicy):
 
     def submit(self, item: Any, desc: Any = None, priority: int = 1, timeout_ms: int = 0) -> Entry:
         """Admit one request of a sequence; raise at once when it cannot be accepted."""
-        if not self.started:
+        if not self.queue.started:
             self.start()
         loop = self.bound_loop
         now = time.monotonic_ns()
-        with self.lock:
+        with self.queue.lock:
             entry = self._enqueue(item, desc, loop.create_future(), now, timeout_ms)
             if timeout_ms > 0:  # formation refuses it once this passes, even if its timer is late
                 entry.deadline_ns = now + timeout_ms * 1_000_000
@@ -198,14 +203,14 @@ class SequenceBatcher(QueuePolicy):
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
         if timeout_ms > 0:
-            self.arm(entry)
+            self.queue.arm(entry)
         return entry
 
     def submit_many(self, specs: Sequence[tuple[Any, Any, int, int]]
                     ) -> tuple[Any, list[Entry]]:
         """Admit ``[(item, desc, priority, timeout_ms), ...]`` in order, as one group: the
         first request that cannot be accepted raises and un-admits the ones before it."""
-        if not self.started:
+        if not self.queue.started:
             self.start()
         loop = self.bound_loop
         group = Group(loop.create_future(), len(specs))
@@ -214,9 +219,9 @@ class SequenceBatcher(QueuePolicy):
             group.future.set_result(None)
             return group, entries
         now = time.monotonic_ns()
-        with self.lock:
+        with self.queue.lock:
             if len(specs) > self.max_queue:
-                self.admit(len(specs))  # raises: the group can never fit
+                self.queue.admit(len(specs))  # raises: the group can never fit
             created: list[Any] = []  # (sequence, its _gone entry) of sequences this group started
             try:
                 for item, desc, _priority, timeout_ms in specs:
@@ -229,8 +234,8 @@ class SequenceBatcher(QueuePolicy):
                     if not known:
                         created.append((e.seq, gone))
             except BaseException:
-                for e in reversed(entries):
-                    self.kill(e)
+                for dead in reversed(entries):
+                    self.queue.kill(dead)
                 for seq, gone in created:  # a refused group leaves no sequence behind
                     if seq.sid in self._seqs and not seq.queue and not seq.running:
                         self._release(seq, ENDED)
@@ -242,22 +247,23 @@ class SequenceBatcher(QueuePolicy):
             new_seq = self._sweep is None and self._seqs
         if new_seq:
             self._sweep = loop.call_later(self._sweep_s, self._sweep_idle)
-        for e in entries:
-            if e.deadline_ns:
-                self.arm(e)
+        for armed in entries:
+            if armed.deadline_ns:
+                self.queue.arm(armed)
         return group, entries
 
-    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int, timeout_ms: int = 0) -> Entry:
+    def _enqueue(self, item: Any, desc: Any, waiter: Any, now: int,
+                 timeout_ms: int = 0) -> SequenceEntry:
         """Under the lock: admission, sequence lookup / start, queueing, lane wake-up."""
-        if self.closed:
-            self.admit(1)  # raises Unavailable
+        if self.queue.closed:
+            self.queue.admit(1)  # raises Unavailable
         sid = desc.sequence_id
         if sid is None:
             raise InvalidArgument(f"task {self.name!r} is stateful: every request needs "
                                   f"{KEY_SEQUENCE_ID} (and {KEY_SEQUENCE_START}=true on the first)",
                                   KEY_SEQUENCE_ID)
         seq = self._seqs.get(sid)
-        if self.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
+        if self.queue.pending >= self.max_queue and (seq is None or seq.lane is None or seq.queue):
             # A sequence that holds a slot may always queue one request, so a full backlog
             # can never block the requests (e.g. an end) that would free a slot for it.
             raise Overloaded(f"task {self.name!r} queue is full ({self.max_queue} pending, "
@@ -268,8 +274,8 @@ class SequenceBatcher(QueuePolicy):
             if not start:
                 raise unknown_sequence(sid, self._gone.get(sid),
                                        self.seq_config.max_sequence_idle_us)
-            if self.target_ns and self.cost_ready:  # only a new sequence may be refused
-                self.check_latency(1, timeout_ms * 1_000_000)
+            if self.guard.target_ns and self.guard.cost_ready:  # only a new sequence may be refused
+                self.queue.check_latency(1, timeout_ms * 1_000_000)
             seq = LiveSequence(sid, corrid_value(self.name, sid, self._corrid, self._corrid_dtype),
                                now)
             self._seqs[sid] = seq
@@ -281,16 +287,11 @@ class SequenceBatcher(QueuePolicy):
                                   KEY_SEQUENCE_START)
         was_open = seq.open
         seq.open = not desc.sequence_end
-        sig = item.signature
-        if self._sig0 is None:
-            self._sig0 = sig
-        elif not self._multi_sig and sig != self._sig0:
-            self._multi_sig = True
-        entry = seq_entry(item, waiter, now, seq, start, desc.sequence_end)
-        entry.was_open = was_open
+        self.formation.seen(item.signature)
+        entry = SequenceEntry(item, waiter, now, seq, start, desc.sequence_end, was_open)
         seq.queue.append(entry)
         seq.last_ns = now
-        self.pending += 1
+        self.queue.pending += 1
         lane = seq.lane
         if lane is not None and not seq.running and len(seq.queue) == 1:
             seq.ready_ns = now
@@ -348,7 +349,7 @@ class SequenceBatcher(QueuePolicy):
         self._sweep = None
         now = time.monotonic_ns()
         limit = self._idle_ns
-        with self.lock:
+        with self.queue.lock:
             for seq in list(self._seqs.values()):
                 if not seq.running and not seq.queue and now - seq.last_ns > limit:
                     self._release(seq, IDLED)
@@ -357,7 +358,8 @@ class SequenceBatcher(QueuePolicy):
             self._sweep = self.bound_loop.call_later(self._sweep_s, self._sweep_idle)
 
     # -- queue policy (under the lock) ------------------------------------------------------
-    def unqueue(self, entry: Entry) -> None:
+    def _unqueued(self, entry: SequenceEntry) -> None:
+        """The admission queue's hook (``AdmissionQueue.unqueued``): ``entry`` died queued."""
         seq = entry.seq
         q = seq.queue
         if entry.end or entry.start:
@@ -377,13 +379,13 @@ class SequenceBatcher(QueuePolicy):
 
     # -- batch formation (worker threads) ---------------------------------------------------
     def next_batch(self, worker: Worker) -> Optional[Batch]:
-        with self.lock:
+        with self.queue.lock:
             return self._next_locked(worker, self._lanes[worker.index])
 
     def finished(self, worker: Worker, batch: Batch, results: Any,
                  compute_us: int) -> Optional[Batch]:
         lane = self._lanes[worker.index]
-        with self.lock:
+        with self.queue.lock:
             if not isinstance(results, BaseException):  # a failed worker's time means nothing
                 self.learn(len(batch.entries), 0, compute_us)
             self.completions.put(batch.entries, results, compute_us)  # after learning
@@ -408,7 +410,7 @@ class SequenceBatcher(QueuePolicy):
             if s.queue:
                 s.ready_ns = now
                 ready[s] = None
-            elif e.end and not s.open and s.sid in self._seqs:
+            elif cast(SequenceEntry, e).end and not s.open and s.sid in self._seqs:
                 self._release(s, ENDED)
 
     def _next_locked(self, worker: Worker, lane: Lane) -> Optional[Batch]:
@@ -416,76 +418,12 @@ class SequenceBatcher(QueuePolicy):
             timeout = -1.0
             if lane.ready:
                 now = time.monotonic_ns()
-                batch, due = self._form(lane, now)
+                batch, due = self.formation.form(lane, now)
                 if batch is not None:
                     return batch
                 if due:
                     timeout = max(0, due - now) / 1e9
-            if self.stopping:
+            if self.queue.stopping:
                 return None
             worker.flush()  # results waiting for the loop must not wait for our next batch
-            self.wait_for_work(worker.wake, timeout, lane.idle)
-
-    def _form(self, lane: Lane, now: int) -> tuple[Optional[Batch], int]:
-        """(batch, 0), or (None, ns when a batch falls due) when the lane should wait."""
-        ready = lane.ready
-        expired = [s for s in ready if s.queue and s.queue[0].deadline_ns
-                   and s.queue[0].deadline_ns <= now]
-        for s in expired:  # past its deadline: never run (its loop timer answers the caller)
-            while s.queue and s.queue[0].deadline_ns and s.queue[0].deadline_ns <= now \
-                    and s.queue[0].state == QUEUED:
-                self.kill(s.queue[0])
-        n = len(ready)
-        if not n:
-            return None, 0
-        if self._delay_ns and n < self.max_batch and n < self._min_util * min(lane.nseq,
-                                                                                self.max_batch):
-            due = max(next(iter(ready)).ready_ns, lane.free_ns) + self._delay_ns
-            if due > now:
-                return None, due
-        if n <= self.max_batch and not self._multi_sig:
-            seqs = list(ready)
-            ready.clear()
-        else:
-            seqs = self._pick(ready)
-        return self._start(lane, seqs, now), 0
-
-    def _pick(self, ready: dict[Any, None]) -> list[Any]:
-        """Up to ``max_batch_size`` ready sequences of one signature, oldest request first."""
-        cands = sorted(ready, key=lambda s: s.queue[0].arrival_ns)
-        if self._multi_sig:
-            sig = cands[0].queue[0].item.signature
-            cands = [s for s in cands if s.queue[0].item.signature == sig]
-        seqs = cands[:self.max_batch]
-        for s in seqs:
-            del ready[s]
-        return seqs
-
-    def _start(self, lane: Lane, seqs: list[Any], now: int) -> Batch:
-        n = len(seqs)
-        entries = []
-        slots = np.empty(n, dtype=np.intp)
-        start = np.empty(n, dtype=bool)
-        end = np.empty(n, dtype=bool)
-        corrid: Optional[list[Any]] = [] if self._corrid else None
-        for i, s in enumerate(seqs):
-            q = s.queue
-            e = q.popleft()
-            while q and q[0].state != QUEUED:
-                q.popleft()
-            e.state = RUNNING
-            e.dispatch_ns = now
-            entries.append(e)
-            s.running = True
-            slots[i] = s.slot
-            start[i] = e.start or s.fresh
-            s.fresh = False
-            end[i] = e.end
-            if corrid is not None:
-                corrid.append(s.corrid)
-        self.running += 1  # before pending drops: drain never sees both at 0 mid-handover
-        self.pending -= n
-        self.running_items += n
-        lane.busy = True
-        items = SequenceBatch([e.item for e in entries], slots, start, end, corrid, lane.store)
-        return Batch(entries, items, (seqs, start))
+            self.queue.wait_for_work(worker.wake, timeout, lane.idle)

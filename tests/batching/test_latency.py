@@ -71,17 +71,17 @@ def test_batcher_learns_once_per_batch_and_reports_it():
         return b, w
 
     b, w = asyncio.run(main())
-    assert b.cost.samples == len(w.batches)  # one update per finished batch
-    assert b.running == b.running_items == 0  # what formation added, delivery took away
+    assert b.guard.cost.samples == len(w.batches)  # one update per finished batch
+    assert b.queue.running == b.queue.running_items == 0  # what formation added, delivery took away
     fig = b.cost_figures()
     assert fig["samples"] == len(w.batches) and fig["latency_target_ms"] == 0
-    assert fig["batch_size"] == b.cost_batch and fig["workers"] == 1
+    assert fig["batch_size"] == b.guard.cost_batch and fig["workers"] == 1
 
 
 def learnt(b, n_samples=COST_MIN_SAMPLES, fixed_us=2000.0, item_us=1000.0, full=4):
     """Feed ``b`` a noise-free linear curve (sizes 1..4) as its workers would, then batches
     of ``full`` until the running mean of formed sizes (``batch_seen``) is ``full``."""
-    with b.lock:
+    with b.queue.lock:
         for i in range(n_samples * 4):
             n = 1 + i % 4
             b.learn(n, 0, fixed_us + item_us * n)
@@ -91,14 +91,14 @@ def learnt(b, n_samples=COST_MIN_SAMPLES, fixed_us=2000.0, item_us=1000.0, full=
 
 def test_learn_hands_admission_the_curve():
     b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [FakeWorker()])
-    with b.lock:
+    with b.queue.lock:
         b.learn(2, 0, 4000)
-    assert not b.cost_ready  # too few batches: nothing is refused yet
+    assert not b.guard.cost_ready  # too few batches: nothing is refused yet
     learnt(b)
-    assert b.cost_ready
-    assert b.cost_fixed_ns == pytest.approx(2e6, rel=1e-3)
-    assert b.cost_item_ns == pytest.approx(1e6, rel=1e-3)
-    assert b.cost_batch == 4 and b.batch_cap == 4 and b.target_ns == 12_000_000
+    assert b.guard.cost_ready
+    assert b.guard.cost_fixed_ns == pytest.approx(2e6, rel=1e-3)
+    assert b.guard.cost_item_ns == pytest.approx(1e6, rel=1e-3)
+    assert b.guard.cost_batch == 4 and b.formation.batch_cap == 4 and b.guard.target_ns == 12_000_000
     assert b.cost_figures()["batch_cap"] == 4 and b.cost_figures()["latency_budget_ms"] == 12
 
 
@@ -107,35 +107,35 @@ def test_predictions_count_the_batches_formation_actually_makes():
     queued): predictions count batches of the size seen, each paying the fixed cost."""
     b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=12), [FakeWorker()])
     learnt(b, full=2)
-    assert b.batch_cap == 4 and b.cost_batch == 2
+    assert b.formation.batch_cap == 4 and b.guard.cost_batch == 2
     # k = 5 behind batches of 2: two whole batches ahead (2 x 4 ms), then 2 + 1 ms
-    assert b.predicted_ns(5) / 1e6 == pytest.approx(11.0, rel=1e-4)
+    assert b.queue.predicted_ns(5) / 1e6 == pytest.approx(11.0, rel=1e-4)
 
 
 def test_a_long_text_is_priced_at_its_own_length():
     """The cost per token slot is learnt (``a + b n + c tokens``): a request's own batch is
     priced at its length, so a long text behind the same queue predicts a later answer."""
     b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=1000), [FakeWorker()])
-    with b.lock:  # 2 ms a batch, 100 us an item, 10 us a token slot; texts of 20 or 60
+    with b.queue.lock:  # 2 ms a batch, 100 us an item, 10 us a token slot; texts of 20 or 60
         for i in range(400):
             n, length = 1 + i % 4, (20, 60)[i % 2]
             b.learn(n, n * length, 2000 + 100 * n + 10 * n * length)
-    assert b.cost_token_ns == pytest.approx(10_000, rel=1e-3)
-    typical = b.predicted_ns(1)
+    assert b.guard.cost_token_ns == pytest.approx(10_000, rel=1e-3)
+    typical = b.queue.predicted_ns(1)
     # (a whole token count: within one slot of the typical)
-    assert b.predicted_ns(1, round(b.cost_tokens_per_item)) == pytest.approx(typical, abs=1e4)
+    assert b.queue.predicted_ns(1, round(b.guard.cost_tokens_per_item)) == pytest.approx(typical, abs=1e4)
     # 400 tokens: its own item costs (400 - typical) x 10 us more
-    assert b.predicted_ns(1, 400) - typical == pytest.approx(
-        (400 - b.cost_tokens_per_item) * 10_000, rel=1e-3)
-    assert b.predicted_ns(1, 1) < typical
+    assert b.queue.predicted_ns(1, 400) - typical == pytest.approx(
+        (400 - b.guard.cost_tokens_per_item) * 10_000, rel=1e-3)
+    assert b.queue.predicted_ns(1, 1) < typical
     # before a request is prepared its length is unknown: the early check prices it at one
     # token, so it refuses only what submit would refuse whatever the length
-    b.target_ns = (typical + b.predicted_ns(1, 1)) // 2
+    b.guard.target_ns = (typical + b.queue.predicted_ns(1, 1)) // 2
     b.refuse_late(1, 0)  # a one-token text could make it: not refused yet
     with pytest.raises(Overloaded):
-        with b.lock:
-            b.check_latency(1, 0, 1, round(b.cost_tokens_per_item))  # a typical one cannot
-    b.target_ns = b.predicted_ns(1, 1) - 1
+        with b.queue.lock:
+            b.queue.check_latency(1, 0, 1, round(b.guard.cost_tokens_per_item))  # a typical one cannot
+    b.guard.target_ns = b.queue.predicted_ns(1, 1) - 1
     with pytest.raises(Overloaded):
         b.refuse_late(1, 0)  # not even one token makes it: refused before preparing
 
@@ -146,17 +146,17 @@ def test_operating_batch_fits_two_batches_in_the_budget():
     operating batch is the largest ``n`` with ``2 * (fixed + n * item) <= budget``."""
     b = DynamicBatcher("t", cfg(max_batch_size=32, latency_target_ms=10), [FakeWorker()])
     learnt(b, fixed_us=1500.0)  # a batch of n: 1.5 ms + n ms
-    assert b.operating_batch() == 3  # 2 x (1.5 + 3) <= 10 ms
-    assert b.batch_cap == 3
+    assert b.formation.operating_batch() == 3  # 2 x (1.5 + 3) <= 10 ms
+    assert b.formation.batch_cap == 3
     wide = DynamicBatcher("w", cfg(max_batch_size=32, latency_target_ms=40), [FakeWorker()])
     learnt(wide, fixed_us=1500.0)
-    assert wide.operating_batch() == 18  # 2 x (1.5 + 18) <= 40 ms
+    assert wide.formation.operating_batch() == 18  # 2 x (1.5 + 18) <= 40 ms
     small = DynamicBatcher("s", cfg(max_batch_size=4, latency_target_ms=40), [FakeWorker()])
     learnt(small, fixed_us=1500.0)
-    assert small.operating_batch() == 4  # never above max_batch_size
+    assert small.formation.operating_batch() == 4  # never above max_batch_size
     plain = DynamicBatcher("p", cfg(max_batch_size=32), [FakeWorker()])
     learnt(plain)
-    assert plain.operating_batch() == 32 and plain.target_ns == 0
+    assert plain.formation.operating_batch() == 32 and plain.guard.target_ns == 0
 
 
 def test_late_answers_shrink_the_budget_and_on_time_ones_grow_it_back():
@@ -168,37 +168,37 @@ def test_late_answers_shrink_the_budget_and_on_time_ones_grow_it_back():
     b = DynamicBatcher("t", cfg(max_batch_size=32, latency_target_ms=40), [FakeWorker()])
     learnt(b, fixed_us=1500.0)
     ms = 1_000_000
-    assert b.budget_ns == 0 and b.batch_cap == 18
-    with b.lock:
+    assert b.guard.budget_ns == 0 and b.formation.batch_cap == 18
+    with b.queue.lock:
         b.steer(int(0.95 * 40 * ms))  # late
-    assert b.headroom == pytest.approx(P.STEER_DOWN)
-    assert b.budget_ns == int(40 * ms * P.STEER_DOWN) and b.batch_cap == 17  # 2 x 18.5 > 38
+    assert b.guard.headroom == pytest.approx(P.STEER_DOWN)
+    assert b.guard.budget_ns == int(40 * ms * P.STEER_DOWN) and b.formation.batch_cap == 17  # 2 x 18.5 > 38
     with pytest.raises(Overloaded, match=r"latency target of 40 ms \(admitting to 38 ms"):
-        with b.lock:
-            b.pending = 100
+        with b.queue.lock:
+            b.queue.pending = 100
             try:
-                b.check_latency(1, 0)
+                b.queue.check_latency(1, 0)
             finally:
-                b.pending = 0
-    with b.lock:
+                b.queue.pending = 0
+    with b.queue.lock:
         for _ in range(200):
             b.steer(40 * ms)
-    assert b.headroom == pytest.approx(P.STEER_MIN)  # never below
-    with b.lock:
+    assert b.guard.headroom == pytest.approx(P.STEER_MIN)  # never below
+    with b.queue.lock:
         b.steer(int((P.STEER_HIGH + P.STEER_LOW) / 2 * 40 * ms))  # in between: unchanged
-    assert b.headroom == pytest.approx(P.STEER_MIN)
-    with b.lock:
+    assert b.guard.headroom == pytest.approx(P.STEER_MIN)
+    with b.queue.lock:
         for _ in range(1000):
             b.steer(0)  # on time
-    assert b.headroom == 1.0 and b.budget_ns == 40 * ms and b.batch_cap == 18
+    assert b.guard.headroom == 1.0 and b.guard.budget_ns == 40 * ms and b.formation.batch_cap == 18
 
 
 def test_a_batcher_without_a_target_never_steers():
     b = DynamicBatcher("p", cfg(max_batch_size=32), [FakeWorker()])
     learnt(b)
-    with b.lock:
+    with b.queue.lock:
         b.steer(10**12)
-    assert b.headroom == 1.0 and b.budget_ns == 0 and b.batch_cap == 32
+    assert b.guard.headroom == 1.0 and b.guard.budget_ns == 0 and b.formation.batch_cap == 32
 
 
 def test_target_sized_batches_under_a_queue():
@@ -210,8 +210,8 @@ def test_target_sized_batches_under_a_queue():
                            refuse=False)
         # 1 s a batch + 10 s an item: two batches of 2 fit a 60 s target.  No forgetting and
         # many batches, so the fake worker's own (tiny) batch times barely move the fit
-        b.cost = CostModel(forgetting=1.0)
-        with b.lock:
+        b.guard.cost = CostModel(forgetting=1.0)
+        with b.queue.lock:
             for i in range(2000):
                 b.learn(1 + i % 4, 0, 1e6 + 1e7 * (1 + i % 4))
         first = asyncio.ensure_future(b.infer(Item(0)))
@@ -249,7 +249,7 @@ def test_refusal_is_exact_and_immediate_and_admitted_requests_all_run():
     are admitted and the 7th (12.5 ms) is refused."""
     async def main():
         b, w, gate, running = await one_running(12)
-        assert [b.predicted_ns(k) / 1e6 for k in (1, 2, 3, 4, 5, 6, 7)] == pytest.approx(
+        assert [b.queue.predicted_ns(k) / 1e6 for k in (1, 2, 3, 4, 5, 6, 7)] == pytest.approx(
             [4.5, 5.5, 6.5, 7.5, 10.5, 11.5, 12.5], rel=1e-4)
         admitted = [asyncio.ensure_future(b.infer(Item(i))) for i in range(1, 7)]
         await asyncio.sleep(0)
@@ -392,7 +392,7 @@ def test_a_started_sequence_is_never_refused_only_a_new_start(acc_path):
             b = rt.tasks["acc"].batcher
             await rt.infer(req(1, x, start=True))
             learnt(b, fixed_us=1e6, item_us=1e6)  # 1 s a batch: past the 1 ms target
-            assert b.cost_ready
+            assert b.guard.cost_ready
             mid = [await rt.infer(req(1, x)) for _ in range(3)]  # mid-stream: never refused
             with pytest.raises(Overloaded):
                 await rt.infer(req(2, x, start=True))  # a new sequence: refused
@@ -439,7 +439,7 @@ def test_a_request_that_would_be_late_is_refused_before_it_is_prepared(tmp_path)
                 await rt.infer(lc.new_infer_request("mm").for_tensor_array(x, "NC", "none")
                                .build())
             assert Counting.calls == 1 and b.pending == 0  # never prepared, nothing queued
-            b.cost = CostModel()  # forget it (the model would take ~100 batches to)
+            b.guard.cost = CostModel()  # forget it (the model would take ~100 batches to)
             learnt(b, fixed_us=10.0, item_us=10.0)  # cheap again: admitted
             again = await rt.infer(lc.new_infer_request("mm").for_tensor_array(x, "NC", "none")
                                    .build())
@@ -458,10 +458,10 @@ def contended(target_ms=100, lone_ms=60.0):
 
     b = DynamicBatcher("t", cfg(max_batch_size=4, latency_target_ms=target_ms), [FakeWorker()])
     learnt(b, fixed_us=lone_ms * 1000 - 1000.0, item_us=1000.0, full=1)
-    with b.lock:
+    with b.queue.lock:
         for _ in range(100):
             b.steer(10 * target_ms * 1_000_000)
-    assert b.headroom == pytest.approx(P.STEER_MIN)
+    assert b.guard.headroom == pytest.approx(P.STEER_MIN)
     return b
 
 
@@ -472,15 +472,15 @@ def test_an_idle_server_grows_its_budget_back_without_traffic():
     budget now grows back (halving the gap every BUDGET_HALF_LIFE_NS), with no request."""
     import time
 
-    from lumen_core import scheduler as SC
+    from lumen_core import latency as SC
 
     async def main():
         b = contended(lone_ms=90.0)
         with pytest.raises(Overloaded, match=r"admitting to \d+ ms"):
             b.submit(Item(1))  # at once (the budget needs 3 half-lives to reach 90 ms): refused
         now = time.monotonic_ns()
-        half = b.budget_now(now + SC.BUDGET_HALF_LIFE_NS) - b.budget_now(now)
-        assert half == pytest.approx((100e6 - b.budget_now(now)) / 2, rel=0.05)
+        half = b.guard.budget_now(now + SC.BUDGET_HALF_LIFE_NS, b.queue.running) - b.guard.budget_now(now, b.queue.running)
+        assert half == pytest.approx((100e6 - b.guard.budget_now(now, b.queue.running)) / 2, rel=0.05)
         await asyncio.sleep(1.0)  # idle: no batch, no request
         assert b.cost_figures()["latency_budget_ms"] > 99
         e = b.submit(Item(2))  # admitted on the budget, within the target
@@ -530,12 +530,12 @@ class Text(Item):
 def text_cost(b):
     """2 ms a batch, 100 us an item, 10 us a token slot, learnt on texts of 10 and 30
     tokens (20 on average)."""
-    with b.lock:
+    with b.queue.lock:
         for i in range(400):
             n, length = 1 + i % 4, (10, 30)[i // 4 % 2]
             b.learn(n, n * length, 2000 + 100 * n + 10 * n * length)
-    assert b.cost_token_ns == pytest.approx(10_000, rel=1e-3)
-    assert 15 < b.cost_tokens_per_item < 25
+    assert b.guard.cost_token_ns == pytest.approx(10_000, rel=1e-3)
+    assert 15 < b.guard.cost_tokens_per_item < 25
 
 
 def test_a_group_is_priced_at_its_items_own_lengths_and_queued_long_texts_count():
@@ -553,18 +553,18 @@ def test_a_group_is_priced_at_its_items_own_lengths_and_queued_long_texts_count(
         # 40 texts of 512 tokens: about 40 x 5 ms of token slots alone, past 200 ms
         with pytest.raises(Overloaded):
             b.submit_many([(Text(i, 512), None, 1, 0) for i in range(40)])
-        assert b.pending == 0 and b.queued_tokens == 0
+        assert b.pending == 0 and b.queue.queued_tokens == 0
         # 40 typical texts fit (about 40 x 0.3 ms + 10 batches x 2 ms)
         short, short_entries = b.submit_many([(Text(i, 20), None, 1, 0) for i in range(40)])
-        assert b.queued_tokens == 40 * 20
+        assert b.queue.queued_tokens == 40 * 20
         # 20 long ones fit (about 20 x 5 ms) behind them ...
         long_, long_entries = b.submit_many([(Text(i, 512), None, 1, 0) for i in range(20)])
-        assert b.queued_tokens == 40 * 20 + 20 * 512
-        excess = b.excess_ns(b.queued_tokens, b.pending)
+        assert b.queue.queued_tokens == 40 * 20 + 20 * 512
+        excess = b.guard.excess_ns(b.queue.queued_tokens, b.pending)
         assert excess == pytest.approx(
-            (40 * 20 + 20 * 512 - 60 * b.cost_tokens_per_item) * 10_000, rel=1e-3)
+            (40 * 20 + 20 * 512 - 60 * b.guard.cost_tokens_per_item) * 10_000, rel=1e-3)
         # ... and a short request from another client is predicted behind their real cost
-        wait = b.predicted_ns(b.pending + 1, 20) + excess
+        wait = b.queue.predicted_ns(b.pending + 1, 20) + excess
         with pytest.raises(Overloaded) as refused:
             for i in range(1000):  # admitted while it fits, then refused
                 b.submit(Text(100 + i, 20))
@@ -574,7 +574,7 @@ def test_a_group_is_priced_at_its_items_own_lengths_and_queued_long_texts_count(
         gate.set()
         await asyncio.gather(running, short.future, long_.future)
         await b.drain()
-        assert b.queued_tokens == 0  # formation took every length back out
+        assert b.queue.queued_tokens == 0  # formation took every length back out
         await b.close()
         return [e.result() for e in long_entries]
 

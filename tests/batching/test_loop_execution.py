@@ -124,11 +124,11 @@ def test_several_instances_or_length_aware_batches_keep_their_workers():
     models = [Model(), Model()]
     b = DynamicBatcher("t", cfg(), models)
     assert asyncio.run(main(b, models)) == [2 * v for v in range(240)]
-    assert b.turn is None and not any(loop for m in models for loop in m.on_loop())
+    assert b.execution.turn is None and not any(loop for m in models for loop in m.on_loop())
     m = Model()
     b = DynamicBatcher("t", cfg(), [m], max_batch_tokens=4096)
     assert asyncio.run(main(b, [m])) == [2 * v for v in range(240)]
-    assert b.turn is None and not any(m.on_loop())
+    assert b.execution.turn is None and not any(m.on_loop())
 
 
 def test_a_model_that_slows_down_goes_back_to_its_worker():
@@ -198,20 +198,20 @@ def test_a_fault_between_batches_sends_the_instance_back_once_not_back_and_forth
         m = Model()
         b = DynamicBatcher("t", cfg(), [m])
         await rounds(b, 20)
-        assert b.loop_runs
-        form = b.form
+        assert b.execution.loop_runs
+        form = b.formation.form
         calls = [0]
 
         def broken(now):
             calls[0] += threading.current_thread() is threading.main_thread()
             raise RuntimeError("formation bug")
 
-        b.form = broken  # the next formation on the loop fails
+        b.formation.form = broken  # the next formation on the loop fails
         stuck = asyncio.ensure_future(b.infer(Item(5)))
         await asyncio.sleep(0.05)
-        b.form = form  # the worker forms it now
+        b.formation.form = form  # the worker forms it now
         r = await asyncio.wait_for(stuck, 5)
-        loop_runs, calls_seen = b.loop_runs, calls[0]
+        loop_runs, calls_seen = b.execution.loop_runs, calls[0]
         await b.close()
         return r, loop_runs, calls_seen
 
@@ -226,7 +226,7 @@ def test_deadlines_queue_delay_drain_and_close_hold_on_the_loop():
         delay_us = 20_000
         b = DynamicBatcher("t", cfg(max_queue_delay_us=delay_us), [m])
         await rounds(b, 20)  # full batches form at once, delay or not: now on the loop
-        assert b.loop_runs and m.on_loop(len(m.runs) - 1) == [True]
+        assert b.execution.loop_runs and m.on_loop(len(m.runs) - 1) == [True]
         # a lone request waits for company up to the delay (the loop's timer), then runs
         r = await b.infer(Item(7))
         assert r.batch_size == 1 and r.queue_us >= delay_us * 0.9
@@ -260,21 +260,21 @@ def test_a_queue_delay_on_uvloop_waits_without_spinning():
         m = Model()
         b = DynamicBatcher("t", cfg(max_queue_delay_us=delay_us), [m])
         await rounds(b, 20)  # full batches form at once: now on the loop
-        assert b.loop_runs
-        form = b.form
+        assert b.execution.loop_runs
+        form = b.formation.form
         calls = [0]
 
         def counted(now):
             calls[0] += 1
             return form(now)
 
-        b.form = counted
+        b.formation.form = counted
         waits = []
         for i in range(5):  # lone requests: each waits out the delay for company
             r = await b.infer(Item(i))
             assert r.batch_size == 1 and r.queue_us >= delay_us * 0.9
             waits.append(r.queue_us)
-        b.form = form
+        b.formation.form = form
         await b.close()
         return calls[0], m, waits
 
@@ -289,7 +289,7 @@ def test_close_without_drain_gives_the_instance_back_and_answers_everything():
         m = Model()
         b = DynamicBatcher("t", cfg(max_queue_delay_us=10_000_000, max_batch_size=64), [m])
         await rounds(b, 20, per_round=64)  # full batches: on the loop
-        assert b.loop_runs
+        assert b.execution.loop_runs
         waiting = [asyncio.ensure_future(b.infer(Item(i))) for i in range(5)]
         await asyncio.sleep(0.01)  # they wait for company (10 s delay)
         await asyncio.wait_for(b.close(), 5)
@@ -338,11 +338,11 @@ def test_the_worker_is_parked_while_the_loop_runs_its_batches():
         m = Model()
         b = DynamicBatcher("t", cfg(), [m])
         await rounds(b, 20)
-        turn, worker = b.turn, b.workers[0]
+        turn, worker = b.execution.turn, b.workers[0]
         # lent: the worker thread waits on its own lock, which only the turn releases, and
         # the turn waits in the idle list (or is about to run) in its place
-        assert b.loop_runs and turn.lent and (turn in b.idle or turn.scheduled)
-        assert worker.thread.is_alive() and worker.wake not in b.idle
+        assert b.execution.loop_runs and turn.lent and (turn in b.queue.idle or turn.scheduled)
+        assert worker.thread.is_alive() and worker.wake not in b.queue.idle
         since = len(m.runs)
         await rounds(b, 200)
         assert turn.lent
@@ -364,16 +364,16 @@ def test_a_loop_that_is_gone_gives_the_instance_back(step_queued):
         await rounds(b, 20)
         if step_queued:
             b.submit(Item(1))  # formable at once: a step is scheduled, and never runs
-            assert b.turn.scheduled
+            assert b.execution.turn.scheduled
         return b
 
     loop = asyncio.new_event_loop()
     b = loop.run_until_complete(main())
     loop.close()
-    turn, worker = b.turn, b.workers[0]
+    turn, worker = b.execution.turn, b.workers[0]
     assert turn.lent and worker.thread.is_alive()
     if not step_queued:
-        with b.lock:
+        with b.queue.lock:
             turn.release()  # a wake-up that cannot reach the closed loop ...
         assert not turn.lent and turn.loop is None  # ... hands the instance back
     asyncio.run(asyncio.wait_for(b.close(), 10))
@@ -522,9 +522,9 @@ def test_a_real_attention_model_keeps_its_long_rows_off_the_loop(tmp_path):
             on_loop = rt.load()["att"]["cost"]["loop_execution"]
             if not on_loop:  # a box too loaded for the trial to hold: the loop gets it anyway
                 b = rt.tasks["att"].batcher
-                with b.lock:
-                    b.loop_runs = True
-                    b.loop_batches = 0
+                with b.queue.lock:
+                    b.execution.loop_runs = True
+                    b.execution.loop_batches = 0
             big = await asyncio.gather(*[rt.infer(req(x)) for x in long_])
             await asyncio.gather(*[rt.infer(req(x)) for x in short[:8]])
             return out, big, ran
