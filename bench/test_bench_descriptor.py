@@ -1,5 +1,5 @@
-"""Micro benchmarks for descriptor parse + validate: compiled (``lumen_core._descriptor``) vs
-the pure-Python definition (``lumen_core.descriptor``), both chosen through ``lumen_core.native``.
+"""Micro benchmarks for descriptor parse + validate: compiled (``lumen_core.request_path._descriptor``) vs
+the pure-Python definition (``lumen_core.request_path.descriptor``), both chosen through ``lumen_core.native``.
 
     pytest bench/test_bench_descriptor.py --benchmark-only   # pytest-benchmark tables, by group
     python bench/test_bench_descriptor.py                    # one run, prints times and ratios

@@ -1,12 +1,12 @@
 # cython: language_level=3
 #
-# The descriptor C struct and its nogil inline helpers (declarations of lumen_core._descriptor).
+# The descriptor C struct and its nogil inline helpers (declarations of lumen_core.request_path._descriptor).
 #
 # Modelled on asyncpg / py-pgproto ``frb.pxd``: a small plain C struct plus ``nogil`` inline
 # helpers that take everything they read as arguments (a table, a rules struct, a pointer and
 # a length), so they hold no module state and compile down to the caller's loop.  The tables
 # they read are filled by _descriptor.pyx at import from lumen_core.contract (keys, dtypes,
-# layouts, limits) and lumen_core.descriptor (spellings); nothing here is a second copy.
+# layouts, limits) and lumen_core.request_path.descriptor (spellings); nothing here is a second copy.
 
 from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint64_t

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Descriptor parse + validate, compiled (twin of ``lumen_core.descriptor.parse_meta``).
+"""Descriptor parse + validate, compiled (twin of ``lumen_core.request_path.descriptor.parse_meta``).
 
 Why compiled: every request -- raw or tensor -- passes through ``parse_meta`` before it may
 queue, so its cost is paid per request on the event loop.  The pure twin builds a dict of the
@@ -12,7 +12,7 @@ Shape of the code follows asyncpg's ``frb.pxd``: the C struct (``desc_t``), its 
 length + ``memcmp``) live in ``_descriptor.pxd``; this file fills the tables at import and
 holds the checks.  Every table -- reserved keys, dtypes and their sizes, layouts, limits -- is
 read from ``lumen_core.contract``, every spelling (whitespace, booleans, the one accepted
-value of a key) from ``lumen_core.descriptor``; this module holds no second list of them.
+value of a key) from ``lumen_core.request_path.descriptor``; this module holds no second list of them.
 
 Behaviour is the pure twin's, check for check, in the order documented in descriptor.py: same
 exception class, same ``field``, same message.  Only the accept path is written here: where a
@@ -62,7 +62,7 @@ from _descriptor cimport (
 from array import array as _array
 
 from lumen_core import contract as _c
-from lumen_core import descriptor as _py
+from lumen_core.request_path import descriptor as _py
 from lumen_core.errors import InternalError
 
 __all__ = list(_py.__all__)
@@ -111,7 +111,7 @@ cdef int64_t INT64_MAX = _c.INT64_MAX
 cdef int64_t UNBOUNDED = _c.UNBOUNDED
 
 if MAX_RANK > CAP_RANK or MAX_DIM_DIGITS > CAP_DIGITS or len(_c.RESERVED_KEYS) > CAP_KEYS:
-    raise ImportError("lumen_core._descriptor was compiled for smaller contract limits; rebuild it")
+    raise ImportError("lumen_core.request_path._descriptor was compiled for smaller contract limits; rebuild it")
 
 # Values with one accepted spelling (the pure twin's constants).
 cdef object V_RAW = _py.KIND_RAW
@@ -156,8 +156,8 @@ cdef object _short = _py._short
 
 cdef object _disagree(str check, object value):
     """The error for a C test that refused what the pure twin's ``check`` accepts (a bug)."""
-    return InternalError(f"lumen_core._descriptor refused {_short(str(value))}; "
-                         f"lumen_core.descriptor.{check} accepts it", KEY_SHAPE)
+    return InternalError(f"lumen_core.request_path._descriptor refused {_short(str(value))}; "
+                         f"lumen_core.request_path.descriptor.{check} accepts it", KEY_SHAPE)
 
 # Everything the C tables point into stays alive here.
 cdef list _keep = []
@@ -176,7 +176,7 @@ cdef int _fill(name_table_t* t, object names, object a, object b) except -1:
     t.n = 0
     for i, name in enumerate(names):
         if i >= CAP_TABLE:
-            raise ImportError("lumen_core._descriptor: contract table larger than CAP_TABLE")
+            raise ImportError("lumen_core.request_path._descriptor: contract table larger than CAP_TABLE")
         t.data[i] = _ascii_ptr(name, &t.length[i])
         t.a[i] = a[i]
         t.b[i] = b[i]
@@ -735,7 +735,7 @@ cdef inline void _fill_request_fields(Descriptor out, desc_t* d):
 
 
 def parse_meta(meta, payload_nbytes, contract=_EMPTY_CONTRACT) -> Descriptor:
-    """Validate ``meta`` against ``contract``; see ``lumen_core.descriptor.parse_meta``."""
+    """Validate ``meta`` against ``contract``; see ``lumen_core.request_path.descriptor.parse_meta``."""
     cdef desc_t d
     cdef Descriptor out
     cdef PyObject* v

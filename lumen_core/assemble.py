@@ -16,7 +16,7 @@ in C and, when that test fails, calls these on its cold path to raise.
 - ``ValueError``: everything else (sizes, shapes, non-contiguous or read-only buffers).
 
 Items are read as raw bytes: the caller is responsible for the payload's dtype matching the
-batch dtype (``lumen_core.descriptor.parse_meta`` has checked that before a payload gets here).
+batch dtype (``lumen_core.request_path.descriptor.parse_meta`` has checked that before a payload gets here).
 An item that aliases ``dest`` is copied as if by ``memmove``, in item order.
 """
 from __future__ import annotations

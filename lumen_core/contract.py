@@ -2,7 +2,7 @@
 
 This module is the single home of the reserved keys, the limits, the dtype and layout tables
 and the ``TensorContract`` a task declares.  The rules that check a request's ``meta`` against
-them live in :mod:`lumen_core.descriptor` (``parse_meta``, the pure-Python twin) and
+them live in :mod:`lumen_core.request_path.descriptor` (``parse_meta``, the pure-Python twin) and
 ``csrc/_descriptor.pyx`` (compiled); both read every table from here, so no second list of
 keys, dtypes or layouts exists anywhere else.
 """

@@ -29,22 +29,25 @@ if TYPE_CHECKING:
     # mirrors, so ``native.messages.InferRequest`` has the twin's type (``x as x``: re-exported,
     # so strict modules may name them)
     from . import assemble as assemble
-    from . import descriptor as descriptor
-    from . import dispatch as dispatch
-    from . import entries as entries
     from . import image as image
-    from . import latency as latency
-    from . import messages as messages
     from . import notify as notify
-    from . import scheduler as scheduler
+    from .request_path import descriptor as descriptor
+    from .request_path import dispatch as dispatch
+    from .request_path import entries as entries
+    from .request_path import latency as latency
+    from .request_path import messages as messages
+    from .request_path import scheduler as scheduler
 
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
 #: the twinned hot-path modules, by name
 NAMES = ("descriptor", "assemble", "image", "notify", "messages", "entries", "latency",
          "scheduler", "dispatch")
+#: the twins in the request path's package (``request_path/``); the others sit at the top
+REQUEST_PATH = ("descriptor", "messages", "entries", "scheduler", "dispatch", "latency")
 #: name -> (compiled module, pure-Python twin)
-TWINS = {name: (f"lumen_core._{name}", f"lumen_core.{name}") for name in NAMES}
+TWINS = {name: (f"{pkg}._{name}", f"{pkg}.{name}") for name in NAMES
+         for pkg in ["lumen_core.request_path" if name in REQUEST_PATH else "lumen_core"]}
 
 
 def pure(name: str) -> ModuleType:
@@ -63,15 +66,6 @@ def load(name: str) -> ModuleType:
         return compiled(name)
     except ImportError:
         return pure(name)
-
-
-def kin(module_name: str, name: str) -> ModuleType:
-    """Twin ``name`` of the same kind as the module called ``module_name``: a compiled module
-    (``lumen_core._x``) works with compiled twins, whose C types it was built against; a pure
-    one with pure twins (so each implementation can be tested whole)."""
-    compiled_mod, pure_mod = TWINS[name]
-    return importlib.import_module(compiled_mod if module_name.rpartition(".")[2].startswith("_")
-                                   else pure_mod)
 
 
 def using_extensions() -> dict[str, bool]:

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lumen_core import contract as C
-from lumen_core import descriptor as D
 from lumen_core import native
 from lumen_core.errors import InvalidArgument, LumenError
+from lumen_core.request_path import descriptor as D
 
 CLIP_PP = "clip_image_openai_v1"
 UINT8_PP = "uint8_hwc_rgb_v1"
@@ -559,7 +559,7 @@ def test_descriptor_api(descriptor):
 
 def test_native_switch_exposes_parse_meta():
     mod = native.descriptor
-    assert mod.__name__ == (D.__name__ if native.NO_EXTENSIONS else "lumen_core._descriptor")
+    assert mod.__name__ == (D.__name__ if native.NO_EXTENSIONS else "lumen_core.request_path._descriptor")
     assert mod.parse_meta(None, 0).kind == "raw"
 
 

@@ -1,5 +1,5 @@
-"""The request path's typed homes on both twins (``lumen_core.entries`` / ``scheduler`` /
-``messages`` and the compiled ``lumen_core._entries`` / ``_scheduler`` / ``_messages``, one
+"""The request path's typed homes on both twins (``lumen_core.request_path.entries`` / ``scheduler`` /
+``messages`` and the compiled ``lumen_core.request_path._entries`` / ``_scheduler`` / ``_messages``, one
 source each): entries, answering, batch rows, admission with its deadline heap, the
 dispatcher's infer and infer_many."""
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _batcher(scheduler, levels=1, max_queue_size=4, delay_ns=0, ready_live=1):
     """A Batcher of one twin over its AdmissionQueue, whose "worker" answers what is queued on
     the next loop turn (every entry with its row of one batch), or never when ``hold`` is
     set."""
-    twin = native.kin(scheduler.__name__, "latency")
+    twin = (native.compiled("latency") if scheduler.__name__.endswith("._scheduler") else native.pure("latency"))
     guard = twin.LatencyGuard("t", CostModel())
 
     class Inline(scheduler.Batcher):
@@ -128,7 +128,7 @@ def _batcher(scheduler, levels=1, max_queue_size=4, delay_ns=0, ready_live=1):
                 q.running += 1
             if batch:
                 xs = np.array([e.item.x for e in batch], np.float32)
-                q.deliver_batch(batch, native.kin(scheduler.__name__, "entries").Rows(
+                q.deliver_batch(batch, scheduler._ent.Rows(
                     {"y": xs * 2}, len(batch)), 5)
             else:
                 with q.lock:

@@ -141,10 +141,10 @@ def test_sdist_carries_the_licence_beside_the_wheel(wheel):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     # both kinds of compiled source: C-level .pyx and the .pxd that compiles a twin itself
     assert {"LICENSE", "NOTICE", "pyproject.toml", "setup.py", "csrc/_descriptor.pyx",
-            "lumen_core/_scheduler.pxd", "lumen_core/scheduler.py", "lumen_core/_entries.pxd",
-            "lumen_core/entries.py", "lumen_core/_latency.pxd", "lumen_core/latency.py",
-            "lumen_core/_dispatch.pxd",
-            "lumen_core/dispatch.py"} <= names
+            "lumen_core/request_path/_scheduler.pxd", "lumen_core/request_path/scheduler.py", "lumen_core/request_path/_entries.pxd",
+            "lumen_core/request_path/entries.py", "lumen_core/request_path/_latency.pxd", "lumen_core/request_path/latency.py",
+            "lumen_core/request_path/_dispatch.pxd",
+            "lumen_core/request_path/dispatch.py"} <= names
     assert not any(n.endswith((".so", ".c")) for n in names), names
 
 

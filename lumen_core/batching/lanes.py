@@ -26,7 +26,7 @@ ENDED, IDLED = "ended", "idled"
 
 
 class SequenceEntry(Entry):
-    """A queued request of a sequence: an :class:`~lumen_core.entries.Entry` with the sequence
+    """A queued request of a sequence: an :class:`~lumen_core.request_path.entries.Entry` with the sequence
     batcher's own bookkeeping, which no other owner of a request reads: its sequence
     (``seq``), its ``start`` / ``end`` flags, and ``was_open`` (the sequence's ``open`` flag
     before this request was accepted: a cancelled end re-opens it)."""

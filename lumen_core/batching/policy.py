@@ -9,12 +9,12 @@ signature queues and priority levels; ``sequence.py``: sequences pinned to slots
 
 A batcher is parts it owns (as Triton's batcher owns a ``PolicyQueue``), each its own typed
 class: what a request pays on the loop thread is the compiled
-:class:`~lumen_core.scheduler.AdmissionQueue` (``scheduler.py``: the counters, the lock, the
-signature queues, one :class:`~lumen_core.scheduler.DeadlineHeap` with one timer, the idle
+:class:`~lumen_core.request_path.scheduler.AdmissionQueue` (``scheduler.py``: the counters, the lock, the
+signature queues, one :class:`~lumen_core.request_path.scheduler.DeadlineHeap` with one timer, the idle
 workers, delivery), which asks the batcher's compiled
-:class:`~lumen_core.latency.LatencyGuard` (``latency.py``: the learnt cost; predict, check,
+:class:`~lumen_core.request_path.latency.LatencyGuard` (``latency.py``: the learnt cost; predict, check,
 steer) before it queues; the dispatcher calls only the batcher's compiled base,
-:class:`~lumen_core.scheduler.Batcher`.  :class:`QueuePolicy` composes the queue and the guard
+:class:`~lumen_core.request_path.scheduler.Batcher`.  :class:`QueuePolicy` composes the queue and the guard
 with what runs once per batcher: starting the worker threads, draining, closing.  Each batcher
 adds its formation (``dynamic.Formation``; the sequence batcher's lanes) and, for the dynamic
 batcher, its loop execution (``loop.LoopExecution``).
@@ -49,8 +49,8 @@ from .cost import CostModel
 from .runner import Batch, CompletionQueue, Worker
 
 if TYPE_CHECKING:  # the parts' types (the twins: the compiled ones mirror them)
-    from ..latency import LatencyGuard
-    from ..scheduler import AdmissionQueue
+    from ..request_path.latency import LatencyGuard
+    from ..request_path.scheduler import AdmissionQueue
 
 # the entry, its states, the admission queue and the latency guard are the request path's
 # compiled homes

@@ -30,7 +30,7 @@ from ..engine.state import StatefulPlan
 from ..errors import InternalError, LumenError
 
 if TYPE_CHECKING:  # the queue entries (the twin: the compiled type mirrors it)
-    from ..entries import Entry
+    from ..request_path.entries import Entry
 
 log = logging.getLogger("lumen.batching")
 

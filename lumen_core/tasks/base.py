@@ -22,10 +22,10 @@ import numpy as np
 from .. import native
 from ..config import Option, SequenceConfig, TaskConfig, effective_sequence, read_options
 from ..contract import TensorContract
-from ..descriptor import Descriptor
 from ..engine.plan import ModelSpec, PreparedModelRequest
 from ..errors import InternalError, InvalidArgument, UnsupportedMediaType
 from ..request import InferRequest
+from ..request_path.descriptor import Descriptor
 
 #: float32, whose outputs the compiled finite scan checks (``split_outputs``)
 _F32 = np.dtype(np.float32)

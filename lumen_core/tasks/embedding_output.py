@@ -11,10 +11,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ..contract import EMBEDDING_QUANT_RANGE
-from ..descriptor import parse_bool
 from ..engine.plan import PreparedModelRequest
 from ..errors import InvalidArgument
 from ..models.minilm import NORMALIZE_EPS
+from ..request_path.descriptor import parse_bool
 
 _QUANT_LO, _QUANT_HI = EMBEDDING_QUANT_RANGE
 _QUANT_SCALE = 255.0 / (_QUANT_HI - _QUANT_LO)  # levels per unit

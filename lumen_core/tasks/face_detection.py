@@ -39,13 +39,13 @@ from PIL import Image
 
 from ..batching.signature import signature
 from ..config import Option, TaskConfig
-from ..descriptor import Descriptor
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import ConfigError, InternalError, InvalidArgument, PayloadTooLarge
 from ..models import FACES, require_model
 from ..models import mtcnn as M
 from ..request import InferRequest, new_infer_request
+from ..request_path.descriptor import Descriptor
 from . import ensemble as E
 from . import mtcnn_post as P
 from .base import TaskBackend

@@ -62,11 +62,11 @@ from PIL import Image
 from ..batching.signature import signature
 from ..config import Option, TaskConfig
 from ..contract import TensorContract, TensorSpec
-from ..descriptor import Descriptor
 from ..engine.plan import ImageInput, ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import ConfigError, InternalError
 from ..request import InferRequest, new_infer_request
+from ..request_path.descriptor import Descriptor
 from .base import TaskBackend, split_outputs
 from .imaging import (
     CLIP_MEAN,

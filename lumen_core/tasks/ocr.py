@@ -46,7 +46,6 @@ from PIL import Image
 from .. import native
 from ..batching.signature import signature
 from ..config import Option, TaskConfig
-from ..descriptor import Descriptor
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import (
@@ -58,6 +57,7 @@ from ..errors import (
 from ..models import OCR, require_model
 from ..models import rapidocr as R
 from ..request import InferRequest, new_infer_request
+from ..request_path.descriptor import Descriptor
 from . import ensemble as E
 from . import ocr_post as P
 from .base import TaskBackend

@@ -77,7 +77,6 @@ from ..contract import (
     KEY_EMBEDDING_TYPE,
     RESP_TRUNCATED,
 )
-from ..descriptor import embedding_options
 from ..engine.plan import ModelSpec, OutputSpec, PreparedModelRequest
 from ..engine.session import read_io
 from ..errors import (
@@ -96,6 +95,7 @@ from ..models.minilm import (
 )
 from ..models.text_model import KIND_EMBED
 from ..request import new_infer_request
+from ..request_path.descriptor import embedding_options
 from .base import TaskBackend, split_outputs
 from .charset import DEFAULT_CHARSET, codec_for
 from .embedding_output import (

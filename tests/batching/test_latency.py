@@ -472,7 +472,7 @@ def test_an_idle_server_grows_its_budget_back_without_traffic():
     budget now grows back (halving the gap every BUDGET_HALF_LIFE_NS), with no request."""
     import time
 
-    from lumen_core import latency as SC
+    from lumen_core.request_path import latency as SC
 
     async def main():
         b = contended(lone_ms=90.0)

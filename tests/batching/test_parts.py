@@ -71,7 +71,7 @@ def test_a_pipeline_is_a_batcher_without_a_queue():
 def test_the_deadline_heap_expires_each_due_entry_once_then_calls_after(scheduler):
     """One timer for the earliest deadline; ``expire`` per unanswered due entry, ``after``
     once per timer that expired any; answered entries are skipped."""
-    entries = native.kin(scheduler.__name__, "entries")  # the twin it was built against
+    entries = scheduler._ent  # the twin it was built against
 
     async def main():
         loop = asyncio.get_running_loop()

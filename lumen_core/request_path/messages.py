@@ -1,8 +1,8 @@
 # cython: annotation_typing=False
 """The request path's messages: ``InferRequest``, ``InferResponse``, ``ResponseStats``.
 
-One source, two builds (as ``scheduler.py``): compiled with ``lumen_core/_messages.pxd`` into
-``lumen_core._messages``, or run as its own pure-Python twin.  ``lumen_core.request`` re-exports
+One source, two builds (as ``scheduler.py``): compiled with ``lumen_core/request_path/_messages.pxd`` into
+``lumen_core.request_path._messages``, or run as its own pure-Python twin.  ``lumen_core.request`` re-exports
 the classes ``native`` chose, so ``lumen_core.InferRequest``, ``lumen_core.request.InferRequest``
 and what ``Runtime.infer`` returns are one class.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Dict, Optional
 
-from .contract import (
+from ..contract import (
     RESP_BATCH_SIZE,
     RESP_COMPUTE_US,
     RESP_MODEL_VERSION,
@@ -24,7 +24,7 @@ from .contract import (
     RESP_TOKENS,
 )
 
-#: the twin API (``lumen_core._messages`` exports the same names)
+#: the twin API (``lumen_core.request_path._messages`` exports the same names)
 __all__ = ["InferRequest", "InferResponse", "ResponseStats", "respond"]
 
 _uuid4 = uuid.uuid4

@@ -2,7 +2,7 @@
 """The request path's queue side: what the dispatcher calls, and a batcher's admission queue.
 
 One source, two builds.  Cython compiles this file with the declarations of
-``lumen_core/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core._scheduler``: the classes
+``lumen_core/request_path/_scheduler.pxd`` (its pure-Python mode) into ``lumen_core.request_path._scheduler``: the classes
 below become ``cdef class``es with C fields and their methods C calls.  Run as plain Python
 (``LUMEN_NO_EXTENSIONS=1``, or no compiler) the same file is the pure-Python twin.  Nothing here
 is written twice.  ``entries.py`` (compiled the same way, its types cimported here) holds what
@@ -30,9 +30,8 @@ import time
 from threading import Lock as _Lock
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from . import native
-from .contract import KEY_TIMEOUT_MS
-from .errors import (
+from ..contract import KEY_TIMEOUT_MS
+from ..errors import (
     Cancelled,
     DeadlineExceeded,
     InternalError,
@@ -48,11 +47,15 @@ if TYPE_CHECKING:  # the entries' and the guard's types (compiled: cimported by 
 
 log = logging.getLogger("lumen.batching")
 
-#: the twin API (``lumen_core._scheduler`` exports the same names)
+#: the twin API (``lumen_core.request_path._scheduler`` exports the same names)
 __all__ = ["AdmissionQueue", "Batcher", "DeadlineHeap", "check_room", "group_too_large"]
 
-#: the entries of this module's own kind (compiled with compiled: the C types it cimports)
-_ent = native.kin(__name__, "entries")
+# the entries of this module's own kind, by a visible import: the compiled module
+# (``_scheduler``) works with the compiled ones, whose C types it cimports (_scheduler.pxd)
+if __name__.endswith("._scheduler"):
+    from . import _entries as _ent  # type: ignore[attr-defined]
+else:
+    from . import entries as _ent
 _Entry = _ent.Entry
 _Group = _ent.Group
 _SignatureQueue = _ent.SignatureQueue

@@ -1,5 +1,5 @@
-# Declarations that compile lumen_core/entries.py (Cython's pure-Python mode) into
-# lumen_core._entries: a request once admitted as C types, their fields C fields and their
+# Declarations that compile lumen_core/request_path/entries.py (Cython's pure-Python mode) into
+# lumen_core.request_path._entries: a request once admitted as C types, their fields C fields and their
 # methods C calls.  The .py is the one source; this file only adds types.  _scheduler.pxd and
 # _dispatch.pxd cimport these types.
 cimport cython

@@ -1,11 +1,11 @@
-# Declarations that compile lumen_core/dispatch.py (Cython's pure-Python mode) into
-# lumen_core._dispatch: routes and the dispatcher as C types, calling the queue side
-# (lumen_core._scheduler, lumen_core._latency and lumen_core._entries, cimported) as C.  The .py is the one source; this file only adds types.
+# Declarations that compile lumen_core/request_path/dispatch.py (Cython's pure-Python mode) into
+# lumen_core.request_path._dispatch: routes and the dispatcher as C types, calling the queue side
+# (lumen_core.request_path._scheduler, lumen_core.request_path._latency and lumen_core.request_path._entries, cimported) as C.  The .py is the one source; this file only adds types.
 cimport cython
 
-from lumen_core._entries cimport Entry, Prepared, Rows
-from lumen_core._latency cimport LatencyGuard
-from lumen_core._scheduler cimport Batcher
+from lumen_core.request_path._entries cimport Entry, Prepared, Rows
+from lumen_core.request_path._latency cimport LatencyGuard
+from lumen_core.request_path._scheduler cimport Batcher
 
 
 cdef class DenseTensor:

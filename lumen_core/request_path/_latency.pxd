@@ -1,5 +1,5 @@
-# Declarations that compile lumen_core/latency.py (Cython's pure-Python mode) into
-# lumen_core._latency: a batcher's latency guard as a C type, the figures its checks read C
+# Declarations that compile lumen_core/request_path/latency.py (Cython's pure-Python mode) into
+# lumen_core.request_path._latency: a batcher's latency guard as a C type, the figures its checks read C
 # fields and its checks C calls.  The .py is the one source; this file only adds types.
 # _scheduler.pxd cimports LatencyGuard (the admission queue asks it before queueing).
 cimport cython

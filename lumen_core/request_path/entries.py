@@ -2,7 +2,7 @@
 """A request once admitted, in its typed homes: queue entries, their queues, their answers.
 
 One source, two builds, like ``scheduler.py``: Cython compiles this file with the
-declarations of ``lumen_core/_entries.pxd`` into ``lumen_core._entries``; run as plain Python
+declarations of ``lumen_core/request_path/_entries.pxd`` into ``lumen_core.request_path._entries``; run as plain Python
 it is the pure-Python twin.  ``_scheduler.pxd`` (admission, deadlines, delivery) and
 ``_dispatch.pxd`` cimport these types.
 
@@ -18,9 +18,9 @@ import asyncio
 from collections import deque as _deque
 from typing import Any, Optional
 
-from .errors import LumenError
+from ..errors import LumenError
 
-#: the twin API (``lumen_core._entries`` exports the same names)
+#: the twin API (``lumen_core.request_path._entries`` exports the same names)
 __all__ = ["Entry", "Group", "Prepared", "Rows", "SignatureQueue", "answer", "deliver"]
 
 #: entry states: queued -> running (taken into a batch, under the batcher's lock) -> done

@@ -1,5 +1,5 @@
-# Declarations that compile lumen_core/messages.py (Cython's pure-Python mode) into
-# lumen_core._messages: the request path's messages as C types with C fields.
+# Declarations that compile lumen_core/request_path/messages.py (Cython's pure-Python mode) into
+# lumen_core.request_path._messages: the request path's messages as C types with C fields.
 cimport cython
 
 cdef class InferRequest:

@@ -4,7 +4,7 @@
 distinct :class:`~lumen_core.errors.InvalidArgument` whose ``field`` names the key at fault.
 The tables it checks against (reserved keys, dtypes, layouts, limits, ``TensorContract``) are
 defined once in :mod:`lumen_core.contract`; this module is the definition of the *rules*.  The
-compiled twin (``lumen_core._descriptor``, chosen by ``lumen_core.native``) implements the same
+compiled twin (``lumen_core.request_path._descriptor``, chosen by ``lumen_core.native``) implements the same
 rules over a C struct and, on its cold (error) path, raises with the error builders and
 helpers below (``err_*``, :func:`parse_shape`, :func:`shape_nbytes`, :func:`parse_uint`,
 :func:`parse_bool` ...), so every message has one home.  The test suite checks with
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence
 
-from .contract import (
+from ..contract import (
     DTYPE_SIZES,
     DTYPES,
     EMBEDDING_TYPES,
@@ -67,9 +67,9 @@ from .contract import (
     UNBOUNDED,
     TensorContract,
 )
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
-#: the twin API (``lumen_core._descriptor`` exports the same)
+#: the twin API (``lumen_core.request_path._descriptor`` exports the same)
 __all__ = ["Descriptor", "parse_meta", "parse_shape"]
 
 # --------------------------------------------------------------------------- spellings

@@ -2,7 +2,7 @@
 """The request path's latency guard: a batcher's learnt cost and what it decides with it.
 
 One source, two builds, as ``scheduler.py``: Cython compiles this file with the declarations
-of ``lumen_core/_latency.pxd`` into ``lumen_core._latency`` (a ``cdef class`` with C fields,
+of ``lumen_core/request_path/_latency.pxd`` into ``lumen_core.request_path._latency`` (a ``cdef class`` with C fields,
 its checks C calls); run as plain Python it is the pure-Python twin.
 
 :class:`LatencyGuard` is one part of a batcher (``batching/policy.py`` composes it with the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .errors import Overloaded
+from ..errors import Overloaded
 
 __all__ = ["LatencyGuard"]
 

@@ -1,7 +1,7 @@
 # cython: annotation_typing=False
 """The request path's admission side: routes, validation, preparation, ``Runtime.infer``.
 
-Compiled like ``scheduler.py`` (one source, ``lumen_core/_dispatch.pxd`` adds the C types and
+Compiled like ``scheduler.py`` (one source, ``lumen_core/request_path/_dispatch.pxd`` adds the C types and
 cimports the scheduler's ``Batcher``, the latency guard's and the entries', so calls into the
 queue side are C calls).
 
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import native
-from .batching.policy import group_too_large
-from .cache import MISS
-from .contract import KEY_INPUT_KIND, KEY_MODEL_VERSION, KEY_TIMEOUT_MS
-from .errors import (
+from .. import native
+from ..batching.policy import group_too_large
+from ..cache import MISS
+from ..contract import KEY_INPUT_KIND, KEY_MODEL_VERSION, KEY_TIMEOUT_MS
+from ..errors import (
     DeadlineExceeded,
     InternalError,
     InvalidArgument,
@@ -35,18 +35,25 @@ from .errors import (
     TaskNotFound,
     Unavailable,
 )
-from .request import InferRequest, InferResponse
+from ..request import InferRequest, InferResponse
 
 if TYPE_CHECKING:  # the queue side's types (compiled: cimported by _dispatch.pxd)
     from . import entries
 
 log = logging.getLogger("lumen")
 
-#: the twin API (``lumen_core._dispatch`` exports the same names)
+#: the twin API (``lumen_core.request_path._dispatch`` exports the same names)
 __all__ = ["DenseTensor", "Dispatcher", "Route", "TextPrep", "route_of"]
 
-#: the queue side of this module's own kind (compiled with compiled: the C types it cimports)
-_ent = native.kin(__name__, "entries")
+# the neighbours of this module's own kind, by a visible import: the compiled module
+# (``_dispatch``) works with the compiled ones, whose C types it cimports (_dispatch.pxd); the
+# pure twin with the pure ones, so each implementation is tested whole
+if __name__.endswith("._dispatch"):
+    from . import _entries as _ent  # type: ignore[attr-defined]
+    from . import _messages as _msg  # type: ignore[attr-defined]
+else:
+    from . import entries as _ent
+    from . import messages as _msg
 #: the metrics routes a request may take (defined with the entry that carries one)
 RAW: str = _ent.RAW
 TENSOR: str = _ent.TENSOR
@@ -54,7 +61,7 @@ _Prepared: type[entries.Prepared] = _ent.Prepared
 _Rows = _ent.Rows
 _CancelledError = asyncio.CancelledError
 _monotonic_ns = time.monotonic_ns
-_respond: Callable[..., InferResponse] = native.kin(__name__, "messages").respond
+_respond: Callable[..., InferResponse] = _msg.respond
 
 
 class DenseTensor:

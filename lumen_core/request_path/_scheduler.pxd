@@ -1,5 +1,5 @@
-# Declarations that compile lumen_core/scheduler.py (Cython's pure-Python mode) into
-# lumen_core._scheduler: the batcher interface the dispatcher calls, a batcher's admission
+# Declarations that compile lumen_core/request_path/scheduler.py (Cython's pure-Python mode) into
+# lumen_core.request_path._scheduler: the batcher interface the dispatcher calls, a batcher's admission
 # queue and its deadline heap as C types, their fields C fields and their methods C calls.
 # Batcher's methods are cpdef: the batchers (Python classes) override start, and the sequence
 # batcher and the ensemble override what they admit their own way.  The queue and the heap are
@@ -9,8 +9,8 @@
 # from _entries.pxd, the latency guard's from _latency.pxd.
 cimport cython
 
-from lumen_core._entries cimport Entry, Group, SignatureQueue
-from lumen_core._latency cimport LatencyGuard
+from lumen_core.request_path._entries cimport Entry, Group, SignatureQueue
+from lumen_core.request_path._latency cimport LatencyGuard
 
 
 cpdef check_room(object name, bint closed, Py_ssize_t pending, Py_ssize_t n,
