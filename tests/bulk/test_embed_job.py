@@ -224,6 +224,32 @@ def test_npy_output_holds_the_parquet_vectors(tiny, tmp_path, capsys):
     arr = np.load(tmp_path / "o.npy")
     assert arr.dtype == np.float32 and arr.shape == (70, 384)
     np.testing.assert_array_equal(arr, vectors(pq.read_table(tmp_path / "o.parquet")))
+    ids = np.load(tmp_path / "o.ids.npy")  # the row numbers: no --id-field
+    assert ids.dtype == np.int64 and ids.tolist() == list(range(70))
+
+
+def test_npy_ids_name_the_vectors_around_skipped_rows(tiny, tmp_path, capsys):
+    rows = [{"id": f"doc-{i:03d}", "text": t} for i, t in enumerate(short_texts(30))]
+    rows[4]["text"] = ""  # a bad row: skipped, so the ids are what places the vectors
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    for out in ("o.parquet", "o.npy"):
+        rc, err = run_embed(capsys, src, "-o", tmp_path / out, "--config", tiny, "--task",
+                            "tiny", "--id-field", "id", "--row-group-size", 8)
+        assert rc == 0, err
+    ids = np.load(tmp_path / "o.ids.npy")  # fixed-width unicode: no pickle needed
+    assert ids.dtype == np.dtype("<U7")
+    assert ids.tolist() == [r["id"] for i, r in enumerate(rows) if i != 4]
+    t = pq.read_table(tmp_path / "o.parquet")
+    assert ids.tolist() == t.column("id").to_pylist()
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), vectors(t))
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "o.npy", "--config", tiny, "--task",
+                        "tiny", "--id-field", "id", "--row-group-size", 8)
+    assert rc == 2 and "exists" in err  # a finished job: --overwrite replaces both files
+    (tmp_path / "o.ids.npy").write_bytes(b"stale")
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "o.npy", "--config", tiny, "--task",
+                        "tiny", "--id-field", "id", "--row-group-size", 8, "--overwrite")
+    assert rc == 0, err
+    assert np.load(tmp_path / "o.ids.npy").tolist() == ids.tolist()
 
 
 def test_dimensions_equal_rt_infer_with_the_same_option(home, tmp_path, capsys):
