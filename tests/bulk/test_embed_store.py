@@ -33,10 +33,23 @@ def _save(store: ST.Store, k: int, table: pa.Table) -> None:
     store.append_output(k, table, _schema(), {"job": 1})
 
 
+def _new(path) -> ST.Store:
+    store = ST.Store(str(path), STATE)
+    store.open()
+    return store
+
+
+def _interrupted(path, parts: list) -> None:
+    """A run that saved ``parts`` and was interrupted before its output was finished."""
+    first = _new(path)
+    for k, p in enumerate(parts):
+        _save(first, k, p)
+    first.abandon()
+
+
 def test_streamed_output_equals_the_parts_in_order(tmp_path):
     parts = [_part(0, 5), _part(1, 0), _part(2, 7)]  # an empty part adds no row group
-    store = ST.Store(str(tmp_path / "o.parquet"), STATE)
-    assert store.open() == []
+    store = _new(tmp_path / "o.parquet")
     _save(store, 0, parts[0])
     tmp = tmp_path / ("o.parquet" + ST.WORK_SUFFIX) / ST.OUTPUT_TMP
     assert tmp.exists() and not (tmp_path / "o.parquet").exists()  # written as it goes
@@ -55,17 +68,13 @@ def test_streamed_output_equals_the_parts_in_order(tmp_path):
 
 def test_a_resumed_run_copies_the_saved_parts_first_and_gives_the_same_bytes(tmp_path):
     parts = [_part(0, 5), _part(1, 3), _part(2, 6), _part(3, 2)]
-    whole = ST.Store(str(tmp_path / "whole.parquet"), STATE)
-    whole.open()
+    whole = _new(tmp_path / "whole.parquet")
     for k, p in enumerate(parts):
         _save(whole, k, p)
     whole.assemble(len(parts), _schema(), {"job": 1})
 
-    first = ST.Store(str(tmp_path / "cut.parquet"), STATE)
-    first.open()
-    _save(first, 0, parts[0])
-    _save(first, 1, parts[1])
-    first.abandon()  # interrupted: the unfinished output stays inside the work folder
+    _interrupted(tmp_path / "cut.parquet", parts[:2])
+    # the unfinished output stays inside the work folder
     assert sorted(os.listdir(tmp_path)) == ["cut.parquet.lumen-embed", "whole.parquet"]
     work = tmp_path / ("cut.parquet" + ST.WORK_SUFFIX)
     assert (work / ST.OUTPUT_TMP).exists()
@@ -82,12 +91,7 @@ def test_a_resumed_run_copies_the_saved_parts_first_and_gives_the_same_bytes(tmp
 
 def test_a_run_with_nothing_left_to_embed_assembles_the_saved_parts(tmp_path):
     """Killed after its last part but before the output was renamed: the rerun only copies."""
-    parts = [_part(0, 4), _part(1, 4)]
-    first = ST.Store(str(tmp_path / "o.parquet"), STATE)
-    first.open()
-    for k, p in enumerate(parts):
-        _save(first, k, p)
-    first.abandon()
+    _interrupted(tmp_path / "o.parquet", [_part(0, 4), _part(1, 4)])
     again = ST.Store(str(tmp_path / "o.parquet"), STATE)
     assert len(again.open()) == 2
     assert again.assemble(2, _schema(), {"job": 1}) == 8
@@ -97,8 +101,7 @@ def test_a_run_with_nothing_left_to_embed_assembles_the_saved_parts(tmp_path):
 
 def test_npy_output_is_assembled_at_the_end_with_its_ids(tmp_path):
     parts = [_part(0, 3), _part(1, 2)]
-    store = ST.Store(str(tmp_path / "o.npy"), STATE)
-    store.open()
+    store = _new(tmp_path / "o.npy")
     for k, p in enumerate(parts):
         _save(store, k, p)
         assert not (tmp_path / ("o.npy" + ST.WORK_SUFFIX) / ST.OUTPUT_TMP).exists()
