@@ -334,3 +334,21 @@ def test_a_task_with_several_versions_runs_every_item_on_its_head(tiny, tmp_path
     finally:
         rt.stop_background()
     assert not p.errors and p.vectors.any(axis=1).all()
+
+
+def test_pyarrow_is_warmed_once_while_the_first_window_runs(tiny, tmp_path, capsys, monkeypatch):
+    """pyarrow's one-off start-up (its first pa.array imports pandas) is paid after the first
+    window is queued -- the engines busy meanwhile -- not before it nor at the job's end."""
+    from lumen_core.bulk import job as J
+    from lumen_core.bulk import local as L
+
+    events: list = []
+    monkeypatch.setattr(J, "warm_arrow", lambda: events.append("warm"))
+    submit = L.LocalEmbedder.submit
+    monkeypatch.setattr(L.LocalEmbedder, "submit",
+                        lambda self, texts: events.append(len(texts)) or submit(self, texts))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in short_texts(50)])
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "o.parquet", "--config", tiny, "--task",
+                        "tiny", "--row-group-size", 16)
+    assert rc == 0, err
+    assert events == [16, "warm", 16, 16, 2]
