@@ -3,9 +3,11 @@
 Row group ``k`` is input rows ``[k * R, (k + 1) * R)``: its good rows go to the embedder as one
 window (``submit``), its bad rows are reported (``FILE:LINE: why``) and skipped, or stop the
 job with ``--on-bad-row fail``.  Up to ``max_in_flight`` windows are out at once, so the next
-window is read and prepared while the engines run the current one; windows are committed in
-order, each as one part file (``store.py``).  Memory is bounded by those windows, whatever the
-size of the input.
+window is read and prepared while the engines run the current one, and the window before is
+written meanwhile: windows are committed in order, each as one part file, appended to the
+output as it goes (``store.py``).  The engines' queue never runs dry between windows, so both
+cores stay busy to the end; what is left after the last batch is that window's commit and the
+output's close.  Memory is bounded by those windows, whatever the size of the input.
 
 A resumed job reads the rows of the parts already written again (reading is cheap next to
 embedding) and checks them against the running hash stored with each part, so an input that
@@ -94,6 +96,8 @@ class Job:
                 if not group:
                     break
                 self._send(k, group)
+                if k == len(self.done):  # the engines run the first window meanwhile
+                    warm_arrow()
                 k += 1
                 while self._inflight and (len(self._inflight) >= self.opts.max_in_flight
                                           or self._inflight[0].pending.done()):
@@ -194,6 +198,7 @@ class Job:
                       "tokens": int(res.tokens), "truncated": int(res.truncated),
                       "hash": w.digest}
         self.store.write_part(w.k, table, info)
+        self.store.append_output(w.k, table, self.schema, self.job_meta)
         self._account(info)
         s = self.summary
         s.tokens += info["tokens"]
@@ -229,6 +234,7 @@ class Job:
             except Exception:  # noqa: BLE001 - interrupted anyway: keep what is saved
                 break
         self._inflight.clear()
+        self.store.abandon()
         return self.store.part_count()
 
 
@@ -243,3 +249,15 @@ def run_job(inputs: Any, embedder: Any, store: Store, schema: Any, done: list,
     except KeyboardInterrupt:
         job.interrupt()
         raise
+    except BaseException:
+        store.abandon()
+        raise
+
+
+def warm_arrow() -> None:
+    """Make pyarrow's first ``pa.array`` call now: it imports pandas (~0.2 s of CPU, measured
+    on the 2-core box), and the first commit would otherwise pay it after the first window's
+    last batch -- for a one-window job, with both cores idle at the very end."""
+    import pyarrow as pa
+
+    pa.array([0], pa.int64())

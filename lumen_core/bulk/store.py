@@ -10,10 +10,14 @@ running hash of the rows read so far).
 
 Row group ``k`` always holds the rows of input rows ``[k * R, (k + 1) * R)`` (``R`` =
 ``--row-group-size``) that were embedded, and the embedder forms the same batches from the same
-rows (``local.py``), so a part computed again after a kill has the same bytes; at the end the
-parts are copied, in order, one row group each, into ``OUTPUT`` (written to a temporary name
-and renamed too), and the work folder is removed.  The output's bytes therefore do not depend
-on where, or how often, the job was interrupted.
+rows (``local.py``), so a part computed again after a kill has the same bytes.  A Parquet
+output is written as the job goes: each part, once saved, is also appended (one row group) to
+``OUTPUT_TMP`` in the work folder, the parts of an earlier run copied in first, so the end of a
+job only closes that file, flushes it and renames it to ``OUTPUT`` (rewriting every part after
+the last batch left both cores idle for ~0.1 s per 4,096 rows); a ``.npy`` output, whose
+header needs the row count, is assembled from the parts at the end.  Then the work folder is
+removed.  The output's bytes therefore do not depend on where, or how often, the job was
+interrupted.
 
 A rerun with a state whose job differs (other arguments, another model revision, an input
 whose size, mtime or first / last MiB changed) is refused with :class:`JobMismatch`, saying
@@ -31,6 +35,11 @@ STATE_FILE = "state.json"
 STATE_VERSION = 1
 WORK_SUFFIX = ".lumen-embed"
 PART_NAME = "part-{:06d}.parquet"
+#: the Parquet output while the job runs (in the work folder: a killed job leaves nothing
+#: beside the output, and the next run removes it with the other leftovers)
+OUTPUT_TMP = "output.tmp"
+#: the ids of a ``.npy`` output while it is written (see :func:`ids_path`)
+IDS_TMP = "ids.tmp"
 #: Parquet key-value metadata: a part's counters (parts only) and the job (the output)
 PART_INFO_KEY = b"lumen.embed.part"
 JOB_KEY = b"lumen.embed"
@@ -93,6 +102,10 @@ class Store:
         self.work = output + WORK_SUFFIX
         self.state = {"version": STATE_VERSION, **state}
         self.overwrite = overwrite
+        #: the streamed Parquet output (see the module docstring) and the parts it holds
+        self._writer: Any = None
+        self._appended = 0
+        self._meta: dict = {}
 
     # -- opening ---------------------------------------------------------------------------
     def open(self) -> list:
@@ -101,8 +114,9 @@ class Store:
         exists without a job in progress, or a job in progress that is not this one."""
         if self.overwrite:
             shutil.rmtree(self.work, ignore_errors=True)
-            if os.path.exists(self.output):
-                os.remove(self.output)
+            for path in (self.output, ids_path(self.output)):
+                if path and os.path.exists(path):
+                    os.remove(path)
         parent = os.path.dirname(os.path.abspath(self.output))
         if not os.path.isdir(parent):
             raise ValueError(f"-o {self.output}: no such folder {parent}")
@@ -183,36 +197,73 @@ class Store:
         return sum(1 for n in os.listdir(self.work) if n.startswith("part-")
                    and n.endswith(".parquet"))
 
-    def assemble(self, n_parts: int, schema: Any, job_meta: dict) -> int:
-        """Copy parts ``0..n_parts-1`` into the output, one row group each, then remove the work
-        folder.  Returns the rows written."""
+    def append_output(self, k: int, table: Any, schema: Any, job_meta: dict) -> None:
+        """Append part ``k`` (saved already; ``table`` is its rows) to the streamed Parquet
+        output, after the parts before it (an earlier run's are read back from their files).
+        A ``.npy`` output is left to :meth:`assemble`."""
+        if self.format != "parquet":
+            return
+        self._catch_up(k, schema, job_meta)
+        self._write_rows(table)
+        self._appended = k + 1
+
+    def _catch_up(self, n_parts: int, schema: Any, job_meta: dict) -> None:
+        """Open the streamed output if needed and copy parts ``_appended..n_parts-1`` into it
+        from their files."""
         import pyarrow.parquet as pq
 
-        tmp = f"{self.output}.tmp-{os.getpid()}"
-        meta = {JOB_KEY: json.dumps(job_meta, sort_keys=True)}
-        schema = schema.with_metadata(meta)
-        rows = 0
-        paths = [os.path.join(self.work, PART_NAME.format(k)) for k in range(n_parts)]
-        try:
-            if self.format == "parquet":
-                with pq.ParquetWriter(tmp, schema, **_writer_options(schema)) as w:
-                    for p in paths:
-                        t = pq.read_table(p).replace_schema_metadata(meta)
-                        if t.num_rows:
-                            w.write_table(t, row_group_size=t.num_rows)
-                            rows += t.num_rows
-            else:
-                rows = self._assemble_npy(tmp, paths, schema)
-            with open(tmp, "rb+") as f:
+        if self._writer is None:
+            self._meta = {JOB_KEY: json.dumps(job_meta, sort_keys=True)}
+            self._writer = pq.ParquetWriter(os.path.join(self.work, OUTPUT_TMP),
+                                            schema.with_metadata(self._meta),
+                                            **_writer_options(schema))
+        while self._appended < n_parts:
+            self._write_rows(pq.read_table(os.path.join(self.work,
+                                                        PART_NAME.format(self._appended))))
+            self._appended += 1
+
+    def _write_rows(self, table: Any) -> None:
+        if table.num_rows:
+            table = table.replace_schema_metadata(self._meta)
+            self._writer.write_table(table, row_group_size=table.num_rows)
+
+    def assemble(self, n_parts: int, schema: Any, job_meta: dict) -> int:
+        """Finish the output with parts ``0..n_parts-1`` (Parquet: the streamed file, closed
+        and renamed; ``.npy``: written from the parts now), then remove the work folder.
+        Returns the rows written."""
+        import pyarrow.parquet as pq
+
+        if self.format == "parquet":
+            self._catch_up(n_parts, schema, job_meta)
+            self._writer.close()
+            self._writer = None
+            tmp = os.path.join(self.work, OUTPUT_TMP)
+            rows = int(pq.read_metadata(tmp).num_rows)
+        else:
+            tmp = os.path.join(self.work, OUTPUT_TMP)
+            paths = [os.path.join(self.work, PART_NAME.format(k)) for k in range(n_parts)]
+            rows = self._assemble_npy(tmp, paths, schema)
+            ids_tmp = os.path.join(self.work, IDS_TMP)
+            _write_ids_npy(ids_tmp, paths, schema.field(0).name, rows)
+            with open(ids_tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, self.output)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+            os.replace(ids_tmp, ids_path(self.output))  # before the vectors: see ids_path
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.output)
         _fsync_dir(os.path.dirname(os.path.abspath(self.output)))
         shutil.rmtree(self.work, ignore_errors=True)
         return rows
+
+    def abandon(self) -> None:
+        """Close the streamed output without finishing it (an interrupted job: the next run
+        removes the file and writes it again)."""
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the file is discarded anyway
+                pass
+            self._writer = None
 
     def _assemble_npy(self, tmp: str, paths: list, schema: Any) -> int:
         import numpy as np
@@ -229,6 +280,51 @@ class Store:
                     values = chunk.values.to_numpy(zero_copy_only=False)
                     f.write(values.astype("<f4", copy=False).tobytes())
         return rows
+
+
+def ids_path(output: str) -> str:
+    """The ids beside a ``.npy`` output: ``VECS.npy`` -> ``VECS.ids.npy``, row ``i`` the id of
+    vector ``i`` (the ``--id-field`` values, else the input row numbers: skipped rows leave
+    gaps), so the vectors can be matched to their texts.  '' for a Parquet output (its id
+    column is in the file).  Renamed into place before the vectors, so a finished output always
+    has its ids."""
+    base, ext = os.path.splitext(output)
+    return base + ".ids.npy" if OUTPUT_FORMATS.get(ext.lower()) == "npy" else ""
+
+
+def _write_ids_npy(path: str, parts: list, column: str, rows: int) -> None:
+    """The id column of ``parts`` as one 1-D ``.npy`` (streamed: one part in memory at a
+    time): int64 for integer ids and row numbers, float64 for floats, else fixed-width unicode
+    (``<U`` of the longest id: a first pass finds it), so ``np.load`` needs no pickle."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    def column_of(p: str) -> Any:
+        return pq.read_table(p, columns=[column]).column(column)
+
+    typ = pq.read_schema(parts[0]).field(column).type if parts else pa.int64()
+    if pa.types.is_integer(typ):
+        descr = "<i8"
+    elif pa.types.is_floating(typ):
+        descr = "<f8"
+    else:
+        width = 1
+        for p in parts:
+            lengths = pc.utf8_length(pc.cast(column_of(p), pa.string()))
+            width = max(width, int(pc.max(lengths).as_py() or 0))
+        descr = f"<U{width}"
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": descr, "fortran_order": False, "shape": (rows,)})
+        for p in parts:
+            col = column_of(p)
+            if descr == "<i8" or descr == "<f8":
+                values = col.to_numpy().astype(descr, copy=False)
+            else:
+                values = np.asarray(pc.cast(col, pa.string()).to_pylist(), dtype=descr)
+            f.write(values.tobytes())
 
 
 def _writer_options(schema: Any) -> dict:

@@ -143,11 +143,12 @@ def add_embed(sub: argparse._SubParsersAction) -> None:
         "embed", help="embed a corpus file into Parquet (resumable, with progress)",
         description="Embed every text of INPUT... (JSONL, CSV/TSV, Parquet, plain text, - for "
                     "stdin) into OUTPUT (.parquet: id or row number, embedding, --keep columns; "
-                    ".npy: the vectors). In process at full speed, or against --url, or on "
+                    ".npy: the vectors, their ids in OUTPUT's .ids.npy). In process at full speed, or against --url, or on "
                     "Ray (--ray). Rerun the same command after an interruption to continue.")
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("-o", "--output", required=True, metavar="OUTPUT",
-                   help="the output file (.parquet or .npy; a folder with --ray)")
+                   help="the output file (.parquet, or .npy with a sibling .ids.npy; a "
+                        "folder with --ray)")
     p.add_argument("--task", default=DEFAULT_TASK,
                    help=f"the embedding task (default {DEFAULT_TASK}; any embedding task of "
                         f"--config, e.g. an imported model, or text_embed_int8)")

@@ -224,6 +224,32 @@ def test_npy_output_holds_the_parquet_vectors(tiny, tmp_path, capsys):
     arr = np.load(tmp_path / "o.npy")
     assert arr.dtype == np.float32 and arr.shape == (70, 384)
     np.testing.assert_array_equal(arr, vectors(pq.read_table(tmp_path / "o.parquet")))
+    ids = np.load(tmp_path / "o.ids.npy")  # the row numbers: no --id-field
+    assert ids.dtype == np.int64 and ids.tolist() == list(range(70))
+
+
+def test_npy_ids_name_the_vectors_around_skipped_rows(tiny, tmp_path, capsys):
+    rows = [{"id": f"doc-{i:03d}", "text": t} for i, t in enumerate(short_texts(30))]
+    rows[4]["text"] = ""  # a bad row: skipped, so the ids are what places the vectors
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    for out in ("o.parquet", "o.npy"):
+        rc, err = run_embed(capsys, src, "-o", tmp_path / out, "--config", tiny, "--task",
+                            "tiny", "--id-field", "id", "--row-group-size", 8)
+        assert rc == 0, err
+    ids = np.load(tmp_path / "o.ids.npy")  # fixed-width unicode: no pickle needed
+    assert ids.dtype == np.dtype("<U7")
+    assert ids.tolist() == [r["id"] for i, r in enumerate(rows) if i != 4]
+    t = pq.read_table(tmp_path / "o.parquet")
+    assert ids.tolist() == t.column("id").to_pylist()
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), vectors(t))
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "o.npy", "--config", tiny, "--task",
+                        "tiny", "--id-field", "id", "--row-group-size", 8)
+    assert rc == 2 and "exists" in err  # a finished job: --overwrite replaces both files
+    (tmp_path / "o.ids.npy").write_bytes(b"stale")
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "o.npy", "--config", tiny, "--task",
+                        "tiny", "--id-field", "id", "--row-group-size", 8, "--overwrite")
+    assert rc == 0, err
+    assert np.load(tmp_path / "o.ids.npy").tolist() == ids.tolist()
 
 
 def test_dimensions_equal_rt_infer_with_the_same_option(home, tmp_path, capsys):
@@ -308,3 +334,21 @@ def test_a_task_with_several_versions_runs_every_item_on_its_head(tiny, tmp_path
     finally:
         rt.stop_background()
     assert not p.errors and p.vectors.any(axis=1).all()
+
+
+def test_pyarrow_is_warmed_once_while_the_first_window_runs(tiny, tmp_path, capsys, monkeypatch):
+    """pyarrow's one-off start-up (its first pa.array imports pandas) is paid after the first
+    window is queued -- the engines busy meanwhile -- not before it nor at the job's end."""
+    from lumen_core.bulk import job as J
+    from lumen_core.bulk import local as L
+
+    events: list = []
+    monkeypatch.setattr(J, "warm_arrow", lambda: events.append("warm"))
+    submit = L.LocalEmbedder.submit
+    monkeypatch.setattr(L.LocalEmbedder, "submit",
+                        lambda self, texts: events.append(len(texts)) or submit(self, texts))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in short_texts(50)])
+    rc, err = run_embed(capsys, src, "-o", tmp_path / "o.parquet", "--config", tiny, "--task",
+                        "tiny", "--row-group-size", 16)
+    assert rc == 0, err
+    assert events == [16, "warm", 16, 16, 2]
