@@ -34,8 +34,8 @@ class Observer:
         """One finished batch."""
 
 
-class Task(native.dispatch.Route):
-    """A loaded version of a task: its dispatch record (``dispatch.Route``: backend,
+class Task(native.routes.Route):
+    """A loaded version of a task: its dispatch record (``routes.Route``: backend,
     contract, batcher, policy defaults, router, holds, cache) plus what the runtime keeps
     for it -- its config, engine instances and their runners."""
 

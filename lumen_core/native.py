@@ -36,15 +36,16 @@ if TYPE_CHECKING:
     from .request_path import entries as entries
     from .request_path import latency as latency
     from .request_path import messages as messages
+    from .request_path import routes as routes
     from .request_path import scheduler as scheduler
 
 NO_EXTENSIONS = os.environ.get("LUMEN_NO_EXTENSIONS", "").lower() in ("1", "true", "yes")
 
 #: the twinned hot-path modules, by name
 NAMES = ("descriptor", "assemble", "image", "notify", "messages", "entries", "latency",
-         "scheduler", "dispatch")
+         "scheduler", "routes", "dispatch")
 #: the twins in the request path's package (``request_path/``); the others sit at the top
-REQUEST_PATH = ("descriptor", "messages", "entries", "scheduler", "dispatch", "latency")
+REQUEST_PATH = ("descriptor", "messages", "entries", "scheduler", "dispatch", "latency", "routes")
 #: name -> (compiled module, pure-Python twin)
 TWINS = {name: (f"{pkg}._{name}", f"{pkg}.{name}") for name in NAMES
          for pkg in ["lumen_core.request_path" if name in REQUEST_PATH else "lumen_core"]}

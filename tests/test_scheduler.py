@@ -71,10 +71,10 @@ def test_rows_split_once_and_deliver_a_row_each(messages, entries):
     asyncio.run(main())
 
 
-def test_route_of_reads_the_claimed_route(dispatch):
-    assert dispatch.route_of({"lumen.input.kind": "tensor"}) == "tensor"
-    assert dispatch.route_of({}) == dispatch.route_of(None) == "raw"
-    assert dispatch.route_of({"lumen.input.kind": ["tensor"]}) == "raw"  # not yet validated
+def test_route_of_reads_the_claimed_route(routes):
+    assert routes.route_of({"lumen.input.kind": "tensor"}) == "tensor"
+    assert routes.route_of({}) == routes.route_of(None) == "raw"
+    assert routes.route_of({"lumen.input.kind": ["tensor"]}) == "raw"  # not yet validated
 
 
 def test_correlation_ids_are_made_when_read(messages):
@@ -203,7 +203,7 @@ def test_dispatcher_infer_and_infer_many_end_to_end(impl):
 
     async def main():
         d = dispatch.Dispatcher(1024, None)
-        route = dispatch.Route("t", "3", Backend(), _batcher(scheduler, max_queue_size=64))
+        route = impl.routes.Route("t", "3", Backend(), _batcher(scheduler, max_queue_size=64))
         d.routes = {"t": route}
         d.ready = True
         resp = await d.infer(lc.InferRequest("t", b"abc"))
@@ -245,12 +245,12 @@ def test_a_group_larger_than_the_queue_is_a_400_naming_the_limit(scheduler):
     assert "12 inputs" in err.message and "max_queue_size = 8" in err.message
 
 
-def test_text_prep_takes_only_plain_short_text(dispatch):
+def test_text_prep_takes_only_plain_short_text(routes):
     class Enc:
         def __init__(self, text):
             self.ids = [101] + [ord(c) for c in text] + [102]
 
-    prep = dispatch.TextPrep(Enc, "sig", 6, 10, frozenset({"text/plain"}))
+    prep = routes.TextPrep(Enc, "sig", 6, 10, frozenset({"text/plain"}))
     item = prep.prepare(lc.InferRequest("t", "abc", "text/plain"), "abc")
     assert item.length == 5 and item.signature == "sig" and item.tensors[0].dtype == np.int64
     assert prep.prepare(lc.InferRequest("t", b"ab", "text/plain"), memoryview(b"ab")).length == 4

@@ -4,11 +4,9 @@
 distinct :class:`~lumen_core.errors.InvalidArgument` whose ``field`` names the key at fault.
 The tables it checks against (reserved keys, dtypes, layouts, limits, ``TensorContract``) are
 defined once in :mod:`lumen_core.contract`; this module is the definition of the *rules*.  The
-compiled twin (``lumen_core.request_path._descriptor``, chosen by ``lumen_core.native``) implements the same
-rules over a C struct and, on its cold (error) path, raises with the error builders and
-helpers below (``err_*``, :func:`parse_shape`, :func:`shape_nbytes`, :func:`parse_uint`,
-:func:`parse_bool` ...), so every message has one home.  The test suite checks with
-hypothesis that both twins agree, message text included.
+compiled twin (``request_path._descriptor``) implements them over a C struct and, on its error
+path, raises with the builders below (``err_*``, :func:`parse_shape`, :func:`parse_uint` ...),
+so every message has one home; hypothesis checks that both twins agree, messages included.
 
 Order of checks (both implementations):
 
@@ -26,7 +24,7 @@ task (its embedding size), so the backend that honours them parses them with
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ..contract import (
     DTYPE_SIZES,
@@ -79,10 +77,8 @@ SHAPE_WHITESPACE = " \t\r\n"
 TRUE_SPELLINGS = ("true", "1")
 FALSE_SPELLINGS = ("false", "0")
 #: the only accepted values of the keys that have one
-KIND_RAW = "raw"
-KIND_TENSOR = "tensor"
-FORMAT_CONTIGUOUS = "contiguous"
-BYTE_ORDER_LITTLE = "little"
+KIND_RAW, KIND_TENSOR = "raw", "tensor"
+FORMAT_CONTIGUOUS, BYTE_ORDER_LITTLE = "contiguous", "little"
 #: how long a hostile value may be quoted in a message
 QUOTE_CHARS = 40
 
@@ -92,18 +88,19 @@ class Descriptor:
     """A request's validated ``lumen.*`` metadata.
 
     ``kind`` is ``"raw"`` or ``"tensor"``; tensor fields are None on the raw route.
-    ``priority`` / ``timeout_ms`` are 0 when the request does not set them.
-    ``spec_index`` is the index of the matching :class:`~lumen_core.contract.TensorSpec`
-    (-1 on the raw route).
-    """
+    ``priority`` / ``timeout_ms`` are 0 when not set; ``spec_index`` is the index of the
+    matching :class:`~lumen_core.contract.TensorSpec` (-1 on the raw route)."""
 
     __slots__ = ("kind", "dtype", "shape", "layout", "preprocess_id", "model_id",
                  "model_version", "nbytes", "spec_index", "priority", "timeout_ms",
                  "sequence_id", "sequence_start", "sequence_end")
 
-    def __init__(self, kind="raw", dtype=None, shape=None, layout=None, preprocess_id=None,
-                 model_id=None, model_version=None, nbytes=0, spec_index=-1, priority=0,
-                 timeout_ms=0, sequence_id=None, sequence_start=False, sequence_end=False):
+    def __init__(self, kind: str = "raw", dtype: Optional[str] = None,
+                 shape: Any = None, layout: Optional[str] = None,
+                 preprocess_id: Optional[str] = None, model_id: Optional[str] = None,
+                 model_version: Optional[str] = None, nbytes: int = 0, spec_index: int = -1,
+                 priority: int = 0, timeout_ms: int = 0, sequence_id: Optional[str] = None,
+                 sequence_start: bool = False, sequence_end: bool = False) -> None:
         self.kind = kind
         self.dtype = dtype
         self.shape = shape
@@ -119,14 +116,15 @@ class Descriptor:
         self.sequence_start = sequence_start
         self.sequence_end = sequence_end
 
-    def astuple(self) -> tuple:
+    def astuple(self) -> tuple[Any, ...]:
         return tuple(getattr(self, k) for k in Descriptor.__slots__)
 
-    def __eq__(self, other):
-        return hasattr(other, "astuple") and self.astuple() == other.astuple()
+    def __eq__(self, other: object) -> bool:  # either twin's descriptor compares alike
+        astuple = getattr(other, "astuple", None)
+        return astuple is not None and self.astuple() == astuple()
 
-    def __repr__(self):
-        return "Descriptor(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+    def __repr__(self) -> str:
+        return f"Descriptor({', '.join(f'{k}={getattr(self, k)!r}' for k in self.__slots__)})"
 
 
 # --------------------------------------------------------------------------- message helpers
@@ -134,13 +132,13 @@ def _bad(field_: Optional[str], message: str) -> InvalidArgument:
     return InvalidArgument(message, field_)
 
 
+def _names(values: Iterable[str]) -> str:
+    return ", ".join(sorted(values)) or "(none)"
+
+
 def _short(value: str, limit: int = QUOTE_CHARS) -> str:
     """Quote a hostile value for an error message without echoing all of it."""
     return repr(value if len(value) <= limit else value[:limit] + "...")
-
-
-def _names(values: Iterable[str]) -> str:
-    return ", ".join(sorted(values)) or "(none)"
 
 
 # --------------------------------------------------------------------------- error builders
@@ -262,7 +260,7 @@ def err_byte_order(value: str) -> InvalidArgument:
 
 
 def err_no_signature(dtype: str, layout: str, preprocess_id: str,
-                     specs: Iterable) -> InvalidArgument:
+                     specs: Iterable[Any]) -> InvalidArgument:
     return _bad(KEY_PREPROCESS_ID, f"no tensor signature of this task has dtype={dtype} "
                                    f"layout={layout} preprocess={preprocess_id}; accepted: "
                                    f"{[s.describe() for s in specs]}")
@@ -308,7 +306,7 @@ def parse_timeout_ms(value: str) -> int:
     return timeout
 
 
-def parse_shape(text: str) -> tuple:
+def parse_shape(text: str) -> tuple[int, ...]:
     """Parse ``[d0, d1, ...]`` (or the same without the brackets, ``d0,d1,...``: a query
     string needs no ``curl -g`` then) into a tuple of non-negative ints; raise on anything
     else.
@@ -396,7 +394,7 @@ def parse_embedding_type(value: str) -> str:
     return value
 
 
-def embedding_options(meta: Optional[Mapping], dim: int) -> tuple:
+def embedding_options(meta: Optional[Mapping[str, Any]], dim: int) -> tuple[int, str]:
     """``(dimensions, type)`` a request asks of an embedding task: ``(0, "float")`` when it
     sets neither key (0: every component).  Runs after :func:`parse_meta` accepted ``meta``,
     so the values are ``str`` of bounded length."""
@@ -409,10 +407,10 @@ def embedding_options(meta: Optional[Mapping], dim: int) -> tuple:
 
 
 # --------------------------------------------------------------------------- parse_meta
-def parse_meta(meta: Optional[Mapping], payload_nbytes: int,
+def parse_meta(meta: Optional[Mapping[str, Any]], payload_nbytes: int,
                contract: TensorContract = EMPTY_CONTRACT) -> Descriptor:
     """Validate ``meta`` against ``contract`` (pure-Python twin of the compiled parser)."""
-    vals: dict = {}
+    vals: dict[str, Any] = {}
     if meta:
         items = getattr(meta, "items", None)
         if items is None:
@@ -441,7 +439,7 @@ def parse_meta(meta: Optional[Mapping], payload_nbytes: int,
     return d
 
 
-def _parse_request_keys(d: Descriptor, get) -> None:
+def _parse_request_keys(d: Descriptor, get: Callable[[str], Any]) -> None:
     kind = get(KEY_INPUT_KIND)
     if kind is not None:
         if kind not in (KIND_RAW, KIND_TENSOR):
@@ -473,7 +471,7 @@ def _parse_request_keys(d: Descriptor, get) -> None:
             raise err_skip_contradicts_tensor()
 
 
-def _check_model(d: Descriptor, get, contract: TensorContract) -> None:
+def _check_model(d: Descriptor, get: Callable[[str], Any], contract: TensorContract) -> None:
     v = get(KEY_MODEL_ID)
     if v is not None:
         if v != contract.model_id:
@@ -486,7 +484,7 @@ def _check_model(d: Descriptor, get, contract: TensorContract) -> None:
         d.model_version = v
 
 
-def _check_raw(d: Descriptor, get, contract: TensorContract) -> None:
+def _check_raw(d: Descriptor, get: Callable[[str], Any], contract: TensorContract) -> None:
     for key in TENSOR_KEYS:
         if get(key) is not None:
             raise err_tensor_key_on_raw(key)
@@ -498,7 +496,7 @@ def _check_raw(d: Descriptor, get, contract: TensorContract) -> None:
     _check_model(d, get, contract)
 
 
-def _check_tensor(d: Descriptor, get, payload_nbytes: int, contract: TensorContract) -> None:
+def _check_tensor(d: Descriptor, get: Callable[[str], Any], payload_nbytes: int, contract: TensorContract) -> None:
     # 1. dtype
     dtype = get(KEY_DTYPE)
     if dtype is None:

@@ -5,12 +5,9 @@ Compiled like ``scheduler.py`` (one source, ``lumen_core/request_path/_dispatch.
 cimports the scheduler's ``Batcher``, the latency guard's and the entries', so calls into the
 queue side are C calls).
 
-- :class:`Route` -- a task version's dispatch record: its batcher, contract, preparation and
-  deadline/priority defaults, resolved once at load;
-- :class:`Dispatcher` -- the runtime's table of routes and ``infer`` / ``infer_many``: route,
-  validate (``native.descriptor``), prepare, admit, await, respond;
-- :class:`DenseTensor` and :class:`TextPrep` -- the dense tensor route and plain text prepared
-  without a Python frame.
+- :class:`Dispatcher` -- the runtime's table of routes (``routes.Route``, a task version's
+  record) and ``infer`` / ``infer_many`` / ``admit`` / ``settle``: route, validate
+  (``native.descriptor``), prepare, admit, await, respond.
 """
 from __future__ import annotations
 
@@ -20,15 +17,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-import numpy as np
-
 from .. import native
-from ..batching.policy import group_too_large
 from ..cache import MISS
-from ..contract import KEY_INPUT_KIND, KEY_MODEL_VERSION, KEY_TIMEOUT_MS
+from ..contract import KEY_MODEL_VERSION, KEY_TIMEOUT_MS
 from ..errors import (
     DeadlineExceeded,
-    InternalError,
     InvalidArgument,
     LumenError,
     PayloadTooLarge,
@@ -37,13 +30,13 @@ from ..errors import (
 )
 from ..request import InferRequest, InferResponse
 
-if TYPE_CHECKING:  # the queue side's types (compiled: cimported by _dispatch.pxd)
-    from . import entries
+if TYPE_CHECKING:  # the queue side's and the routes' types (compiled: cimported by _dispatch.pxd)
+    from . import entries, routes
 
 log = logging.getLogger("lumen")
 
 #: the twin API (``lumen_core.request_path._dispatch`` exports the same names)
-__all__ = ["DenseTensor", "Dispatcher", "Route", "TextPrep", "route_of"]
+__all__ = ["Dispatcher"]
 
 # the neighbours of this module's own kind, by a visible import: the compiled module
 # (``_dispatch``) works with the compiled ones, whose C types it cimports (_dispatch.pxd); the
@@ -51,9 +44,13 @@ __all__ = ["DenseTensor", "Dispatcher", "Route", "TextPrep", "route_of"]
 if __name__.endswith("._dispatch"):
     from . import _entries as _ent  # type: ignore[attr-defined]
     from . import _messages as _msg  # type: ignore[attr-defined]
+    from . import _routes as _rt  # type: ignore[attr-defined]
+    from . import _scheduler as _sch  # type: ignore[attr-defined]
 else:
     from . import entries as _ent
     from . import messages as _msg
+    from . import routes as _rt
+    from . import scheduler as _sch
 #: the metrics routes a request may take (defined with the entry that carries one)
 RAW: str = _ent.RAW
 TENSOR: str = _ent.TENSOR
@@ -62,151 +59,8 @@ _Rows = _ent.Rows
 _CancelledError = asyncio.CancelledError
 _monotonic_ns = time.monotonic_ns
 _respond: Callable[..., InferResponse] = _msg.respond
-
-
-class DenseTensor:
-    """The tensor route of a model with one dense input, prepared in C: the payload is the
-    item, under the signature of its (dtype, per-item shape, preprocess id).
-
-    ``make_signature(dtype, item_shape, preprocess_id)`` builds a signature the first time a
-    combination is seen; at most ``max_cached`` are remembered.
-    """
-
-    __slots__ = ("make_signature", "signatures", "max_cached")
-
-    def __init__(self, make_signature: Callable[..., Any], max_cached: int = 256):
-        self.make_signature = make_signature
-        self.signatures: dict[tuple[Any, ...], Any] = {}
-        self.max_cached = max_cached
-
-    def prepare(self, desc: Any, payload: Any) -> entries.Prepared:
-        item_shape = desc.shape[1:]
-        key = (desc.dtype, item_shape, desc.preprocess_id)
-        sig = self.signatures.get(key)
-        if sig is None:
-            sig = self.make_signature(desc.dtype, item_shape, desc.preprocess_id, desc.layout)
-            if len(self.signatures) < self.max_cached:
-                self.signatures[key] = sig
-        return _Prepared(sig, (payload,), item_shape, 0)
-
-
-class TextPrep:
-    """The raw text route of a tokenizing backend, prepared in C in its common case: a request
-    without meta whose payload is a ``str`` or UTF-8 bytes under one of ``mimes``, short enough
-    (``max_chars``) to tokenize on the loop, whose ``encode(text).ids`` fit the model
-    (``max_tokens``) without truncation.  Anything else -- options, other charsets, long or
-    truncated texts, text that is not text -- is the backend's (:meth:`prepare` returns None)."""
-
-    __slots__ = ("encode", "signature", "max_tokens", "max_chars", "mimes")
-
-    def __init__(self, encode: Callable[[str], Any], signature: Any, max_tokens: int,
-                 max_chars: int, mimes: frozenset[str]):
-        self.encode = encode
-        self.signature = signature
-        self.max_tokens = max_tokens
-        self.max_chars = max_chars
-        self.mimes = mimes
-
-    def prepare(self, req: Any, payload: Any) -> Optional[entries.Prepared]:
-        mime = req.payload_mime
-        if req.meta or type(mime) is not str or mime not in self.mimes:
-            return None  # (a mime that is not a str is the backend's to refuse, 415)
-        if type(payload) is str:
-            text = payload
-        else:
-            try:
-                text = str(payload, "utf-8")
-            except UnicodeDecodeError:
-                return None
-        if not text or len(text) > self.max_chars:
-            return None
-        try:
-            ids = self.encode(text).ids
-        except TypeError:  # lone surrogates: the backend says what is wrong
-            return None
-        n = len(ids)
-        if n > self.max_tokens:
-            return None
-        return _Prepared(self.signature, (np.array(ids, dtype=np.int64),), (), n)
-
-
-def route_of(meta: Any) -> str:
-    """The metrics route a request claims (``tensor`` or ``raw``), before it is validated."""
-    kind = meta.get(KEY_INPUT_KIND) if isinstance(meta, dict) else None
-    return TENSOR if kind == TENSOR else RAW
-
-
-class Route:
-    """A loaded task version as the request path sees it, resolved once at load: the
-    backend's contract and preparation, the batcher, the priority and deadline defaults.
-
-    ``router`` is None unless the task serves several versions (``versions.Router`` picks
-    one per request); ``holds`` counts requests routed here that are still being prepared off
-    the loop (a version is unloaded only once nothing holds it); ``cache`` is the task's
-    ``ResponseCache`` or None.
-    """
-
-    __slots__ = ("name", "version", "backend", "contract", "batcher", "router", "holds", "cache",
-                 "priority_levels", "default_priority", "default_timeout_ms", "dense", "text",
-                 "off_loop", "inline_max", "stateful")
-
-    def __init__(self, name: str, version: str, backend: Any, batcher: Any,
-                 priority_levels: int = 1, default_priority: int = 0,
-                 default_timeout_ms: int = 0):
-        self.name = name
-        self.version = version
-        self.backend = backend
-        self.contract = backend.contract
-        self.batcher = batcher
-        self.router: Optional[Callable[[Any], Route]] = None
-        self.holds = 0
-        self.cache: Any = None  # cache.ResponseCache
-        self.priority_levels = priority_levels
-        self.default_priority = default_priority or priority_levels
-        self.default_timeout_ms = default_timeout_ms
-        dense = getattr(backend, "dense_tensor", None)
-        self.dense = dense() if dense is not None else None
-        text = getattr(backend, "text_fast_path", None)
-        self.text = text() if text is not None else None
-        self.stateful = bool(backend.stateful)
-        # stateful tasks are admitted in arrival order, inline: never off the loop
-        self.off_loop = bool(backend.prepare_off_loop) and not self.stateful
-        self.inline_max = -1 if self.stateful else backend.inline_prepare_max_bytes
-
-    def policy(self, desc: Any) -> tuple[int, int]:
-        """(priority, timeout_ms) of a request: its own values within the task's limits."""
-        priority = desc.priority or self.default_priority
-        if priority > self.priority_levels:
-            raise InvalidArgument(f"lumen.priority must be 1..{self.priority_levels} for task "
-                                  f"{self.name!r}, got {priority}", "lumen.priority")
-        timeout_ms = self.default_timeout_ms
-        if desc.timeout_ms:
-            # a request may only tighten the task's deadline, never extend it
-            timeout_ms = min(timeout_ms, desc.timeout_ms) if timeout_ms else desc.timeout_ms
-        return priority, timeout_ms
-
-    def prepares_off_loop(self, nbytes: int) -> bool:
-        """True when a payload of ``nbytes`` is prepared on the bounded pool."""
-        return self.off_loop or (self.inline_max >= 0 and nbytes > self.inline_max)
-
-    def prepare(self, req: Any, desc: Any, payload: Any) -> Any:
-        """The prepared item of ``req`` (its descriptor ``desc``, its payload buffer): a dense
-        tensor or plain text in C (``DenseTensor``, ``TextPrep``), anything else by the backend; a backend bug on odd input is
-        logged and answered ``InternalError``, never a crash."""
-        if desc.kind == TENSOR:
-            if self.dense is not None:
-                return self.dense.prepare(desc, payload)
-        elif self.text is not None:
-            prepared = self.text.prepare(req, payload)
-            if prepared is not None:
-                return prepared
-        try:
-            return self.backend.prepare(req, desc, payload)
-        except LumenError:
-            raise
-        except Exception as exc:
-            log.error("task %s: prepare failed", self.name, exc_info=exc)
-            raise InternalError(f"task {self.name!r} failed to prepare the input: {exc}") from exc
+route_of = _rt.route_of
+group_too_large = _sch.group_too_large
 
 
 class Dispatcher:
@@ -226,7 +80,7 @@ class Dispatcher:
     __slots__ = ("routes", "ready", "closing", "max_payload", "observe", "trace", "pool")
 
     def __init__(self, max_payload: int, pool: Any):
-        self.routes: dict[str, Route] = {}
+        self.routes: dict[str, routes.Route] = {}
         self.ready = False
         self.closing = False
         self.max_payload = max_payload
@@ -235,7 +89,7 @@ class Dispatcher:
         self.pool = pool
 
     # -- routing and validation --------------------------------------------------------------
-    def route(self, name: Any) -> Route:
+    def route(self, name: Any) -> routes.Route:
         """The head route of task ``name``; ``TaskNotFound`` / ``Unavailable`` otherwise."""
         task = self.routes.get(name)
         if task is None:
@@ -246,7 +100,7 @@ class Dispatcher:
             raise Unavailable("the runtime is shutting down; not accepting requests")
         return task
 
-    def routed(self, req: Any) -> Route:
+    def routed(self, req: Any) -> routes.Route:
         """The route (task version) that serves ``req``: its task's head, or the version a
         pin or the traffic split picks when the task serves several."""
         route = self.routes.get(req.task)
@@ -256,7 +110,7 @@ class Dispatcher:
             route = route.router(req.meta)
         return route
 
-    def payload(self, payload: Any, route: Route) -> tuple[Any, int]:
+    def payload(self, payload: Any, route: routes.Route) -> tuple[Any, int]:
         """(payload, nbytes): a C-contiguous buffer as a memoryview, or a ``str`` for a task
         that takes text (its size counted in code points: each is at least one byte)."""
         if type(payload) is str:
@@ -278,7 +132,7 @@ class Dispatcher:
                                   f"(server.max_payload_bytes)", "payload")
         return payload, n
 
-    def observed(self, route: Optional[Route], kind: Any, code: str, t0: int,
+    def observed(self, route: Optional[routes.Route], kind: Any, code: str, t0: int,
                  e: Optional[entries.Entry] = None) -> None:
         """Report one finished request to the metrics hook (when there is one)."""
         if self.observe is not None and route is not None:
@@ -287,7 +141,7 @@ class Dispatcher:
                          e.compute_us if e is not None else 0, route.version)
 
     # -- admission: the one sequence every door runs ------------------------------------------
-    def checked(self, route: Route, desc: Any, late: bool) -> tuple[int, int]:
+    def checked(self, route: routes.Route, desc: Any, late: bool) -> tuple[int, int]:
         """(priority, timeout_ms) of a request on ``route`` whose meta parsed to ``desc``: its
         own values within the task's policy, and -- when ``late`` -- refused now if the task's
         latency budget cannot take it (before paying to prepare it).  The one policy stage of
@@ -364,7 +218,7 @@ class Dispatcher:
             raise
         return self.admitted(entry, route, kind, t0)
 
-    def admitted(self, entry: entries.Entry, route: Route, kind: Any, t0: int) -> entries.Entry:
+    def admitted(self, entry: entries.Entry, route: routes.Route, kind: Any, t0: int) -> entries.Entry:
         """``entry`` is queued on ``route``: remember for whom, open its span if tracing."""
         entry.route = route
         entry.kind = kind
@@ -427,7 +281,7 @@ class Dispatcher:
             raise
         return self.admitted(entry, route, kind, t0)
 
-    async def prepare_off_loop(self, route: Route, req: Any, desc: Any, payload: Any,
+    async def prepare_off_loop(self, route: routes.Route, req: Any, desc: Any, payload: Any,
                                nbytes: int, timeout_ms: int) -> tuple[Any, int]:
         """(prepared, timeout left for the queue) for a heavy input, prepared on the bounded
         pool (``prepare_pool.py``): its deadline runs from here and covers the wait for a
@@ -450,7 +304,7 @@ class Dispatcher:
         return prepared, timeout_ms
 
     # -- the response cache: a stage of a cached task's route (cache.py) ----------------------
-    async def cached(self, req: Any, route: Route) -> InferResponse:
+    async def cached(self, req: Any, route: routes.Route) -> InferResponse:
         """``req`` on ``route`` (the version a pin or the split picked: it is in the key, and
         the computation runs on exactly that version), validated as any request is, then
         answered from the task's cache, by an identical computation already running, or by
@@ -560,7 +414,7 @@ class Dispatcher:
         cached[:] = [i for i in cached if out[i] is None]
         return late
 
-    def items_of(self, route: Route, groups: dict[Any, Any]) -> _Items:
+    def items_of(self, route: routes.Route, groups: dict[Any, Any]) -> _Items:
         """``route``'s share of an ``infer_many`` call (the route is held until it is queued)."""
         items = groups.get(id(route))
         if items is None:
@@ -656,7 +510,7 @@ class _Items:
 
     __slots__ = ("route", "index", "kinds", "specs", "group", "entries")
 
-    def __init__(self, route: Route):
+    def __init__(self, route: routes.Route):
         self.route = route
         self.index: list[int] = []
         self.kinds: list[str] = []
@@ -671,7 +525,7 @@ class _Items:
         self.specs.append((prepared, desc, priority, timeout_ms))
 
 
-def respond(req: Any, route: Route, e: entries.Entry) -> InferResponse:
+def respond(req: Any, route: routes.Route, e: entries.Entry) -> InferResponse:
     """The response of an answered entry: its outputs (a batch row, split when read), the
     backend's response meta if any (e.g. ``lumen.truncated``), its batch's figures."""
     out = e.outcome

@@ -102,7 +102,7 @@ def check_room(name: str, closed: bool, pending: int, n: int, max_queue_size: in
 
 
 class Batcher:
-    """What the dispatcher calls on a task's batcher (``dispatch.Route.batcher``), and nothing
+    """What the dispatcher calls on a task's batcher (``routes.Route.batcher``), and nothing
     more: ``submit`` / ``submit_many`` (admit, or raise the precise error at once),
     ``cancel`` / ``cancel_group`` (the caller went away), ``refuse_late`` (a latency check
     before a request is prepared) and ``start`` (bind to the loop).  ``guard`` is the task's

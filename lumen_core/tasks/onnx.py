@@ -72,7 +72,7 @@ class OnnxBackend(TaskBackend):
         pps = self.options["preprocess_ids"]
         max_dim = self.options["max_dim"]
         spec_dims = ((1, 1),) + tuple((d, d) if d else (1, max_dim) for d in dims[1:])
-        self._dense = native.dispatch.DenseTensor(self._signature, MAX_CACHED_SIGNATURES)
+        self._dense = native.routes.DenseTensor(self._signature, MAX_CACHED_SIGNATURES)
         self.model_id = cfg.model_id or os.path.splitext(os.path.basename(cfg.model))[0]
         self.contract = TensorContract(
             specs=(TensorSpec(dtype, layout, frozenset(pps), spec_dims),),
@@ -95,7 +95,7 @@ class OnnxBackend(TaskBackend):
     def prepare_tensor(self, req, desc, payload) -> PreparedModelRequest:
         return self._dense.prepare(desc, payload)
 
-    def dense_tensor(self) -> "native.dispatch.DenseTensor":
+    def dense_tensor(self) -> "native.routes.DenseTensor":
         """The tensor route, prepared by the request path in C (every tensor request of this
         backend is its payload under a cached signature)."""
         return self._dense

@@ -259,13 +259,13 @@ class TextEmbeddingBackend(TaskBackend):
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._reducer = Reducer(tok)  # at load, so that no request pays its probe
 
-    def text_fast_path(self) -> "native.dispatch.TextPrep":
+    def text_fast_path(self) -> "native.routes.TextPrep":
         """Plain text (no options, UTF-8, short, not truncated) prepared by the request path in
         C: the same ids and item :meth:`prepare_raw` makes for it."""
         mimes = frozenset({TEXT_MIME, f"{TEXT_MIME}; charset={DEFAULT_CHARSET}",
                            f"{TEXT_MIME};charset={DEFAULT_CHARSET}"})
         # a default prompt or lower-casing is applied by the encoder it is given
-        return native.dispatch.TextPrep(self.prompts.encoder(self.tokenizer.encode),
+        return native.routes.TextPrep(self.prompts.encoder(self.tokenizer.encode),
                                          self._signature,
                                          self.max_seq_length,
                                          min(LONG_TEXT_CHARS, self.inline_prepare_max_bytes), mimes)

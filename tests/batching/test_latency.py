@@ -419,7 +419,7 @@ def test_a_request_that_would_be_late_is_refused_before_it_is_prepared(tmp_path)
                        "batching": {"max_batch_size": 4, "latency_target_ms": 12}}]}
     x = np.ones((1, 4), np.float32)
 
-    class Counting(native.dispatch.DenseTensor):
+    class Counting(native.routes.DenseTensor):
         calls = 0
 
         def prepare(self, desc, payload):

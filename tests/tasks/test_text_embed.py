@@ -495,7 +495,7 @@ def test_a_model_without_a_pooled_output_refuses_normalize_false(prepared_home, 
 
 
 def test_plain_text_fast_path_makes_the_backends_item(rt):
-    """The request path prepares plain text in C (dispatch.TextPrep); it must make exactly the
+    """The request path prepares plain text in C (routes.TextPrep); it must make exactly the
     item the backend makes, and hand everything else back to the backend."""
     from lumen_core import native
 
