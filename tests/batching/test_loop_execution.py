@@ -280,8 +280,10 @@ def test_a_queue_delay_on_uvloop_waits_without_spinning():
 
     calls, m, waits = uvloop.run(main())
     assert all(m.on_loop(len(m.runs) - 5))
-    # per request: the formation at admission, at most one early timer and the due one
-    assert calls <= 5 * 3, (calls, waits)
+    # per request: the formation at admission, at most one early timer and the due one, and on
+    # a loaded box now and then one more (a worker's look at the queue as it wakes): spinning,
+    # the bug, is hundreds of calls (one seen in three full pure-twin runs at 16 of 15)
+    assert calls <= 5 * 4, (calls, waits)
 
 
 def test_close_without_drain_gives_the_instance_back_and_answers_everything():
